@@ -1,0 +1,242 @@
+"""MemoryEngine: a tiny deterministic language model in plain Python behind the engine port.
+
+The model is a factored bigram table: the next-token logits are ``embed[prev] . lm_head[next]``
+over a 48-token vocabulary. It has a real softmax, so greedy decoding, seeded sampling, stop
+strings, budgets and logprobs are all real, and its two weight matrices can be replaced through
+the weight-loading port, which visibly changes what it generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from rollout_fleet.core.errors import EngineError, InvalidValue, WeightMismatch
+from rollout_fleet.core.refit import TensorMeta, dtype_name
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+
+EOS_TOKEN_ID = 0
+_SYLLABLES = ("th", "er", "on", "an", "re", "he", "in", "ed", "nd", "ha",
+              "at", "en", "es", "of", "or", "nt", "ea", "ti", "to")
+VOCAB: tuple[str, ...] = ("<eos>",) + tuple("abcdefghijklmnopqrstuvwxyz") + (" ", ".") + _SYLLABLES
+HIDDEN = 8
+WEIGHT_NAMES = ("embed.weight", "lm_head.weight")
+
+
+def _random_matrix(rng: random.Random, rows: int, cols: int) -> list[list[float]]:
+    return [[rng.gauss(0.0, 1.0) for _ in range(cols)] for _ in range(rows)]
+
+
+class TinyBigramModel:
+    """Weights and the math of the tiny model; no state about requests."""
+
+    def __init__(self, embed: list[list[float]], lm_head: list[list[float]]) -> None:
+        self.embed = embed
+        self.lm_head = lm_head
+        self._logprob_rows: dict[int, list[float]] = {}  # the "prefix cache": prev token -> row
+
+    @classmethod
+    def from_seed(cls, seed: int) -> "TinyBigramModel":
+        rng = random.Random(seed)
+        embed = _random_matrix(rng, len(VOCAB), HIDDEN)
+        lm_head = _random_matrix(rng, len(VOCAB), HIDDEN)
+        lm_head[EOS_TOKEN_ID] = [0.5 * w for w in lm_head[EOS_TOKEN_ID]]  # keep EOS uncommon
+        return cls(embed, lm_head)
+
+    def state_dict(self) -> dict[str, list[list[float]]]:
+        return {"embed.weight": [row[:] for row in self.embed],
+                "lm_head.weight": [row[:] for row in self.lm_head]}
+
+    def logprobs_after(self, prev: int) -> list[float]:
+        row = self._logprob_rows.get(prev)
+        if row is None:
+            e = self.embed[prev]
+            logits = [sum(a * b for a, b in zip(e, u)) for u in self.lm_head]
+            top = max(logits)
+            log_z = top + math.log(sum(math.exp(x - top) for x in logits))
+            row = [x - log_z for x in logits]
+            self._logprob_rows[prev] = row
+        return row
+
+    def clear_cache(self) -> None:
+        self._logprob_rows.clear()
+
+
+def decode(token_ids: Iterable[int]) -> str:
+    """Text of generated tokens; EOS renders as nothing."""
+    return "".join(VOCAB[t] for t in token_ids if t != EOS_TOKEN_ID)
+
+
+def _pick(logprobs: list[float], sampling: SamplingSpec, rng: random.Random) -> int:
+    if sampling.greedy:
+        return max(range(len(logprobs)), key=logprobs.__getitem__)
+    scaled = [lp / sampling.temperature for lp in logprobs]
+    order = sorted(range(len(scaled)), key=scaled.__getitem__, reverse=True)
+    if sampling.top_k != -1:
+        order = order[: sampling.top_k]
+    top = scaled[order[0]]
+    weights = [math.exp(scaled[i] - top) for i in order]
+    total = sum(weights)
+    kept, kept_weights, mass = [], [], 0.0
+    for token, weight in zip(order, weights):
+        kept.append(token)
+        kept_weights.append(weight)
+        mass += weight / total
+        if mass >= sampling.top_p:
+            break
+    return rng.choices(kept, weights=kept_weights)[0]
+
+
+def _as_matrix(name: str, tensor: Any, expected: TensorMeta) -> list[list[float]]:
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is not None:
+        try:
+            got = dtype_name(dtype)
+        except InvalidValue:
+            got = str(dtype)
+        if got != expected.dtype:
+            raise WeightMismatch(f"dtype of {name!r}", got, f"the engine's parameter is {expected.dtype}")
+    rows = tensor.tolist() if hasattr(tensor, "tolist") else tensor
+    shape_ok = (isinstance(rows, list) and len(rows) == expected.shape[0]
+                and all(isinstance(r, list) and len(r) == expected.shape[1] for r in rows))
+    if not shape_ok:
+        raise WeightMismatch(f"shape of {name!r}", _shape_of(rows),
+                             f"the engine's parameter has shape {list(expected.shape)}")
+    try:
+        out = [[float(x) for x in row] for row in rows]
+    except (TypeError, ValueError):
+        raise WeightMismatch(f"values of {name!r}", "non-numeric", "must be floats") from None
+    if not all(math.isfinite(x) for row in out for x in row):
+        raise WeightMismatch(f"values of {name!r}", "non-finite", "must be finite floats")
+    return out
+
+
+def _shape_of(value: Any) -> list[int]:
+    shape = []
+    while isinstance(value, list):
+        shape.append(len(value))
+        value = value[0] if value else None
+    return shape
+
+
+class MemoryEngine(EnginePort, WeightLoader):
+    """The in-memory engine: implements the engine port and the weight-loading port."""
+
+    def __init__(self, seed: int = 0, *, context_length: int = 256, token_delay_s: float = 0.0,
+                 max_num_seqs: int = 1024, kv_block_size: int = 16) -> None:
+        self.model = TinyBigramModel.from_seed(seed)
+        self.context_length = context_length
+        self.token_delay_s = token_delay_s
+        self._facts = EngineFacts(
+            context_length=context_length, kv_block_size=kv_block_size,
+            total_kv_blocks=max_num_seqs * context_length // kv_block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=context_length * 8,
+        )
+        self._version = 0
+        self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.in_flight: set[str] = set()
+        self.served_count = 0
+        self.aborted_ids: list[str] = []  # ids whose abort reached the engine (tests read it)
+        self.started_as: int | str | None = None
+
+    # -- engine port --------------------------------------------------------------------------
+    async def start(self, worker_id: int | str) -> EngineFacts:
+        self.started_as = worker_id
+        return self._facts
+
+    async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                            max_new_tokens: int, sampling: SamplingSpec,
+                            stop_strings: Sequence[str] = ()) -> ServedRollout:
+        self._check_input(prompt_token_ids, max_new_tokens)
+        rng = random.Random(sampling.seed) if sampling.seed is not None else random.Random()
+        self.in_flight.add(request_id)
+        try:
+            return await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
+                                        tuple(stop_strings), rng)
+        finally:
+            self.in_flight.discard(request_id)
+            self._aborted.pop(request_id, None)
+            self.served_count += 1
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted_ids.append(request_id)
+        self._aborted[request_id] = None
+        while len(self._aborted) > 4096:  # remember early aborts, but not forever
+            self._aborted.popitem(last=False)
+
+    def kv_event_sources(self) -> Sequence[KvEventSource]:
+        return ()
+
+    # -- weight-loading port ------------------------------------------------------------------
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        return {name: TensorMeta(name, (len(VOCAB), HIDDEN), "float32") for name in WEIGHT_NAMES}
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
+        metas = self.weight_metas()
+        staged: dict[str, list[list[float]]] = {}
+        for name, tensor in named_tensors:  # check everything before changing anything
+            if name not in metas:
+                raise WeightMismatch("tensor name", name, f"the engine has only {sorted(metas)}")
+            staged[name] = _as_matrix(name, tensor, metas[name])
+        if "embed.weight" in staged:
+            self.model.embed = staged["embed.weight"]
+        if "lm_head.weight" in staged:
+            self.model.lm_head = staged["lm_head.weight"]
+        await self.reset_cache()
+        self._version += 1
+        return self._version
+
+    def weight_version(self) -> int:
+        return self._version
+
+    async def reset_cache(self) -> None:
+        self.model.clear_cache()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_input(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise EngineError("prompt_token_ids is empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < len(VOCAB)]
+        if bad:
+            raise EngineError(f"prompt_token_ids has IDs outside the vocabulary [0, {len(VOCAB)}): {bad[:5]}")
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if len(prompt) + max_new_tokens > self.context_length:
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                f"context_length={self.context_length}")
+
+    async def _generate(self, prompt, request_id, max_new_tokens, sampling, stop_strings, rng):
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        text = ""
+        finish = FinishReason.LENGTH
+        version = self._version
+        prev = prompt[-1]
+        for step in range(max_new_tokens):
+            if self.token_delay_s > 0:
+                await asyncio.sleep(self.token_delay_s)
+            elif step % 8 == 0:
+                await asyncio.sleep(0)  # let aborts and other requests in
+            if request_id in self._aborted:
+                finish = FinishReason.ABORT
+                break
+            row = self.model.logprobs_after(prev)
+            token = _pick(row, sampling, rng)
+            tokens.append(token)
+            logprobs.append(row[token])
+            prev = token
+            if token == EOS_TOKEN_ID:
+                finish = FinishReason.STOP
+                break
+            text += VOCAB[token]
+            if any(stop in text for stop in stop_strings):
+                finish = FinishReason.STOP
+                break
+        return ServedRollout(tokens, logprobs, finish, Usage(len(prompt), len(tokens)),
+                             weight_version=version)

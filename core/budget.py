@@ -1,0 +1,39 @@
+"""Token budget: how many tokens a prompt may generate within the model's context."""
+
+from __future__ import annotations
+
+import enum
+
+from rollout_fleet.core.errors import ContextLimitExceeded, InvalidValue
+
+
+class ContextLimitPolicy(str, enum.Enum):
+    """What to do with a prompt that already fills the context window."""
+
+    REJECT = "reject"  # raise ContextLimitExceeded (upstream's behaviour; the default)
+    EMPTY = "empty"  # answer with an empty generation, finish reason "length"
+
+
+def token_budget(
+    prompt_len: int,
+    max_new_tokens: int,
+    max_model_len: int,
+    policy: ContextLimitPolicy = ContextLimitPolicy.REJECT,
+) -> int:
+    """``min(max_new_tokens, max_model_len - prompt_len)``; 0 only under the EMPTY policy."""
+    for field, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
+                         ("max_model_len", max_model_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidValue(field, value, "must be an int >= 0")
+    if max_model_len < 1:
+        raise InvalidValue("max_model_len", max_model_len, "must be >= 1")
+    room = max_model_len - prompt_len
+    if room <= 0:
+        if ContextLimitPolicy(policy) is ContextLimitPolicy.REJECT:
+            raise ContextLimitExceeded(
+                "prompt_len", prompt_len,
+                f"leaves no room to generate within max_model_len={max_model_len} "
+                "(context_limit_policy='reject'; use 'empty' to answer with no tokens)",
+            )
+        return 0
+    return min(max_new_tokens, room)

@@ -1,0 +1,23 @@
+"""The clock the core's services sleep through; tests inject a fake one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+
+
+class Clock(ABC):
+    @abstractmethod
+    def monotonic(self) -> float: ...
+
+    @abstractmethod
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock(Clock):
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)

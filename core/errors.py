@@ -1,0 +1,124 @@
+"""Every error the project raises on purpose derives from RolloutFleetError.
+
+Each names the field and the value at fault, so a user can fix the input
+without reading a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RolloutFleetError(Exception):
+    """Base of the project's own errors."""
+
+
+class InvalidValue(RolloutFleetError, ValueError):
+    """A value failed validation: names the field, the value and the rule."""
+
+    def __init__(self, field: str, value: Any, rule: str) -> None:
+        self.field = field
+        self.value = value
+        self.rule = rule
+        super().__init__(f"{field}={_short(value)}: {rule}")
+
+
+class ContextLimitExceeded(InvalidValue):
+    """A prompt leaves no room to generate within the model's context."""
+
+
+class TooManyStopStrings(InvalidValue):
+    """More stop strings than the cap after merging."""
+
+
+class WireError(RolloutFleetError):
+    """An answer from the fleet could not be read as a rollout."""
+
+
+class UnreadableBody(WireError):
+    """The body is not JSON (truncated, corrupted, empty)."""
+
+
+class ErrorInBody(WireError):
+    """HTTP 200 whose body says it failed (``{"status": "error"}``)."""
+
+
+class MissingField(WireError):
+    """A field the contract requires is absent."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"answer has no field {path!r}")
+
+
+class LengthMismatch(WireError):
+    """Token IDs and logprobs of one rollout disagree in length."""
+
+
+class AnnotationError(WireError):
+    """A rollout annotation is malformed."""
+
+
+class SpecVersionError(AnnotationError):
+    """A rollout spec carries a version this side does not speak."""
+
+
+class TransportError(RolloutFleetError):
+    """The request did not get an HTTP answer (refused, reset, timed out)."""
+
+
+class HttpStatusError(RolloutFleetError):
+    """The fleet answered with a non-2xx status."""
+
+    def __init__(self, status: int, body: bytes = b"") -> None:
+        self.status = status
+        self.body = body
+        super().__init__(f"HTTP {status}: {_short(body.decode('utf-8', 'replace'))}")
+
+
+class RetriesExhausted(RolloutFleetError):
+    """Every attempt of a rollout failed; names the attempts and the last cause."""
+
+    def __init__(self, request_id: str, attempts: int, last_error: BaseException) -> None:
+        self.request_id = request_id
+        self.attempts = attempts
+        self.last_error = last_error
+        super().__init__(
+            f"rollout {request_id!r} failed after {attempts} attempt(s); last: "
+            f"{type(last_error).__name__}: {last_error}"
+        )
+
+
+class EngineError(RolloutFleetError):
+    """An engine could not serve a request."""
+
+
+class WeightMismatch(InvalidValue):
+    """Weights offered to an engine do not match its parameters."""
+
+
+class RefitError(RolloutFleetError):
+    """A refit step failed."""
+
+
+class WorldSizeMismatch(RefitError, InvalidValue):
+    """A collective's world size disagrees with the rank layout."""
+
+
+class WorkerFailures(RefitError):
+    """One or more workers failed a fleet-wide step; lists each of them."""
+
+    def __init__(self, step: str, failures: dict[str, BaseException]) -> None:
+        self.step = step
+        self.failures = failures
+        lines = "; ".join(f"{w}: {type(e).__name__}: {e}" for w, e in sorted(failures.items()))
+        super().__init__(f"{step} failed on {len(failures)} worker(s): {lines}")
+
+
+class ControlRefused(RolloutFleetError):
+    """A worker refused a control request (unknown name, bad secret, bad body)."""
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"

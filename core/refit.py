@@ -1,0 +1,222 @@
+"""Refit specs: what the trainer sends, how it is cut into packed buffers, who holds which rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch
+
+# Bytes per element of each dtype a refit may carry (names as torch prints them, without "torch.").
+DTYPE_BYTES: Mapping[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+PACKED_PROTOCOL = "rollout-fleet-packed-v1"
+BUFFER_ALIGN = 256  # every tensor starts on a 256-byte boundary: any dtype view is legal, GPU copies coalesce
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` / ``"torch.float32"`` / ``"float32"`` -> ``"float32"``; refuses unknown names."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise InvalidValue("dtype", dtype, f"must be one of {', '.join(sorted(DTYPE_BYTES))}")
+    return name
+
+
+def _shape(value: Any, field: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(value)
+    except TypeError:
+        raise InvalidValue(field, value, "a shape is a sequence of ints") from None
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise InvalidValue(field, value, "every dimension is an int >= 0")
+    return dims
+
+
+@attrs.frozen
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidValue("tensor name", self.name, "must be a non-empty string")
+        object.__setattr__(self, "shape", _shape(self.shape, f"shape of {self.name!r}"))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@attrs.frozen
+class RefitInfo:
+    """The ordered tensors of one refit. The order is the wire order on both sides."""
+
+    tensors: tuple[TensorMeta, ...]
+    packed: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidValue("refit info", dupes, "tensor names must be unique")
+
+    @classmethod
+    def from_state_dict_info(cls, info: Mapping[str, Any], packed: bool = True) -> "RefitInfo":
+        """NeMo-RL's ``{name: (shape, dtype)}``."""
+        if not isinstance(info, Mapping):
+            raise InvalidValue("state_dict_info", type(info).__name__, "must map name -> (shape, dtype)")
+        metas = []
+        for name, entry in info.items():
+            try:
+                shape, dtype = entry
+            except (TypeError, ValueError):
+                raise InvalidValue(f"state_dict_info[{name!r}]", entry, "must be (shape, dtype)") from None
+            metas.append(TensorMeta(name, shape, dtype))
+        return cls(tuple(metas), packed)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"packed": self.packed,
+                "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors]}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "RefitInfo":
+        if not isinstance(data, Mapping) or not isinstance(data.get("tensors"), list):
+            raise InvalidValue("refit_info", data, "must be {'tensors': [[name, shape, dtype], ...]}")
+        metas = []
+        for index, entry in enumerate(data["tensors"]):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise InvalidValue(f"refit_info.tensors[{index}]", entry, "must be [name, shape, dtype]")
+            metas.append(TensorMeta(*entry))
+        return cls(tuple(metas), bool(data.get("packed", True)))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def check_against(self, expected: Mapping[str, TensorMeta]) -> None:
+        """Refuse names, shapes or dtypes an engine does not have, before any byte moves."""
+        for t in self.tensors:
+            known = expected.get(t.name)
+            if known is None:
+                raise InvalidValue("tensor name", t.name, "the engine has no parameter of that name")
+            if known.shape != t.shape:
+                raise InvalidValue(f"shape of {t.name!r}", list(t.shape),
+                                   f"the engine's parameter has shape {list(known.shape)}")
+            if known.dtype != t.dtype:
+                raise InvalidValue(f"dtype of {t.name!r}", t.dtype,
+                                   f"the engine's parameter has dtype {known.dtype}")
+
+
+def _positive_int(field: str):
+    def check(_i, _a, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidValue(field, value, "must be an int >= 1")
+    return check
+
+
+@attrs.frozen
+class CollectiveSenderSpec:
+    """The packed-buffer geometry both ends of a refit must share."""
+
+    protocol: str = PACKED_PROTOCOL
+    buffer_bytes: int = attrs.field(default=1 << 30, validator=_positive_int("buffer_bytes"))
+    num_buffers: int = attrs.field(default=2, validator=_positive_int("num_buffers"))
+
+    def to_wire(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "CollectiveSenderSpec":
+        if not isinstance(data, Mapping):
+            raise InvalidValue("sender_spec", data, "must be an object")
+        unknown = set(data) - {"protocol", "buffer_bytes", "num_buffers"}
+        if unknown:
+            raise InvalidValue("sender_spec", sorted(unknown), "unknown keys")
+        return cls(**data)
+
+
+@attrs.frozen
+class BucketEntry:
+    meta: TensorMeta
+    offset: int  # byte offset inside the packed buffer
+
+
+@attrs.frozen
+class Bucket:
+    entries: tuple[BucketEntry, ...]
+    nbytes: int  # bytes to send: the end of the last tensor
+
+
+def _align(offset: int) -> int:
+    return (offset + BUFFER_ALIGN - 1) // BUFFER_ALIGN * BUFFER_ALIGN
+
+
+def plan_buckets(tensors: Sequence[TensorMeta], buffer_bytes: int) -> tuple[Bucket, ...]:
+    """Cut the ordered tensors into packed buffers.
+
+    Tensors are appended in order; the tensor that reaches or crosses ``buffer_bytes`` closes
+    its buffer (so a buffer holds at most ``buffer_bytes`` plus one tensor, and a tensor larger
+    than a buffer travels alone). Empty tensors ride along at no cost.
+    """
+    if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1:
+        raise InvalidValue("buffer_bytes", buffer_bytes, "must be an int >= 1")
+    buckets: list[Bucket] = []
+    entries: list[BucketEntry] = []
+    end = 0
+    for meta in tensors:
+        offset = _align(end) if entries else 0
+        entries.append(BucketEntry(meta, offset))
+        end = offset + meta.nbytes
+        if end >= buffer_bytes:
+            buckets.append(Bucket(tuple(entries), end))
+            entries, end = [], 0
+    if entries:
+        buckets.append(Bucket(tuple(entries), end))
+    return tuple(buckets)
+
+
+def max_bucket_bytes(buckets: Iterable[Bucket]) -> int:
+    return max((b.nbytes for b in buckets), default=0)
+
+
+@attrs.frozen
+class RankLayout:
+    """Trainer ranks first (0..T-1); worker i's ranks start at ``T + i * E`` (E = ranks per worker)."""
+
+    train_world_size: int = attrs.field(validator=_positive_int("train_world_size"))
+    num_workers: int = attrs.field(validator=_positive_int("num_workers"))
+    ranks_per_worker: int = attrs.field(default=1, validator=_positive_int("ranks_per_worker"))
+
+    @property
+    def world_size(self) -> int:
+        return self.train_world_size + self.num_workers * self.ranks_per_worker
+
+    def worker_rank(self, worker_index: int, local_rank: int = 0) -> int:
+        if not 0 <= worker_index < self.num_workers:
+            raise InvalidValue("worker_index", worker_index, f"must be in [0, {self.num_workers})")
+        if not 0 <= local_rank < self.ranks_per_worker:
+            raise InvalidValue("local_rank", local_rank, f"must be in [0, {self.ranks_per_worker})")
+        return self.train_world_size + worker_index * self.ranks_per_worker + local_rank
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise WorldSizeMismatch(
+                "world_size", world_size,
+                f"must be train_world_size ({self.train_world_size}) + workers ({self.num_workers})"
+                f" x ranks per worker ({self.ranks_per_worker}) = {self.world_size}",
+            )

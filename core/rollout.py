@@ -1,0 +1,201 @@
+"""Rollout values: what a trainer asks for and what the fleet answers."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # the token budget ran out
+    ABORT = "abort"  # cancelled (client gone, fleet shutting down)
+
+    @classmethod
+    def parse(cls, value: Any, field: str = "finish_reason") -> "FinishReason":
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(r.value for r in cls)
+            raise InvalidValue(field, value, f"must be one of {allowed}") from None
+
+
+def token_ids_tuple(field: str):
+    """attrs converter+validator: a tuple of non-negative ints (bools refused)."""
+
+    def convert(value: Any) -> tuple[int, ...]:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            try:
+                value = list(value)
+            except TypeError:
+                raise InvalidValue(field, value, "must be a sequence of token IDs") from None
+        for index, token in enumerate(value):
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidValue(f"{field}[{index}]", token, "token IDs are non-negative ints")
+        return tuple(value)
+
+    return convert
+
+
+def logprobs_tuple(field: str):
+    """attrs converter: a tuple of finite floats <= 0."""
+
+    def convert(value: Any) -> tuple[float, ...]:
+        try:
+            items = list(value)
+        except TypeError:
+            raise InvalidValue(field, value, "must be a sequence of floats") from None
+        out = []
+        for index, lp in enumerate(items):
+            if isinstance(lp, bool) or not isinstance(lp, (int, float)):
+                raise InvalidValue(f"{field}[{index}]", lp, "logprobs are floats")
+            lp = float(lp)
+            if not math.isfinite(lp) or lp > 0.0:
+                raise InvalidValue(f"{field}[{index}]", lp, "logprobs are finite and <= 0")
+            out.append(lp)
+        return tuple(out)
+
+    return convert
+
+
+def _non_empty_str(field: str):
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if not isinstance(value, str) or not value:
+            raise InvalidValue(field, value, "must be a non-empty string")
+
+    return check
+
+
+def _int_at_least(field: str, low: int):
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidValue(field, value, f"must be an int >= {low}")
+
+    return check
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise InvalidValue("stop_strings", value, "must be a list of strings")
+    for index, stop in enumerate(value):
+        if not isinstance(stop, str) or not stop:
+            raise InvalidValue(f"stop_strings[{index}]", stop, "must be a non-empty string")
+    return tuple(value)
+
+
+@attrs.frozen
+class SamplingSpec:
+    """How to pick each token. Greedy ignores the rest."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k cut
+    seed: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.greedy, bool):
+            raise InvalidValue("greedy", self.greedy, "must be a bool")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature <= 0:
+            raise InvalidValue("temperature", self.temperature, "must be a finite float > 0")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not 0 < self.top_p <= 1:
+            raise InvalidValue("top_p", self.top_p, "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
+                or (self.top_k != -1 and self.top_k < 1):
+            raise InvalidValue("top_k", self.top_k, "must be -1 (off) or an int >= 1")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise InvalidValue("seed", self.seed, "must be None or an int in [0, 2**63)")
+
+
+GREEDY = SamplingSpec()
+
+
+@attrs.frozen
+class RolloutRequest:
+    """One prompt to complete. ``max_new_tokens`` is the budget already fitted to the context."""
+
+    request_id: str = attrs.field(validator=_non_empty_str("request_id"))
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("prompt_token_ids"))
+    max_new_tokens: int = attrs.field(validator=_int_at_least("max_new_tokens", 0))
+    sampling: SamplingSpec = GREEDY
+    stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidValue("prompt_token_ids", [], "a prompt needs at least one token")
+        if not isinstance(self.sampling, SamplingSpec):
+            raise InvalidValue("sampling", self.sampling, "must be a SamplingSpec")
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int = attrs.field(validator=_int_at_least("usage.prompt_tokens", 0))
+    completion_tokens: int = attrs.field(validator=_int_at_least("usage.completion_tokens", 0))
+
+
+def _check_generation(token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> None:
+    if len(token_ids) != len(logprobs):
+        raise InvalidValue(
+            "logprobs", f"{len(logprobs)} values",
+            f"need one logprob per generated token ({len(token_ids)} tokens)",
+        )
+
+
+@attrs.frozen
+class ServedRollout:
+    """An engine's answer to one rollout: generated tokens, one logprob each, why it ended."""
+
+    token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("token_ids"))
+    logprobs: tuple[float, ...] = attrs.field(converter=logprobs_tuple("logprobs"))
+    finish_reason: FinishReason = attrs.field(converter=FinishReason.parse)
+    usage: Usage
+    routed_experts: Any = None  # MoE engines: per-token expert choices, passed through as-is
+    weight_version: int | None = None  # the weights that served it, when the engine counts them
+
+    def __attrs_post_init__(self) -> None:
+        _check_generation(self.token_ids, self.logprobs)
+        if self.usage.completion_tokens != len(self.token_ids):
+            raise InvalidValue("usage.completion_tokens", self.usage.completion_tokens,
+                               f"must equal the number of generated tokens ({len(self.token_ids)})")
+
+
+@attrs.frozen
+class RolloutResult:
+    """What the trainer gets back for one RolloutRequest."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("token_ids"))
+    logprobs: tuple[float, ...] = attrs.field(converter=logprobs_tuple("logprobs"))
+    finish_reason: FinishReason = attrs.field(converter=FinishReason.parse)
+    routed_experts: Any = None
+    weight_version: int | None = None
+    attempts: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        _check_generation(self.token_ids, self.logprobs)
+
+    @property
+    def truncated(self) -> bool:
+        """True when the budget cut the generation short (NeMo-RL's ``truncated``)."""
+        return self.finish_reason is FinishReason.LENGTH
+
+    @classmethod
+    def from_served(cls, request_id: str, served: ServedRollout, attempts: int = 1) -> "RolloutResult":
+        return cls(
+            request_id=request_id,
+            token_ids=served.token_ids,
+            logprobs=served.logprobs,
+            finish_reason=served.finish_reason,
+            routed_experts=served.routed_experts,
+            weight_version=served.weight_version,
+            attempts=attempts,
+        )

@@ -1,0 +1,87 @@
+"""The rollout client: build the wire body, send with retries, parse, return a RolloutResult."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from rollout_fleet.core.clock import Clock, SystemClock
+from rollout_fleet.core.budget import ContextLimitPolicy, token_budget
+from rollout_fleet.core.errors import HttpStatusError, RetriesExhausted, RolloutFleetError
+from rollout_fleet.core.retry import RetryPolicy, is_transient
+from rollout_fleet.core.rollout import FinishReason, RolloutRequest, RolloutResult, SamplingSpec
+from rollout_fleet.core.stop_strings import merge_stop_strings
+from rollout_fleet.core.wire import completion_body, parse_completion_answer
+
+
+@attrs.frozen
+class RolloutLimits:
+    """The fleet-wide rules every request is fitted to before it leaves the driver."""
+
+    max_model_len: int
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    context_limit_policy: ContextLimitPolicy = ContextLimitPolicy.REJECT
+
+    def request(self, request_id: str, prompt_token_ids: Sequence[int], *,
+                sampling: SamplingSpec, stop_strings: Sequence[str] | None = None,
+                max_new_tokens: int | None = None) -> RolloutRequest:
+        """A validated request: budget fitted to the context, stop strings merged."""
+        budget = token_budget(len(prompt_token_ids),
+                              self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                              self.max_model_len, self.context_limit_policy)
+        return RolloutRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            max_new_tokens=budget,
+            sampling=sampling,
+            stop_strings=merge_stop_strings(self.stop_strings, stop_strings),
+        )
+
+
+class CompletionsTransportLike(Protocol):
+    """The completions port as the core sees it (the ABC lives in ports, which imports core)."""
+
+    async def post_completion(self, body: dict, *, request_id: str): ...
+
+
+class RolloutClient:
+    """Sends rollouts through a CompletionsTransport, retrying transient failures.
+
+    Every attempt of one rollout carries the same request id, so a server (or a log reader)
+    can tell retries from new work.
+    """
+
+    def __init__(self, transport: "CompletionsTransportLike", *, model: str, retry: RetryPolicy | None = None,
+                 clock: Clock | None = None, rng: random.Random | None = None) -> None:
+        self._transport = transport
+        self._model = model
+        self._retry = retry or RetryPolicy()
+        self._clock = clock or SystemClock()
+        self._rng = rng or random.Random()
+
+    async def rollout(self, request: RolloutRequest) -> RolloutResult:
+        if request.max_new_tokens == 0:  # the "empty" context-limit policy: nothing to generate
+            return RolloutResult(request.request_id, (), (), FinishReason.LENGTH, attempts=0)
+        body = completion_body(request, self._model)
+        attempt = 0
+        while True:
+            attempt += 1
+            retry_after = None
+            try:
+                response = await self._transport.post_completion(body, request_id=request.request_id)
+                retry_after = response.retry_after_s
+                if not 200 <= response.status < 300:
+                    raise HttpStatusError(response.status, response.body[:2000])
+                served = parse_completion_answer(response.body)
+                return RolloutResult.from_served(request.request_id, served, attempts=attempt)
+            except RolloutFleetError as error:
+                if self._retry.should_retry(attempt, error):
+                    await self._clock.sleep(self._retry.delay_s(attempt, self._rng.random(), retry_after))
+                    continue
+                if attempt == 1 and not is_transient(error):
+                    raise  # a permanent failure on the first try: the error itself is clearest
+                raise RetriesExhausted(request.request_id, attempt, error) from error

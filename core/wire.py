@@ -1,0 +1,212 @@
+"""The wire contract of a rollout, as pure functions over dicts.
+
+Driver side: ``completion_body`` builds the ``/v1/completions`` body; ``parse_completion_answer``
+reads the answer. Worker side: ``decode_rollout_annotation`` reads the spec the driver sent;
+``engine_data_of`` encodes the engine's answer. Token IDs and logprobs always travel together in
+one ``engine_data`` payload, so they cannot disagree in length.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import (
+    AnnotationError,
+    ErrorInBody,
+    InvalidValue,
+    LengthMismatch,
+    MissingField,
+    SpecVersionError,
+    UnreadableBody,
+    WireError,
+)
+from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec, ServedRollout, Usage
+
+# An annotation "rollout:<json spec>" in nvext.annotations marks a rollout request.
+ROLLOUT_ANNOTATION_PREFIX = "rollout:"
+ROLLOUT_SPEC_VERSION = 1
+ENGINE_DATA_VERSION = 1
+REQUEST_ID_HEADER = "x-request-id"
+
+
+@attrs.frozen
+class RolloutSpec:
+    """Everything about a rollout except its prompt, which travels as the token-ID prompt."""
+
+    request_id: str
+    max_new_tokens: int
+    sampling: SamplingSpec
+    stop_strings: tuple[str, ...]
+
+    def to_request(self, prompt_token_ids: Sequence[int]) -> RolloutRequest:
+        return RolloutRequest(
+            request_id=self.request_id,
+            prompt_token_ids=prompt_token_ids,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            stop_strings=self.stop_strings,
+        )
+
+
+def encode_rollout_annotation(request: RolloutRequest) -> str:
+    s = request.sampling
+    spec = {
+        "v": ROLLOUT_SPEC_VERSION,
+        "request_id": request.request_id,
+        "max_new_tokens": request.max_new_tokens,
+        "greedy": s.greedy,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "seed": s.seed,
+        "stop_strings": list(request.stop_strings),
+    }
+    return ROLLOUT_ANNOTATION_PREFIX + json.dumps(spec, separators=(",", ":"))
+
+
+def decode_rollout_annotation(annotation: str) -> RolloutSpec:
+    """Parse one ``rollout:`` annotation; AnnotationError / SpecVersionError on bad input."""
+    if not isinstance(annotation, str) or not annotation.startswith(ROLLOUT_ANNOTATION_PREFIX):
+        raise AnnotationError(f"not a rollout annotation: {annotation!r:.200}")
+    try:
+        spec = json.loads(annotation[len(ROLLOUT_ANNOTATION_PREFIX):])
+    except (ValueError, RecursionError) as exc:
+        raise AnnotationError(f"rollout annotation is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise AnnotationError(f"rollout annotation must hold a JSON object, got {type(spec).__name__}")
+    version = spec.get("v")
+    if version != ROLLOUT_SPEC_VERSION:
+        raise SpecVersionError(
+            f"rollout spec version {version!r} is not spoken here (this worker speaks "
+            f"v={ROLLOUT_SPEC_VERSION}); upgrade the driver and workers together"
+        )
+    try:
+        sampling = SamplingSpec(
+            greedy=_required(spec, "greedy"),
+            temperature=spec.get("temperature", 1.0),
+            top_p=spec.get("top_p", 1.0),
+            top_k=spec.get("top_k", -1),
+            seed=spec.get("seed"),
+        )
+        stop_strings = _required(spec, "stop_strings")
+        RolloutRequest(  # validates request_id, budget and stop strings with a dummy prompt
+            request_id=_required(spec, "request_id"),
+            prompt_token_ids=(0,),
+            max_new_tokens=_required(spec, "max_new_tokens"),
+            sampling=sampling,
+            stop_strings=stop_strings if isinstance(stop_strings, list) else stop_strings,
+        )
+    except InvalidValue as exc:
+        raise AnnotationError(f"rollout spec has a bad field: {exc}") from None
+    return RolloutSpec(spec["request_id"], spec["max_new_tokens"], sampling, tuple(stop_strings))
+
+
+def find_annotation(annotations: Sequence[Any] | None, prefix: str) -> str | None:
+    """The first annotation with ``prefix``, or None."""
+    for annotation in annotations or ():
+        if isinstance(annotation, str) and annotation.startswith(prefix):
+            return annotation
+    return None
+
+
+def completion_body(request: RolloutRequest, model: str) -> dict[str, Any]:
+    """The ``/v1/completions`` body of one rollout (token-ID prompt, annotation, engine_data asked)."""
+    s = request.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(request.prompt_token_ids),
+        "max_tokens": request.max_new_tokens,
+        "temperature": 0.0 if s.greedy else s.temperature,
+        "stream": False,
+        "nvext": {
+            "annotations": [encode_rollout_annotation(request)],
+            "extra_fields": ["engine_data"],
+        },
+    }
+    if not s.greedy:
+        body["top_p"] = s.top_p
+        if s.seed is not None:
+            body["seed"] = s.seed
+    return body
+
+
+def engine_data_of(served: ServedRollout) -> dict[str, Any]:
+    """The worker's encoding of a whole served rollout, carried in one chunk's engine_data."""
+    return {
+        "v": ENGINE_DATA_VERSION,
+        "token_ids": list(served.token_ids),
+        "logprobs": list(served.logprobs),
+        "finish_reason": served.finish_reason.value,
+        "prompt_tokens": served.usage.prompt_tokens,
+        "routed_experts": served.routed_experts,
+        "weight_version": served.weight_version,
+    }
+
+
+def served_from_engine_data(data: Any) -> ServedRollout:
+    """Inverse of ``engine_data_of``; WireError subclasses on any defect."""
+    if not isinstance(data, Mapping):
+        raise WireError(f"engine_data must be an object, got {type(data).__name__}")
+    if data.get("v") != ENGINE_DATA_VERSION:
+        raise SpecVersionError(f"engine_data version {data.get('v')!r} is not {ENGINE_DATA_VERSION}")
+    token_ids = _required_wire(data, "token_ids", "nvext.engine_data")
+    logprobs = _required_wire(data, "logprobs", "nvext.engine_data")
+    if not isinstance(token_ids, list) or not isinstance(logprobs, list):
+        raise WireError("nvext.engine_data.token_ids and .logprobs must be lists")
+    if len(token_ids) != len(logprobs):
+        raise LengthMismatch(
+            f"engine_data has {len(token_ids)} token IDs but {len(logprobs)} logprobs"
+        )
+    try:
+        return ServedRollout(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=_required_wire(data, "finish_reason", "nvext.engine_data"),
+            usage=Usage(
+                prompt_tokens=_required_wire(data, "prompt_tokens", "nvext.engine_data"),
+                completion_tokens=len(token_ids),
+            ),
+            routed_experts=data.get("routed_experts"),
+            weight_version=data.get("weight_version"),
+        )
+    except InvalidValue as exc:
+        raise WireError(f"engine_data has a bad value: {exc}") from None
+
+
+def parse_completion_answer(body: bytes | str) -> ServedRollout:
+    """Read a 2xx ``/v1/completions`` answer of a rollout.
+
+    UnreadableBody (not JSON), ErrorInBody (a 200 that says it failed), MissingField,
+    LengthMismatch: each distinct so the retry rules can tell them apart.
+    """
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise UnreadableBody(f"answer is not JSON ({len(body)} bytes): {exc}") from None
+    if not isinstance(answer, dict):
+        raise WireError(f"answer must be a JSON object, got {type(answer).__name__}")
+    if answer.get("status") == "error" or "error" in answer:
+        message = answer.get("message") or answer.get("error")
+        raise ErrorInBody(f"the fleet answered 200 with an error: {str(message)[:500]}")
+    nvext = answer.get("nvext")
+    if not isinstance(nvext, dict):
+        raise MissingField("nvext")
+    if "engine_data" not in nvext:
+        raise MissingField("nvext.engine_data")
+    return served_from_engine_data(nvext["engine_data"])
+
+
+def _required(spec: Mapping[str, Any], key: str) -> Any:
+    if key not in spec:
+        raise AnnotationError(f"rollout spec has no field {key!r}")
+    return spec[key]
+
+
+def _required_wire(data: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in data:
+        raise MissingField(f"{where}.{key}")
+    return data[key]

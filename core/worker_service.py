@@ -1,0 +1,35 @@
+"""The worker's side of a rollout, shared by every serving adapter: annotation in, engine_data out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from rollout_fleet.core.rollout import ServedRollout
+from rollout_fleet.core.wire import decode_rollout_annotation, engine_data_of
+
+
+class RolloutEngine(Protocol):
+    """The engine port's serve_rollout, as the core sees it (the ABC lives in ports)."""
+
+    async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                            max_new_tokens: int, sampling: Any,
+                            stop_strings: Sequence[str] = ()) -> ServedRollout: ...
+
+
+async def serve_annotated_rollout(engine: RolloutEngine, prompt_token_ids: Sequence[int],
+                                  annotation: str) -> dict[str, Any]:
+    """Decode the rollout spec, serve it, and encode the whole answer as engine_data.
+
+    Raises AnnotationError / SpecVersionError for a bad spec, InvalidValue for a bad prompt,
+    and whatever the engine raises.
+    """
+    request = decode_rollout_annotation(annotation).to_request(prompt_token_ids)
+    served = await engine.serve_rollout(
+        request.prompt_token_ids,
+        request_id=request.request_id,
+        max_new_tokens=request.max_new_tokens,
+        sampling=request.sampling,
+        stop_strings=request.stop_strings,
+    )
+    return engine_data_of(served)

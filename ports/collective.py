@@ -1,0 +1,35 @@
+"""Weight sender / receiver ports: moving a refit's tensors over a collective."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
+
+
+class WeightSender(ABC):
+    """Trainer side (rank 0 sends; other trainer ranks only join)."""
+
+    spec: CollectiveSenderSpec
+
+    @abstractmethod
+    def send(self, info: RefitInfo, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Send every tensor of ``info``, in its order, packed per the bucket plan."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class WeightReceiver(ABC):
+    """Worker side: one per worker rank."""
+
+    spec: CollectiveSenderSpec
+
+    @abstractmethod
+    def receive(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
+        """Yield ``(name, tensor)`` in ``info`` order as packed buffers arrive."""
+
+    @abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,254 @@
+"""The engine port's contract suite.
+
+Usage, in a backend's own tests::
+
+    from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest
+
+    class TestMyEngine(EngineContract):
+        @pytest.fixture(scope="class")
+        def engine_under_test(self):
+            harness = EngineUnderTest.start(lambda: MyEngine(...), decode=my_tokenizer.decode,
+                                            prompts=[[1, 2, 3], [4, 5]])
+            yield harness
+            harness.close()
+
+``WeightLoaderContract`` does the same for engines that also implement the weight-loading port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import pytest
+
+from rollout_fleet.core.errors import EngineError, RolloutFleetError, WeightMismatch
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
+from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+
+GREEDY = SamplingSpec()
+
+
+@attrs.define
+class EngineUnderTest:
+    """A started engine, its private loop, and what the suite needs to know about its vocabulary."""
+
+    engine: EnginePort
+    loop: LoopThread
+    facts: EngineFacts
+    decode: Callable[[Sequence[int]], str]  # generated token IDs -> text, as stop strings see it
+    prompts: Sequence[Sequence[int]]  # a few ordinary prompts (>= 2)
+    close_engine: Callable[[EnginePort], Any] | None = None
+    _counter: int = 0
+
+    @classmethod
+    def start(cls, make_engine: Callable[[], EnginePort], *, decode, prompts,
+              close_engine=None, worker_id: int | str = 0) -> "EngineUnderTest":
+        loop = LoopThread()
+        engine = loop.run(_make_async(make_engine))
+        facts = loop.run(engine.start(worker_id))
+        return cls(engine, loop, facts, decode, prompts, close_engine)
+
+    def close(self) -> None:
+        if self.close_engine is not None:
+            result = self.close_engine(self.engine)
+            if asyncio.iscoroutine(result):
+                self.loop.run(result)
+        self.loop.close()
+
+    def next_id(self) -> str:
+        self._counter += 1
+        return f"contract-{self._counter}"
+
+    def serve(self, prompt, max_new_tokens=16, sampling=GREEDY, stop_strings=(), request_id=None
+              ) -> ServedRollout:
+        return self.loop.run(self.engine.serve_rollout(
+            list(prompt), request_id=request_id or self.next_id(), max_new_tokens=max_new_tokens,
+            sampling=sampling, stop_strings=stop_strings))
+
+
+async def _make_async(make_engine):
+    return make_engine()
+
+
+def _check_served(served: ServedRollout, budget: int) -> None:
+    assert isinstance(served, ServedRollout)
+    assert len(served.token_ids) == len(served.logprobs)
+    assert 1 <= len(served.token_ids) <= budget or served.finish_reason is FinishReason.ABORT
+    assert all(math.isfinite(lp) and lp <= 0 for lp in served.logprobs)
+    if served.finish_reason is FinishReason.LENGTH:
+        assert len(served.token_ids) == budget
+
+
+class EngineContract:
+    """Tests every EnginePort must pass. Provide the ``engine_under_test`` fixture."""
+
+    def test_start_reports_real_limits(self, engine_under_test: EngineUnderTest):
+        facts = engine_under_test.facts
+        assert isinstance(facts, EngineFacts)
+        assert facts.context_length >= 16
+        assert facts.kv_block_size >= 1 and facts.total_kv_blocks >= 1 and facts.max_num_seqs >= 1
+
+    def test_start_again_is_harmless(self, engine_under_test: EngineUnderTest):
+        again = engine_under_test.loop.run(engine_under_test.engine.start(0))
+        assert again == engine_under_test.facts
+
+    def test_greedy_is_repeatable_and_well_formed(self, engine_under_test: EngineUnderTest):
+        for prompt in engine_under_test.prompts:
+            first = engine_under_test.serve(prompt, 12)
+            second = engine_under_test.serve(prompt, 12)
+            _check_served(first, 12)
+            assert first.token_ids == second.token_ids
+            assert first.finish_reason == second.finish_reason
+            assert first.logprobs == pytest.approx(second.logprobs, abs=1e-5)
+            assert first.usage.prompt_tokens == len(prompt)
+            assert first.usage.completion_tokens == len(first.token_ids)
+
+    def test_budget_is_honoured(self, engine_under_test: EngineUnderTest):
+        for budget in (1, 5):
+            served = engine_under_test.serve(engine_under_test.prompts[0], budget)
+            _check_served(served, budget)
+
+    def test_prompts_differ_in_answers(self, engine_under_test: EngineUnderTest):
+        answers = {engine_under_test.serve(p, 12).token_ids for p in engine_under_test.prompts}
+        assert len(answers) > 1, "every prompt gave the same greedy answer: is the prompt used?"
+
+    def test_seeded_sampling_repeats_and_seeds_differ(self, engine_under_test: EngineUnderTest):
+        prompt = engine_under_test.prompts[0]
+        sampled = [SamplingSpec(greedy=False, temperature=1.0, seed=seed) for seed in range(6)]
+        first = [engine_under_test.serve(prompt, 16, s).token_ids for s in sampled]
+        again = [engine_under_test.serve(prompt, 16, s).token_ids for s in sampled]
+        assert first == again, "the same seed must give the same tokens"
+        assert len(set(first)) > 1, "six seeds gave identical samples: is the seed used?"
+
+    def test_stop_string_ends_generation_at_the_token_that_completes_it(
+            self, engine_under_test: EngineUnderTest):
+        prompt, free, stop = _find_stop_string_case(engine_under_test)
+        stopped = engine_under_test.serve(prompt, 24, stop_strings=[stop])
+        assert stopped.finish_reason is FinishReason.STOP
+        n = len(stopped.token_ids)
+        assert stopped.token_ids == free.token_ids[:n], "a stop string must not change the tokens before it"
+        decode = engine_under_test.decode
+        assert stop in decode(stopped.token_ids)
+        assert stop not in decode(stopped.token_ids[:-1])
+
+    def test_context_overflow_is_a_clear_error(self, engine_under_test: EngineUnderTest):
+        prompt = list(engine_under_test.prompts[0])
+        too_long = engine_under_test.facts.context_length - len(prompt) + 1
+        with pytest.raises(RolloutFleetError):
+            engine_under_test.serve(prompt, too_long)
+        _check_served(engine_under_test.serve(prompt, 4), 4)  # and it still serves
+
+    def test_abort_ends_an_in_flight_rollout(self, engine_under_test: EngineUnderTest):
+        prompt = list(engine_under_test.prompts[0])
+        budget = engine_under_test.facts.context_length - len(prompt)
+        engine = engine_under_test.engine
+        request_id = engine_under_test.next_id()
+
+        async def serve_then_abort():
+            task = asyncio.create_task(engine.serve_rollout(
+                prompt, request_id=request_id, max_new_tokens=budget,
+                sampling=SamplingSpec(greedy=False, seed=1, temperature=1.0)))
+            await asyncio.sleep(0)
+            await engine.abort(request_id)
+            return await asyncio.wait_for(task, 120)
+
+        served = engine_under_test.loop.run(serve_then_abort())
+        assert served.finish_reason is FinishReason.ABORT
+        assert len(served.token_ids) < budget
+        _check_served(engine_under_test.serve(prompt, 4), 4)  # the engine goes on serving
+
+    def test_abort_of_an_unknown_request_is_a_no_op(self, engine_under_test: EngineUnderTest):
+        engine_under_test.loop.run(engine_under_test.engine.abort("never-seen"))
+        _check_served(engine_under_test.serve(engine_under_test.prompts[0], 4), 4)
+
+    def test_concurrent_rollouts_all_finish(self, engine_under_test: EngineUnderTest):
+        engine = engine_under_test.engine
+        prompts = list(engine_under_test.prompts) * 4
+
+        async def many():
+            return await asyncio.gather(*(
+                engine.serve_rollout(list(p), request_id=engine_under_test.next_id(),
+                                     max_new_tokens=8, sampling=GREEDY) for p in prompts))
+
+        results = engine_under_test.loop.run(many())
+        assert len(results) == len(prompts)
+        for served in results:
+            _check_served(served, 8)
+
+    def test_kv_event_sources_is_a_sequence_of_sources(self, engine_under_test: EngineUnderTest):
+        sources = engine_under_test.engine.kv_event_sources()
+        assert all(isinstance(s, KvEventSource) for s in sources)
+
+
+def _find_stop_string_case(eut: EngineUnderTest):
+    """A prompt whose free greedy text has a substring that first appears after token 2."""
+    for prompt in eut.prompts:
+        free = eut.serve(prompt, 24)
+        for end in range(3, len(free.token_ids)):
+            text = eut.decode(free.token_ids[:end])
+            before = eut.decode(free.token_ids[:end - 1])
+            for width in (1, 2, 3):
+                stop = text[-width:] if len(text) >= width else ""
+                if stop.strip() and stop not in before:
+                    return prompt, free, stop
+    pytest.fail("no prompt produced text usable for a stop-string check; give more varied prompts")
+
+
+class WeightLoaderContract:
+    """Tests for engines that also implement WeightLoader.
+
+    Provide ``engine_under_test`` (as above) and ``weight_sets``: a fixture returning
+    ``(original, alternate)`` state dicts (name -> tensor) that give different greedy outputs.
+    Both must cover every name in ``weight_metas()``. The suite restores the original at the end.
+    """
+
+    def _loader(self, eut: EngineUnderTest) -> WeightLoader:
+        assert isinstance(eut.engine, WeightLoader), "the engine does not implement WeightLoader"
+        return eut.engine
+
+    def _greedy(self, eut):
+        return [eut.serve(p, 12).token_ids for p in eut.prompts]
+
+    def test_metas_cover_the_weight_sets(self, engine_under_test, weight_sets):
+        metas = self._loader(engine_under_test).weight_metas()
+        original, alternate = weight_sets
+        assert metas and set(original) == set(metas) == set(alternate)
+
+    def test_load_changes_outputs_and_loading_back_restores_them(self, engine_under_test, weight_sets):
+        loader = self._loader(engine_under_test)
+        original, alternate = weight_sets
+        before = self._greedy(engine_under_test)
+        version = loader.weight_version()
+        assert engine_under_test.loop.run(loader.load_weights(alternate.items())) == version + 1
+        changed = self._greedy(engine_under_test)
+        assert changed != before, "loading other weights did not change any greedy answer"
+        assert engine_under_test.loop.run(loader.load_weights(original.items())) == version + 2
+        assert self._greedy(engine_under_test) == before, "loading the original back did not restore it"
+        assert loader.weight_version() == version + 2
+
+    @pytest.mark.parametrize("defect", ["name", "shape", "dtype"])
+    def test_bad_weights_are_refused_before_anything_changes(
+            self, engine_under_test, weight_sets, bad_weight, defect):
+        loader = self._loader(engine_under_test)
+        original, alternate = weight_sets
+        before = self._greedy(engine_under_test)
+        version = loader.weight_version()
+        # The alternate weights come first, the defect last: a loader that changes
+        # tensors one by one would have changed outputs by the time it sees the defect.
+        offered = list(alternate.items()) + [bad_weight(defect, original)]
+        with pytest.raises(WeightMismatch) as info:
+            engine_under_test.loop.run(loader.load_weights(offered))
+        assert str(info.value)
+        assert loader.weight_version() == version
+        assert self._greedy(engine_under_test) == before
+
+    def test_reset_cache_keeps_answers(self, engine_under_test, weight_sets):
+        loader = self._loader(engine_under_test)
+        before = self._greedy(engine_under_test)
+        engine_under_test.loop.run(loader.reset_cache())
+        assert self._greedy(engine_under_test) == before

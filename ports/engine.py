@@ -1,0 +1,91 @@
+"""The engine port: the backend seam. A new backend implements these four methods.
+
+A backend never imports Dynamo or HTTP code: the Dynamo adapter serves any EnginePort.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.refit import TensorMeta
+from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
+
+
+@attrs.frozen
+class EngineFacts:
+    """What a started engine can hold; registered with the serving runtime."""
+
+    context_length: int
+    kv_block_size: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None = None
+
+
+@attrs.frozen
+class KvEventSource:
+    """Where an engine publishes KV-cache events (for KV-aware routing)."""
+
+    kind: str  # "zmq"
+    endpoint: str  # e.g. "tcp://127.0.0.1:5557"
+    topic: str = ""
+    replay_endpoint: str | None = None
+
+
+class EnginePort(ABC):
+    """One inference engine inside one worker."""
+
+    @abstractmethod
+    async def start(self, worker_id: int | str) -> EngineFacts:
+        """Bring the engine up (idempotent) and report its real limits."""
+
+    @abstractmethod
+    async def serve_rollout(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        request_id: str,
+        max_new_tokens: int,
+        sampling: SamplingSpec,
+        stop_strings: Sequence[str] = (),
+    ) -> ServedRollout:
+        """Generate up to ``max_new_tokens`` (>= 1) tokens.
+
+        Returns every generated token (an end-of-sequence token included, and the token that
+        completed a stop string), the chosen token's logprob for each, and why it ended.
+        A prompt plus budget beyond the context raises ``EngineError``. An aborted request
+        returns what it had with finish reason ``abort``.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Cancel ``request_id``: in flight, or still to come; an unknown id is a no-op."""
+
+    @abstractmethod
+    def kv_event_sources(self) -> Sequence[KvEventSource]:
+        """Where this engine publishes KV events; empty when it does not."""
+
+
+class WeightLoader(ABC):
+    """Optional port: an engine whose weights can be replaced while it serves (refit)."""
+
+    @abstractmethod
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        """Every parameter a refit may replace: name -> shape and dtype."""
+
+    @abstractmethod
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
+        """Check every name, shape and dtype first (``WeightMismatch``, nothing changed),
+        then load, reset the prefix cache, and return the new weight version."""
+
+    @abstractmethod
+    def weight_version(self) -> int:
+        """0 for the weights the engine started with; +1 per successful load."""
+
+    @abstractmethod
+    async def reset_cache(self) -> None:
+        """Drop every cached prefix/KV block, so nothing computed under old weights is reused."""
