@@ -1,0 +1,75 @@
+"""The layer rules, as an AST walk over the four layer folders.
+
+| layer    | may import                                                          |
+| core     | the standard library, attrs, rollout_fleet.core                     |
+| ports    | the above, rollout_fleet.ports (ports/contracts may also use pytest) |
+| adapters | anything but rollout_fleet.wiring and another adapter's package     |
+| wiring   | anything                                                            |
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+STDLIB = frozenset(sys.stdlib_module_names)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            found.append((node.lineno, "." * node.level + (node.module or "")))
+    return found
+
+
+def _core_or_ports_allows(module: str, layer: str, in_contracts: bool) -> bool:
+    top = module.split(".")[0]
+    if top in STDLIB or top == "attrs" or top == "__future__":
+        return True
+    if module == "rollout_fleet.core" or module.startswith("rollout_fleet.core."):
+        return True
+    if layer == "ports":
+        if module == "rollout_fleet.ports" or module.startswith("rollout_fleet.ports."):
+            return True
+        if in_contracts and top == "pytest":
+            return True
+    return False
+
+
+def violations(root: Path) -> list[str]:
+    """Every import in ``root``'s layer folders that breaks a rule, as 'file:line: module (why)'."""
+    problems = []
+    for layer in ("core", "ports", "adapters"):
+        for path in sorted((root / layer).rglob("*.py")):
+            rel = path.relative_to(root)
+            for line, module in imported_modules(path):
+                why = _why_forbidden(layer, rel, module)
+                if why:
+                    problems.append(f"{rel}:{line}: imports {module} ({why})")
+    return problems
+
+
+def _why_forbidden(layer: str, rel: Path, module: str) -> str | None:
+    if module.startswith("."):
+        return "relative imports hide the layer; use rollout_fleet.<layer>"
+    if layer in ("core", "ports"):
+        in_contracts = layer == "ports" and rel.parts[1] == "contracts"
+        if not _core_or_ports_allows(module, layer, in_contracts):
+            return f"{layer} may import only the standard library, attrs" + (
+                " and core" if layer == "ports" else "")
+        return None
+    if module == "rollout_fleet.wiring" or module.startswith("rollout_fleet.wiring."):
+        return "adapters never import the wiring"
+    own = rel.parts[1] if len(rel.parts) > 2 else None
+    if module.startswith("rollout_fleet.adapters."):
+        other = module.split(".")[2]
+        if other != own:
+            return f"adapter {own!r} may not import adapter {other!r}; go through a port"
+    return None

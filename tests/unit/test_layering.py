@@ -1,0 +1,59 @@
+"""The dependency rule between layers holds, and the check itself catches a violation."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.layering import violations
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_repository_keeps_the_layer_rules():
+    assert violations(ROOT) == []
+
+
+def _tree(tmp_path, files):
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+def test_a_forbidden_import_in_core_is_caught(tmp_path):
+    root = _tree(tmp_path, {"core/x.py": "import json\nimport attrs\nimport numpy\n",
+                            "ports/p.py": "", "adapters/a/m.py": ""})
+    assert violations(root) == ["core/x.py:3: imports numpy (core may import only the standard library, attrs)"]
+
+
+def test_core_importing_ports_or_torch_is_caught(tmp_path):
+    root = _tree(tmp_path, {"core/x.py": "def f():\n    import torch\nfrom rollout_fleet.ports import engine\n",
+                            "ports/p.py": "import pytest\n", "ports/contracts/c.py": "import pytest\n",
+                            "adapters/a/m.py": ""})
+    found = violations(root)
+    assert any("core/x.py:2: imports torch" in v for v in found)
+    assert any("core/x.py:3: imports rollout_fleet.ports" in v for v in found)
+    assert any("ports/p.py:1: imports pytest" in v for v in found)
+    assert not any("contracts" in v for v in found)
+
+
+def test_adapters_may_not_import_wiring_or_each_other(tmp_path):
+    root = _tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
+                            "adapters/http/m.py": "import httpx\nfrom rollout_fleet.wiring import cli\n"
+                                                  "from rollout_fleet.adapters.vllm import engine\n"
+                                                  "from rollout_fleet.adapters.http import other\n"})
+    found = violations(root)
+    assert len(found) == 2
+    assert "never import the wiring" in found[0] and "may not import adapter 'vllm'" in found[1]
+
+
+def test_importing_core_loads_nothing_heavy():
+    code = ("import sys, rollout_fleet.core, pkgutil, importlib\n"
+            "for m in pkgutil.iter_modules(rollout_fleet.core.__path__):\n"
+            "    importlib.import_module('rollout_fleet.core.' + m.name)\n"
+            "heavy = {'torch','httpx','ray','dynamo','vllm','numpy','aiohttp','pytest'} & set(sys.modules)\n"
+            "print(sorted(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

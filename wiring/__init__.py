@@ -1,0 +1,1 @@
+"""The composition root: config -> concrete adapters -> services; the command line."""
