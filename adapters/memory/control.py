@@ -1,0 +1,31 @@
+"""LocalWorkerControl: the worker-control port answered by handlers in the same process."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from rollout_fleet.core.errors import ControlRefused, RolloutFleetError
+from rollout_fleet.ports.control import WorkerControl
+
+Handler = Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
+
+
+class LocalWorkerControl(WorkerControl):
+    def __init__(self, worker_id: str, handlers: Mapping[str, Handler]) -> None:
+        self.worker_id = worker_id
+        self._handlers = dict(handlers)
+        self.calls: list[str] = []
+
+    async def call(self, name: str, body: Mapping[str, Any], *, timeout_s: float | None = None
+                   ) -> Mapping[str, Any]:
+        self.calls.append(name)
+        handler = self._handlers.get(name)
+        if handler is None:
+            raise ControlRefused(f"worker {self.worker_id} has no control {name!r}; "
+                                 f"it has {sorted(self._handlers)}")
+        try:
+            answer = await handler(body)
+        except RolloutFleetError as exc:
+            raise ControlRefused(f"worker {self.worker_id} refused {name}: {exc}") from exc
+        return {"status": "ok", **answer}
