@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The project's test command: installs what it needs (.venv, idempotent), then runs every tier.
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=$("$root/scripts/venv.sh" | tail -n 1)
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+if [ "$#" -eq 0 ]; then set -- tests; fi
+exec "$python" -m pytest -q -p no:cacheprovider --timeout=900 -ra "$@"

@@ -1,0 +1,45 @@
+"""The ``rollout-fleet`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from rollout_fleet.core.errors import RolloutFleetError
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rollout_fleet.wiring.memory_demo import run_memory_demo
+
+    figures = asyncio.run(run_memory_demo(num_workers=args.workers))
+    if set(figures["weight_versions"].values()) != {1}:
+        raise RolloutFleetError(f"the refit did not reach every worker: {figures['weight_versions']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout-fleet", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="rollouts and a refit on an embedded fleet",
+                               description="Run rollouts, refit every worker, run rollouts again.")
+    demo.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    demo.add_argument("--ci", action="store_true", help="the short form CI runs")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except RolloutFleetError as exc:
+        print(f"rollout-fleet {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rollout-fleet {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
