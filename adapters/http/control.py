@@ -1,0 +1,76 @@
+"""The worker-control client: named controls on a worker's system port."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients
+from rollout_fleet.adapters.http.settings import HttpSettings
+from rollout_fleet.adapters.http.transport import check_base_url, dumps
+from rollout_fleet.core.errors import (
+    ControlRefused, HttpStatusError, InvalidValue, UnreadableBody, WireError,
+)
+from rollout_fleet.ports.control import WorkerControl
+
+SECRET_FIELD = "control_secret"
+_CONTROL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+class HttpWorkerControl(WorkerControl):
+    """``POST {control_url}/engine/control/{name}`` with the shared secret in the JSON body.
+
+    Holds only an endpoint and a secret, so a pickled copy reaches the same worker.
+    A refusal (``{"status": "error"}``, whatever the HTTP status) raises ControlRefused:
+    the body is always read, never just the status.
+    """
+
+    def __init__(self, worker_id: str, control_url: str, *, secret: str,
+                 settings: HttpSettings | None = None, clients: LoopClients | None = None) -> None:
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidValue("worker_id", worker_id, "must be a non-empty string")
+        if not isinstance(secret, str):
+            raise InvalidValue(SECRET_FIELD, "<hidden>", "must be a string")
+        self.worker_id = worker_id
+        self.control_url = check_base_url("control_url", control_url)
+        self.secret = secret
+        self.clients = clients or LoopClients(settings or HttpSettings())
+
+    def url_of(self, name: str) -> str:
+        if not isinstance(name, str) or not _CONTROL_NAME.match(name):
+            raise InvalidValue("control name", name, "must be letters, digits, '_', '.', '-'")
+        return f"{self.control_url}/engine/control/{name}"
+
+    async def call(self, name: str, body: Mapping[str, Any], *, timeout_s: float | None = None
+                   ) -> Mapping[str, Any]:
+        url = self.url_of(name)
+        if not isinstance(body, Mapping):
+            raise InvalidValue(f"body of control {name!r}", body, "must be a JSON object (a mapping)")
+        payload = dict(body)
+        payload[SECRET_FIELD] = self.secret
+        answer = await self.clients.current().post_json(
+            url, dumps(payload), {"content-type": JSON_CONTENT_TYPE}, timeout_s)
+        return self._read(name, answer.status, answer.body)
+
+    def _read(self, name: str, status: int, body: bytes) -> Mapping[str, Any]:
+        where = f"worker {self.worker_id!r} control {name!r}"
+        try:
+            answer = json.loads(body) if body else None
+        except (ValueError, RecursionError):
+            answer = None
+        if isinstance(answer, dict) and answer.get("status") == "error":
+            raise ControlRefused(f"{where} refused: {str(answer.get('message'))[:500]}")
+        if status == 404:
+            raise ControlRefused(f"{where}: the worker has no such control (HTTP 404)")
+        if not 200 <= status < 300:
+            raise HttpStatusError(status, body[:2000])
+        if answer is None:
+            raise UnreadableBody(f"{where} answered {status} with a body that is not JSON: {body[:200]!r}")
+        if not isinstance(answer, dict):
+            raise WireError(f"{where} answered with {type(answer).__name__}, not a JSON object")
+        return answer
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"HttpWorkerControl({self.worker_id!r}, {self.control_url!r})"

@@ -1,0 +1,77 @@
+"""The completions transport over one pooled HTTP client per event loop."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients
+from rollout_fleet.adapters.http.settings import HttpSettings
+from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.wire import REQUEST_ID_HEADER
+from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse
+
+COMPLETIONS_PATH = "/v1/completions"
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def check_base_url(field: str, url: Any) -> str:
+    """An ``http://host:port`` URL without a trailing slash; refuses anything else by name."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) \
+            or len(url.rstrip("/")) <= len("https://"):
+        raise InvalidValue(field, url, "must be an http:// or https:// URL such as http://127.0.0.1:8000")
+    return url.rstrip("/")
+
+
+def dumps(payload: Mapping[str, Any]) -> bytes:
+    return _encode(payload).encode()
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Retry-After as seconds (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None or when.tzinfo is None:
+            return None
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+class HttpCompletionsTransport(CompletionsTransport):
+    """POSTs rollout bodies to the frontend's ``/v1/completions``.
+
+    Every attempt carries the rollout's request id in the ``x-request-id`` header, so the
+    frontend's logs (and a test's server) can tell a retry from new work.
+    """
+
+    def __init__(self, frontend_url: str, settings: HttpSettings | None = None, *,
+                 clients: LoopClients | None = None) -> None:
+        self.frontend_url = check_base_url("frontend_url", frontend_url)
+        self.url = self.frontend_url + COMPLETIONS_PATH
+        self.clients = clients or LoopClients(settings or HttpSettings())
+        self.settings = self.clients.settings
+
+    async def post_completion(self, body: Mapping[str, Any], *, request_id: str) -> TransportResponse:
+        answer = await self.clients.current().post_json(
+            self.url, dumps(body),
+            {"content-type": JSON_CONTENT_TYPE, REQUEST_ID_HEADER: request_id})
+        retry_after = None if answer.retry_after is None else parse_retry_after(answer.retry_after)
+        return TransportResponse(answer.status, answer.body, retry_after)
+
+    async def aclose(self) -> None:
+        await self.clients.aclose()
+
+    def __repr__(self) -> str:
+        return f"HttpCompletionsTransport({self.url!r}, client={self.settings.client!r})"

@@ -1,0 +1,25 @@
+"""Worker metrics port: a sample of one worker's load, read from what the worker exports."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import attrs
+
+
+@attrs.frozen
+class WorkerLoad:
+    """One sample. A field is None when the worker does not export that quantity."""
+
+    worker_id: str
+    inflight_requests: float | None = None
+    kv_cache_usage: float | None = None  # fraction of the KV cache in use, 0..1
+    generated_tokens: float | None = None  # cumulative count since the worker started
+
+
+class WorkerMetrics(ABC):
+    worker_id: str
+
+    @abstractmethod
+    async def sample(self) -> WorkerLoad:
+        """Read the worker's current load; raises ``TransportError`` when it cannot be reached."""
