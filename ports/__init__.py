@@ -9,11 +9,11 @@ from rollout_fleet.ports.completions import CompletionsTransport, TransportRespo
 from rollout_fleet.ports.control import WorkerControl
 from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
 from rollout_fleet.ports.collective import WeightReceiver, WeightSender
-from rollout_fleet.ports.placement import Placement, WorkerHandle
+from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 from rollout_fleet.ports.serving import Serving
 
 __all__ = [
     "Clock", "SystemClock", "CompletionsTransport", "TransportResponse", "WorkerControl",
     "EngineFacts", "EnginePort", "KvEventSource", "WeightLoader", "WeightReceiver",
-    "WeightSender", "Placement", "WorkerHandle", "Serving",
+    "WeightSender", "Placement", "WorkerHandle", "WorkerLaunch", "Serving",
 ]

@@ -1,31 +1,50 @@
-"""Placement port: reserve resources for workers, launch them, stop them."""
+"""Placement port: reserve resources for workers, start each worker's process, stop them."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
+
+
+@attrs.frozen
+class WorkerLaunch:
+    """How to start one worker: its command, environment and log, and the ports it needs.
+
+    ``port_env`` names environment variables that must each hold a free port on the node the
+    worker lands on; the placement picks them there (so it works across machines).
+    """
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    log_path: str = ""
+    port_env: tuple[str, ...] = ()
 
 
 @attrs.frozen
 class WorkerHandle:
     index: int
     name: str
-    control_url: str  # the worker's system port, e.g. http://127.0.0.1:9101
-    pid: int | None = None
-    node: str | None = None
+    pid: int
+    node_ip: str
+    ports: Mapping[str, int]  # port_env name -> the port chosen on the worker's node
+    log_path: str
 
 
 class Placement(ABC):
     @abstractmethod
-    def launch(self, worker_configs: Sequence[Mapping[str, Any]]) -> Sequence[WorkerHandle]:
+    def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
         """Reserve one slot per worker and start each; return handles in the same order."""
 
     @abstractmethod
     def alive(self) -> Mapping[str, bool]:
         """Worker name -> whether its process still runs."""
+
+    @abstractmethod
+    def kill(self, name: str) -> None:
+        """Stop one worker's process now (fault drills, a failed health check)."""
 
     @abstractmethod
     def stop(self) -> None:

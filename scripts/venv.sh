@@ -10,6 +10,14 @@ want=$(cat "$root/pyproject.toml" "$root/scripts/venv.sh" | sha256sum | cut -c1-
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "$venv/bin/python"; exit 0
 fi
+# etcd (Debian's etcd-server) serves the fleet's multi-node discovery; its tests start one on loopback.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+  else
+    echo "scripts/venv.sh: etcd is missing; install Debian's etcd-server (needs root)" >&2; exit 1
+  fi
+fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
@@ -21,6 +29,6 @@ pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # ai-dynamo 1.6.1 depends on a stub (aisimulate) that downloads from an unreachable host:
 # install it without dependencies, then the dependencies it really uses.
 pip install --no-deps 'ai-dynamo==1.6.1' 'ai-dynamo-runtime==1.6.1'
-pip install -e "$root[http,torch,dynamo,demo,test]"
+pip install -e "$root[http,torch,dynamo,fleet,demo,test]"
 echo "$want" > "$stamp"
 echo "$venv/bin/python"

@@ -1,0 +1,136 @@
+"""RayPlacement: one placement-group bundle per worker, a supervising actor in each bundle."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
+from rollout_fleet.adapters.ray.supervisor import ProcessSupervisor
+
+
+class PlacementError(RolloutFleetError):
+    """Ray could not reserve or start the workers."""
+
+
+class RayPlacement(Placement):
+    """Places workers with Ray.
+
+    ``address=None`` starts a private local Ray instance (stopped again by ``stop``); an address
+    joins an existing cluster, which is left running. ``bundle`` is each worker's reservation,
+    e.g. ``{"CPU": 1}`` on CPU fleets or ``{"GPU": 2, "CPU": 2}`` for a 2-rank GPU worker.
+    """
+
+    def __init__(self, *, address: str | None = None, bundle: Mapping[str, float] | None = None,
+                 strategy: str = "PACK", bind_host: str = "127.0.0.1", num_cpus: int | None = None,
+                 ready_timeout_s: float = 120.0) -> None:
+        self._address = address
+        self._bundle = dict(bundle or {"CPU": 1})
+        self._strategy = strategy
+        self._bind_host = bind_host
+        self._num_cpus = num_cpus
+        self._ready_timeout_s = ready_timeout_s
+        self._started_ray = False
+        self._group = None
+        self._actors: dict[str, Any] = {}
+        self._handles: dict[str, WorkerHandle] = {}
+
+    def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._init_ray(len(launches))
+        self._group = placement_group([dict(self._bundle) for _ in launches], strategy=self._strategy)
+        try:
+            ray.get(self._group.ready(), timeout=self._ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PlacementError(
+                f"Ray could not reserve {len(launches)} bundles of {self._bundle} within "
+                f"{self._ready_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}") from None
+        supervisor = ray.remote(ProcessSupervisor)
+        handles = []
+        for index, launch in enumerate(launches):
+            actor = supervisor.options(
+                name=None, num_cpus=self._bundle.get("CPU", 0), num_gpus=self._bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=index),
+            ).remote()
+            self._actors[launch.name] = actor
+            started = ray.get(actor.start.remote(launch.argv, dict(launch.env), launch.log_path,
+                                                 launch.port_env, self._bind_host))
+            handle = WorkerHandle(index, launch.name, started["pid"], started["node_ip"],
+                                  started["ports"], launch.log_path)
+            self._handles[launch.name] = handle
+            handles.append(handle)
+        return handles
+
+    def alive(self) -> Mapping[str, bool]:
+        import ray
+
+        status = {}
+        for name, actor in self._actors.items():
+            try:
+                status[name] = bool(ray.get(actor.alive.remote(), timeout=30))
+            except Exception:  # noqa: BLE001 - a dead actor means a dead worker
+                status[name] = False
+        return status
+
+    def kill(self, name: str) -> None:
+        import ray
+
+        ray.get(self._actors[name].kill.remote(), timeout=30)
+
+    def stop(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            self._kill_by_pid(list(self._handles))
+            return
+        unstopped = []
+        for name, actor in list(self._actors.items()):
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - the actor may be gone; the pid fallback follows
+                unstopped.append(name)
+            ray.kill(actor)
+        self._kill_by_pid(unstopped)
+        self._actors.clear()
+        self._handles.clear()
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._group)
+            self._group = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def _init_ray(self, num_workers: int) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                   "configure_logging": False}
+        if self._address:
+            ray.init(address=self._address, **options)
+        else:
+            cpus = self._num_cpus or max(os.cpu_count() or 1,
+                                         int(num_workers * self._bundle.get("CPU", 1)))
+            ray.init(num_cpus=cpus, _node_ip_address=self._bind_host, **options)
+            self._started_ray = True
+
+    def _kill_by_pid(self, names: Sequence[str]) -> None:
+        """A worker whose actor died before stopping it: stop it by its process group (same node)."""
+        for name in names:
+            handle = self._handles.get(name)
+            if handle is None or handle.node_ip not in ("127.0.0.1", self._bind_host):
+                continue
+            try:
+                os.killpg(handle.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -1,0 +1,97 @@
+"""The process each Ray actor supervises: a worker started in its own session.
+
+The actor holds the bundle's resources (CPUs, or GPUs: Ray sets CUDA_VISIBLE_DEVICES in the
+actor, and the child inherits it); the worker itself is a plain child process, so Dynamo's
+runtime owns a real main thread and signals, its log goes to a file, and it is stopped by its
+process group. PR_SET_PDEATHSIG kills the child if the actor dies first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+
+_PR_SET_PDEATHSIG = 1
+
+
+# Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit int: ports above 32767 are refused.
+# Kernel-chosen ports (bind to 0) come from the ephemeral range (32768+), so pick below it.
+PORT_RANGE = (20000, 32767)
+
+
+def free_port(host: str, port_range: tuple[int, int] = PORT_RANGE) -> int:
+    """A port in ``port_range`` that nothing listens on now (random probes)."""
+    low, high = port_range
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {low}-{high} on {host}")
+
+
+def _new_session_dying_with_parent() -> None:
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ProcessSupervisor:
+    """Plain class; RayPlacement wraps it with ray.remote."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: str,
+              port_env: Sequence[str], bind_host: str) -> dict:
+        ports = {name: free_port(bind_host) for name in port_env}
+        full_env = {**os.environ, **env, **{name: str(port) for name, port in ports.items()}}
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+        with open(log_path, "ab") as log:
+            self._process = subprocess.Popen(list(argv), env=full_env, stdout=log,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             preexec_fn=_new_session_dying_with_parent)
+        return {"pid": self._process.pid, "node_ip": _node_ip(), "ports": ports}
+
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the worker's process group, SIGKILL it after ``grace_s``; its exit code."""
+        if self._process is None:
+            return None
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self._process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._signal(signal.SIGKILL)
+        code = self._process.wait()
+        return code
+
+    def _signal(self, sig: int) -> None:
+        if self._process is None:
+            return
+        try:
+            os.killpg(self._process.pid, sig)  # the worker and anything it started
+        except ProcessLookupError:
+            pass
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (tests of the supervisor itself)
+        return "127.0.0.1"

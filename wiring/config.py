@@ -1,0 +1,138 @@
+"""The fleet's configuration: one file (TOML or JSON), checked strictly with pydantic.
+
+Unknown keys, impossible sizes and ports already in use are refused with one clear line that
+names the field and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
+from rollout_fleet.core.refit import CollectiveSenderSpec
+from rollout_fleet.core.retry import RetryPolicy
+
+
+class ConfigError(RolloutFleetError, ValueError):
+    """A config that cannot run: names the source, the field path and the value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RetrySection(_Strict):
+    max_attempts: int = Field(5, ge=1)
+    base_delay_s: float = Field(0.1, ge=0)
+    backoff: float = Field(2.0, ge=1)
+    max_delay_s: float = Field(5.0, ge=0)
+    jitter: float = Field(0.2, ge=0, le=1)
+
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(**self.model_dump())
+
+
+class TimeoutSection(_Strict):
+    start_s: float = Field(300.0, gt=0, description="until every worker is registered")
+    connect_s: float = Field(10.0, gt=0)
+    request_s: float = Field(600.0, gt=0, description="one rollout attempt")
+    refit_s: float = Field(600.0, gt=0, description="each refit step on every worker")
+    shutdown_s: float = Field(15.0, gt=0)
+
+
+class RefitSection(_Strict):
+    buffer_bytes: int = Field(1 << 30, ge=1)
+    num_buffers: int = Field(2, ge=1)
+
+    def spec(self) -> CollectiveSenderSpec:
+        return CollectiveSenderSpec(buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
+
+
+class FleetConfig(_Strict):
+    model: str = Field("tiny", description='a model folder, or "tiny" (built into the run folder)')
+    served_model_name: str = "tiny"
+    engine: dict[str, Any] = Field(default_factory=lambda: {"kind": "vllm"},
+                                   description="engine kind and its options, given to each worker")
+    num_workers: int = Field(2, ge=1, le=4096)
+    ranks_per_worker: int = Field(1, ge=1, description="tensor x pipeline parallel ranks")
+    device: Literal["cpu", "gpu"] = "cpu"
+    cpus_per_worker: float = Field(1.0, gt=0)
+    discovery: Literal["file", "etcd"] = "file"
+    etcd_endpoint: str | None = Field(None, description="an etcd to use; None starts one on loopback")
+    ray_address: str | None = Field(None, description="join this Ray cluster; None starts a local one")
+    bind_host: str = Field("127.0.0.1", description="the interface every fleet server listens on")
+    frontend_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    run_dir: str | None = Field(None, description="logs, discovery, model copies; None: a temp folder")
+    max_in_flight: int = Field(1024, ge=1, description="rollouts in flight from one driver")
+    max_new_tokens: int = Field(64, ge=1)
+    max_model_len: int = Field(512, ge=2)
+    stop_strings: list[str] = Field(default_factory=list, max_length=32)
+    context_limit_policy: Literal["reject", "empty"] = "reject"
+    retry: RetrySection = RetrySection()
+    timeouts: TimeoutSection = TimeoutSection()
+    refit: RefitSection = RefitSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "FleetConfig":
+        if "kind" not in self.engine:
+            raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
+        if self.device == "cpu" and self.ranks_per_worker != 1:
+            raise ValueError(f"ranks_per_worker={self.ranks_per_worker}: CPU workers have one rank")
+        if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
+            raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
+        return self
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        if self.device == "gpu":
+            return {"GPU": float(self.ranks_per_worker), "CPU": self.cpus_per_worker}
+        return {"CPU": self.cpus_per_worker}
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def parse_config(data: Any, source: str = "config") -> FleetConfig:
+    try:
+        return FleetConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f"{source}: {_problems(exc)}") from None
+
+
+def load_config(path: str | Path) -> FleetConfig:
+    """Read a TOML (``.toml``) or JSON file; InvalidValue names the file and the bad field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidValue("--config", str(path), f"cannot be read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise InvalidValue("--config", str(path), f"is not valid {path.suffix or 'JSON'}: {exc}") from None
+    return parse_config(data, source=str(path))
+
+
+def _problems(exc: pydantic.ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "(top level)"
+        value = error.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r:.80})"
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}{shown}" if error["type"] != "extra_forbidden"
+                        else f"{where}: unknown key")
+    return "; ".join(problems)

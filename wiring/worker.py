@@ -1,0 +1,163 @@
+"""One fleet worker: engine + DynamoEngineAdapter + Dynamo endpoint, from a config.
+
+Run as a process::
+
+    python -m rollout_fleet.wiring.worker --config worker.json   # or --config '{"engine": ...}'
+
+or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON object)::
+
+    {
+      "engine": {"kind": "memory", "seed": 0, "context_length": 256, "token_delay_s": 0.0},
+      "run_dir": "/tmp/run",           # discovery folder, HOME, model folders (shared with the frontend)
+      "namespace": "fleet",
+      "served_model_name": "mem",
+      "model_path": null,              # optional: the memory engine writes its own folder
+      "system_port": 18081,            # POST /engine/control/<name> is served here
+      "control_secret": null           # when set, every control body must carry it
+    }
+
+An engine kind is one entry of ``ENGINE_FACTORIES``; it returns the engine, its model folder and
+any extra controls the worker should serve. The worker runs until SIGTERM (Dynamo drains and
+unregisters, then this returns) or until ``stop`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue
+
+logger = logging.getLogger("rollout_fleet.worker")
+
+Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@attrs.frozen
+class BuiltEngine:
+    engine: Any  # an EnginePort
+    model_path: str
+    controls: Mapping[str, Control] = attrs.field(factory=dict)
+
+
+def _memory_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | None) -> BuiltEngine:
+    from rollout_fleet.adapters.memory.engine import MemoryEngine
+    from rollout_fleet.adapters.memory.model_folder import write_model_folder
+
+    known = {"seed", "context_length", "token_delay_s", "max_num_seqs", "kv_block_size"}
+    unknown = sorted(set(options) - known - {"kind"})
+    if unknown:
+        raise InvalidValue("engine", unknown, f"unknown option(s) of the memory engine; known: {sorted(known)}")
+    engine = MemoryEngine(**{k: v for k, v in options.items() if k in known})
+    if model_path is None:
+        model_path = str(write_model_folder(run_dir / "model-memory",
+                                            context_length=engine.context_length))
+
+    async def engine_stats(_body: dict[str, Any]) -> dict[str, Any]:
+        # What reached the engine itself (tests read it through the control channel).
+        return {"aborted_ids": list(engine.aborted_ids[-256:]), "served_count": engine.served_count,
+                "in_flight": sorted(engine.in_flight), "started_as": engine.started_as}
+
+    return BuiltEngine(engine, model_path, {"engine_stats": engine_stats})
+
+
+# kind -> factory(engine options, run_dir, model_path or None)
+ENGINE_FACTORIES: dict[str, Callable[[Mapping[str, Any], Path, str | None], BuiltEngine]] = {
+    "memory": _memory_engine,
+}
+
+
+def build_engine(config: Mapping[str, Any]) -> BuiltEngine:
+    options = config.get("engine") or {}
+    kind = options.get("kind")
+    factory = ENGINE_FACTORIES.get(kind)
+    if factory is None:
+        raise InvalidValue("engine.kind", kind, f"must be one of {sorted(ENGINE_FACTORIES)}")
+    return factory(options, Path(_required(config, "run_dir")), config.get("model_path"))
+
+
+def worker_env(config: Mapping[str, Any]) -> dict[str, str]:
+    """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start)."""
+    from rollout_fleet.adapters.dynamo.env import dynamo_env
+
+    env = dynamo_env(_required(config, "run_dir"), system_port=config.get("system_port"),
+                     log_level=config.get("log_level", "warn"))
+    env.update(config.get("env") or {})  # the fleet's discovery choice (etcd) and the like
+    return env
+
+
+async def serve_worker(config: Mapping[str, Any], *, stop: asyncio.Event | None = None) -> None:
+    """Build the engine and serve it through Dynamo until SIGTERM or ``stop`` is set."""
+    from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, start_dynamo_endpoint
+
+    built = build_engine(config)
+    adapter = DynamoEngineAdapter(built.engine, control_secret=config.get("control_secret"),
+                                  controls=built.controls)
+    env = worker_env(config)
+    Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
+    serving = start_dynamo_endpoint(
+        adapter, model_path=built.model_path,
+        served_model_name=_required(config, "served_model_name"),
+        namespace=config.get("namespace", "fleet"), engine_env=env)
+    waiters = [serving]
+    if stop is not None:
+        waiters.append(asyncio.ensure_future(stop.wait()))
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+    if serving.done() and not serving.cancelled() and serving.exception() is not None:
+        raise serving.exception()
+
+
+def load_config(text_or_path: str) -> dict[str, Any]:
+    """``--config``: a JSON object, or the path of a file holding one."""
+    text = text_or_path if text_or_path.lstrip().startswith("{") else Path(text_or_path).read_text()
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise InvalidValue("--config", text_or_path, f"is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidValue("--config", text_or_path, "must hold a JSON object")
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_fleet.wiring.worker")
+    parser.add_argument("--config", required=True, help="a JSON object, or a file holding one")
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Before Dynamo is imported: its runtime reads the environment (DYN_LOG...) when it loads.
+    os.environ.update(worker_env(config))
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        # Dynamo's handler runs first (drain, unregister), then this one; serve_worker returns.
+        logger.info("worker: SIGTERM received (signal %d), shutting down", signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # before the endpoint starts, so Dynamo chains it
+    asyncio.run(serve_worker(config))
+    logger.info("worker: stopped")
+    return 0
+
+
+def _required(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) in (None, ""):
+        raise InvalidValue(key, config.get(key), "the worker config needs it")
+    return config[key]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
