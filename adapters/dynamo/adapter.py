@@ -1,0 +1,298 @@
+"""DynamoEngineAdapter: serves any engine port through Dynamo's backend SDK (``LLMEngine``).
+
+Two kinds of request reach ``generate``:
+
+* a **rollout** (an ``nvext.annotations`` entry ``rollout:<spec>``): served by the engine's
+  ``serve_rollout`` and answered as ONE final chunk whose ``engine_data`` carries the whole
+  result (token IDs and logprobs together), so the client reads it from ``nvext.engine_data``;
+* a **plain** completion (no annotation we know): served as an ordinary OpenAI completion,
+  token chunks streamed, so any OpenAI client works against the fleet.
+
+The request kinds are a table keyed by annotation prefix: a new kind is one entry.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from dynamo.common.backend import EngineConfig, GenerateChunk, LLMEngine, LlmRegistration
+from dynamo.common.backend.publisher import ZmqSource
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
+
+from rollout_fleet.core.errors import AnnotationError, InvalidValue
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
+from rollout_fleet.core.wire import (
+    ROLLOUT_ANNOTATION_PREFIX,
+    decode_rollout_annotation,
+    find_annotation,
+)
+from rollout_fleet.core.worker_service import serve_annotated_rollout
+from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+
+logger = logging.getLogger(__name__)
+
+ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+CONTROL_SECRET_FIELD = "control_secret"
+PLAIN_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_RECENT_ABORTS_KEPT = 256
+
+
+class DynamoEngineAdapter(LLMEngine):
+    """An ``LLMEngine`` over any ``EnginePort``; the worker owns the engine, not this adapter."""
+
+    def __init__(self, engine: EnginePort, *, model_path: str = "",
+                 served_model_name: str | None = None, control_secret: str | None = None,
+                 controls: Mapping[str, ControlHandler] | None = None) -> None:
+        self.engine = engine
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+        self._control_secret = control_secret
+        self._facts: EngineFacts | None = None
+        self._closed = False
+        # Dynamo's context id -> the request id the engine knows (a rollout's own id).
+        self._in_flight: dict[str, str] = {}
+        self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS_KEPT)
+        self._counts = collections.Counter()
+        self._request_kinds: dict[str, Callable[..., Awaitable[list[GenerateChunk]]]] = {
+            ROLLOUT_ANNOTATION_PREFIX: self._serve_rollout_request,
+        }
+        self._controls: dict[str, ControlHandler] = self._builtin_controls()
+        for name, handler in (controls or {}).items():
+            if name in self._controls:
+                raise InvalidValue("controls", name, "collides with a built-in control")
+            self._controls[name] = handler
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None):
+        raise NotImplementedError(
+            "DynamoEngineAdapter is built by rollout_fleet.wiring.worker (it needs an engine "
+            "object), not from command-line arguments")
+
+    def set_model(self, model_path: str, served_model_name: str | None) -> None:
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        if not self.model_path:
+            raise InvalidValue("model_path", self.model_path, "set it before the worker starts")
+        facts = await self.engine.start(worker_id)
+        self._facts = facts
+        return EngineConfig(
+            model=self.model_path,
+            served_model_name=self.served_model_name,
+            llm=LlmRegistration(
+                context_length=facts.context_length,
+                kv_cache_block_size=facts.kv_block_size,
+                total_kv_blocks=facts.total_kv_blocks,
+                max_num_seqs=facts.max_num_seqs,
+                max_num_batched_tokens=facts.max_num_batched_tokens,
+            ),
+        )
+
+    async def kv_event_sources(self) -> list[ZmqSource]:
+        return [_zmq_source(source) for source in self.engine.kv_event_sources()]
+
+    async def cleanup(self) -> None:
+        # The worker owns the engine and stops it; here only stop taking requests. Idempotent.
+        self._closed = True
+
+    # -- requests -----------------------------------------------------------------------------
+    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[GenerateChunk]:
+        if self._closed:
+            raise EngineShutdown("this worker is shutting down; retry on another worker")
+        context_id = context.id()
+        annotations = (request.get("annotations")
+                       or (request.get("extra_args") or {}).get("nvext", {}).get("annotations"))
+        serve, annotation = self._plain_request, None
+        for prefix, kind in self._request_kinds.items():
+            found = find_annotation(annotations, prefix)
+            if found is not None:
+                serve, annotation = kind, found
+                break
+        try:
+            chunks = await serve(request, context_id, annotation)
+        except (AnnotationError, InvalidValue) as exc:
+            self._counts["rejected"] += 1
+            raise InvalidArgument(f"request rejected: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # an engine failure must reach the client, never hang it
+            self._counts["failed"] += 1
+            logger.warning("engine failed on context %s: %s: %s", context_id, type(exc).__name__, exc)
+            # InvalidArgument is the one Dynamo error whose message reaches the HTTP client
+            # (400); Unknown becomes a bare 500 and EngineShutdown takes the worker out of rotation.
+            raise InvalidArgument(f"engine failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._in_flight.pop(context_id, None)
+        self._counts["served"] += 1
+        for chunk in chunks:
+            yield chunk
+
+    async def abort(self, context: Any) -> None:
+        """Dynamo calls this when the client goes away: abort the engine's request."""
+        request_id = self._in_flight.get(context.id())
+        if request_id is None:
+            return  # already answered, or never started
+        self._recent_aborts.append(request_id)
+        try:
+            await self.engine.abort(request_id)
+        except Exception:  # an abort that fails must not take the worker down
+            logger.exception("engine.abort(%r) failed", request_id)
+
+    async def _serve_rollout_request(self, request: dict[str, Any], context_id: str,
+                                     annotation: str) -> list[GenerateChunk]:
+        spec = decode_rollout_annotation(annotation)  # for its request id, before serving
+        self._in_flight[context_id] = spec.request_id
+        engine_data = await serve_annotated_rollout(self.engine, _prompt_of(request), annotation)
+        tokens = engine_data["token_ids"]
+        # Whole result in the final chunk. Its token_ids leave out the hidden stop tokens (EOS):
+        # the frontend ends a stream at one, and must not cut this chunk short.
+        hidden = _hidden_stop_ids(request)
+        return [{
+            "token_ids": [t for t in tokens if t not in hidden],
+            "index": 0,
+            "finish_reason": engine_data["finish_reason"],
+            "completion_usage": _usage(engine_data["prompt_tokens"], len(tokens)),
+            "engine_data": engine_data,
+        }]
+
+    async def _plain_request(self, request: dict[str, Any], context_id: str,
+                             _annotation: None) -> list[GenerateChunk]:
+        prompt = _prompt_of(request)
+        stop = request.get("stop_conditions") or {}
+        self._in_flight[context_id] = context_id
+        served = await self.engine.serve_rollout(
+            prompt,
+            request_id=context_id,
+            max_new_tokens=self._plain_budget(len(prompt), stop.get("max_tokens")),
+            sampling=_plain_sampling(request.get("sampling_options") or {}),
+            stop_strings=tuple(stop.get("stop") or ()),
+        )
+        return _token_chunks(served, _hidden_stop_ids(request))
+
+    def _plain_budget(self, prompt_len: int, max_tokens: Any) -> int:
+        wanted = PLAIN_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+            raise InvalidValue("max_tokens", wanted, "must be an int >= 1")
+        if self._facts is not None:
+            room = self._facts.context_length - prompt_len
+            if room < 1:
+                raise InvalidValue("prompt", f"{prompt_len} tokens",
+                                   f"leaves no room within context_length={self._facts.context_length}")
+            wanted = min(wanted, room)
+        return wanted
+
+    # -- control surface ----------------------------------------------------------------------
+    def supported_controls(self) -> set[str]:
+        return set(self._controls)
+
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        handler = self._controls.get(control)
+        if handler is None:
+            return _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
+        if not isinstance(body, dict):
+            return _error(f"control {control!r}: the body must be a JSON object")
+        refusal = self._secret_refusal(body)
+        if refusal:
+            return _error(f"control {control!r} refused: {refusal}")
+        args = {k: v for k, v in body.items() if k != CONTROL_SECRET_FIELD}
+        try:
+            answer = await handler(args)
+        except Exception as exc:
+            logger.warning("control %r failed: %s: %s", control, type(exc).__name__, exc)
+            return _error(f"control {control!r} failed: {type(exc).__name__}: {exc}")
+        return {"status": "ok", **(answer or {})}
+
+    def _secret_refusal(self, body: Mapping[str, Any]) -> str | None:
+        if self._control_secret is None:
+            return None
+        given = body.get(CONTROL_SECRET_FIELD)
+        if not isinstance(given, str):
+            return f"the body has no {CONTROL_SECRET_FIELD!r} string"
+        if not hmac.compare_digest(given.encode(), self._control_secret.encode()):
+            return f"{CONTROL_SECRET_FIELD!r} does not match this worker's"
+        return None
+
+    def _builtin_controls(self) -> dict[str, ControlHandler]:
+        controls: dict[str, ControlHandler] = {"stats": self._stats}
+        if isinstance(self.engine, WeightLoader):
+            controls["flush_cache"] = self._flush_cache
+            controls["weight_version"] = self._weight_version
+        return controls
+
+    async def _flush_cache(self, _body: dict[str, Any]) -> dict[str, Any]:
+        await self.engine.reset_cache()  # type: ignore[attr-defined]
+        return {}
+
+    async def _weight_version(self, _body: dict[str, Any]) -> dict[str, Any]:
+        return {"weight_version": self.engine.weight_version()}  # type: ignore[attr-defined]
+
+    async def _stats(self, _body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "in_flight": len(self._in_flight),
+            "served": self._counts["served"],
+            "rejected": self._counts["rejected"],
+            "failed": self._counts["failed"],
+            "aborted_request_ids": list(self._recent_aborts),
+        }
+
+
+def _prompt_of(request: Mapping[str, Any]) -> Sequence[int]:
+    prompt = request.get("token_ids")
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidValue("token_ids", prompt, "a prompt needs at least one token ID")
+    return prompt
+
+
+def _hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
+    stop = request.get("stop_conditions") or {}
+    return set(stop.get("stop_token_ids_hidden") or ()) | set(request.get("eos_token_ids") or ())
+
+
+def _plain_sampling(options: Mapping[str, Any]) -> SamplingSpec:
+    temperature = options.get("temperature")
+    if temperature is not None and temperature == 0:
+        return SamplingSpec(greedy=True)
+    top_k = options.get("top_k")
+    return SamplingSpec(
+        greedy=False,
+        temperature=1.0 if temperature is None else temperature,  # OpenAI's default
+        top_p=options.get("top_p") if options.get("top_p") is not None else 1.0,
+        top_k=-1 if top_k in (None, 0) else top_k,
+        seed=options.get("seed"),
+    )
+
+
+def _token_chunks(served: ServedRollout, hidden: set[int]) -> list[GenerateChunk]:
+    """One chunk per visible token; the last one says why it ended (EOS is not shown)."""
+    visible = [t for t in served.token_ids if t not in hidden]
+    chunks: list[GenerateChunk] = [{"token_ids": [t], "index": 0} for t in visible[:-1]]
+    chunks.append({
+        "token_ids": visible[-1:],
+        "index": 0,
+        "finish_reason": _openai_finish(served.finish_reason),
+        "completion_usage": _usage(served.usage.prompt_tokens, len(served.token_ids)),
+    })
+    return chunks
+
+
+def _openai_finish(reason: FinishReason) -> str:
+    return "cancelled" if reason is FinishReason.ABORT else reason.value
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _zmq_source(source: KvEventSource) -> ZmqSource:
+    if source.kind != "zmq":
+        raise InvalidValue("kv_event_sources[].kind", source.kind, "Dynamo takes only 'zmq' sources")
+    return ZmqSource(endpoint=source.endpoint, topic=source.topic)
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"status": "error", "message": message}

@@ -1,0 +1,131 @@
+"""Start and stop Dynamo's OpenAI frontend (``python -m dynamo.frontend``) as a child process.
+
+The child runs in its own session (process group) on 127.0.0.1 with file discovery, so it finds
+every worker whose ``DYN_FILE_KV`` is the same folder, and is stopped by its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
+from rollout_fleet.core.errors import RolloutFleetError
+
+_LOG_TAIL_BYTES = 4000
+
+
+class FrontendError(RolloutFleetError):
+    """The frontend did not come up (or list the model) in time; carries its log's tail."""
+
+
+class DynamoFrontend:
+    """One ``dynamo.frontend`` child process; use as a context manager or start()/stop()."""
+
+    def __init__(self, run_dir: str | Path, *, http_port: int, python: str = sys.executable,
+                 log_level: str = "warn", extra_env: Mapping[str, str] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.http_port = http_port
+        self.python = python
+        self.env = {**os.environ, **dynamo_env(self.run_dir, log_level=log_level),
+                    **(extra_env or {})}
+        self.log_path = self.run_dir / f"frontend-{http_port}.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    def start(self) -> "DynamoFrontend":
+        if self.process is not None:
+            return self
+        (self.run_dir / "home").mkdir(parents=True, exist_ok=True)
+        command = [self.python, "-m", "dynamo.frontend",
+                   "--http-host", LOOPBACK, "--http-port", str(self.http_port)]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, cwd=self.run_dir)
+        return self
+
+    def wait_for_model(self, model: str, timeout_s: float = 60.0,
+                       workers: Iterable[subprocess.Popen] = ()) -> None:
+        """Block until ``model`` is listed at /v1/models; FrontendError (with the log) if not.
+
+        ``workers``: processes expected to register it; one that exits ends the wait at once.
+        """
+        deadline = time.monotonic() + timeout_s
+        listed: list[str] = []
+        workers = list(workers)
+        while time.monotonic() < deadline:
+            for worker in workers:
+                if worker.poll() is not None:
+                    raise FrontendError(f"worker process {worker.pid} exited with code "
+                                        f"{worker.returncode} before {model!r} was listed")
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise FrontendError(f"the frontend is not running (exit code {code}); "
+                                    f"log {self.log_path}:\n{self.log_tail()}")
+            listed = self.listed_models()
+            if model in listed:
+                return
+            time.sleep(0.1)
+        raise FrontendError(
+            f"model {model!r} not listed at {self.url}/v1/models within {timeout_s:.0f} s "
+            f"(listed: {listed}); is its worker running with DYN_FILE_KV={self.env['DYN_FILE_KV']}? "
+            f"log {self.log_path}:\n{self.log_tail()}")
+
+    def listed_models(self) -> list[str]:
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2.0) as answer:
+                return [m["id"] for m in json.load(answer).get("data", [])]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []  # not up yet, or a half-written answer
+
+    def log_tail(self) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return "(no log)"
+        return data[-_LOG_TAIL_BYTES:].decode("utf-8", "replace")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the frontend's process group, SIGKILL it after ``timeout_s``. Idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        stop_process_group(process, timeout_s)
+
+    def __enter__(self) -> "DynamoFrontend":
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
+    """Stop a child started with ``start_new_session=True``, and everything in its group."""
+    pgid = process.pid  # a session leader's group id is its pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # the leader may be gone while others in its group linger
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return process.wait()

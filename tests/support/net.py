@@ -1,0 +1,100 @@
+"""Loopback ports, and which sockets a set of processes listens on (read from /proc)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import Iterable
+
+import attrs
+
+_TCP_LISTEN = "0A"
+
+
+def free_port(below: int | None = None) -> int:
+    """A TCP port free on 127.0.0.1 right now: the OS picks it, or, with ``below``, a random free
+    one in [10000, below) (Dynamo's system port must fit a signed 16-bit int: below=32768)."""
+    if below is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, below)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found on 127.0.0.1 below {below}")
+
+
+@attrs.frozen
+class Listener:
+    pid: int
+    address: str  # "127.0.0.1", "0.0.0.0", "::1", "::"...
+    port: int
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.address in ("127.0.0.1", "::1", "::ffff:127.0.0.1") \
+            or self.address.startswith("127.")
+
+
+def listening_sockets(pids: Iterable[int]) -> list[Listener]:
+    """Every TCP socket in LISTEN state that one of ``pids`` holds (IPv4 and IPv6)."""
+    inode_to_pid = {}
+    for pid in pids:
+        for inode in _socket_inodes(pid):
+            inode_to_pid[inode] = pid
+    listeners = []
+    for table, parse in (("/proc/net/tcp", _ipv4), ("/proc/net/tcp6", _ipv6)):
+        for local, state, inode in _rows(table):
+            if state == _TCP_LISTEN and inode in inode_to_pid:
+                hex_address, hex_port = local.split(":")
+                listeners.append(Listener(inode_to_pid[inode], parse(hex_address), int(hex_port, 16)))
+    return listeners
+
+
+def non_loopback_listeners(pids: Iterable[int]) -> list[Listener]:
+    return [s for s in listening_sockets(pids) if not s.is_loopback]
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _rows(table: str):
+    try:
+        with open(table) as f:
+            lines = f.readlines()[1:]
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split()
+        yield fields[1], fields[3], fields[9]
+
+
+def _ipv4(hex_address: str) -> str:
+    return socket.inet_ntop(socket.AF_INET, bytes.fromhex(hex_address)[::-1])
+
+
+def _ipv6(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    # /proc prints the address as four little-endian 32-bit words
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return socket.inet_ntop(socket.AF_INET6, words)
