@@ -11,6 +11,7 @@ import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -150,6 +151,7 @@ class LoopClients:
     def __init__(self, settings: HttpSettings) -> None:
         self.settings = settings
         self._clients: dict[asyncio.AbstractEventLoop, LoopClient] = {}
+        self._keepers: dict[asyncio.AbstractEventLoop, Any] = {}
         self._lock = threading.Lock()
 
     def current(self) -> LoopClient:
@@ -163,11 +165,13 @@ class LoopClients:
     def _create(self, loop: asyncio.AbstractEventLoop) -> LoopClient:
         with self._lock:
             for dead in [lp for lp in self._clients if lp.is_closed()]:
-                del self._clients[dead]  # its sockets died with the loop's transports
+                del self._clients[dead]
+                self._keepers.pop(dead, None)
             client = self._clients.get(loop)
             if client is None:
                 client = make_loop_client(self.settings)
                 self._clients[loop] = client
+                self._keepers[loop] = _close_with_the_loop(client)
             return client
 
     @property
@@ -179,14 +183,40 @@ class LoopClients:
         running = asyncio.get_running_loop()
         with self._lock:
             clients, self._clients = self._clients, {}
+            keepers, self._keepers = self._keepers, {}
         for loop, client in clients.items():
+            keeper = keepers.get(loop)
             if loop is running:
-                await client.aclose()
+                await (keeper.aclose() if keeper is not None else client.aclose())
             elif loop.is_running():
-                asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+                asyncio.run_coroutine_threadsafe(
+                    keeper.aclose() if keeper is not None else client.aclose(), loop)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict:  # a copy builds its own clients where it runs
         return {"settings": self.settings}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["settings"])
+
+
+def _close_with_the_loop(client: LoopClient):
+    """An async generator, parked at its first yield, whose ``finally`` closes ``client``.
+
+    The loop tracks the async generators started on it and closes them when it shuts down
+    (``asyncio.run`` calls ``loop.shutdown_asyncgens()``), so a pool opened inside a short-lived
+    ``asyncio.run(...)`` closes its sockets with that loop instead of leaking them. The caller
+    keeps a strong reference: the loop's own reference is weak.
+    """
+    async def keeper():
+        try:
+            yield
+        finally:
+            await client.aclose()
+
+    generator = keeper()
+    step = generator.__anext__()  # registers the generator with the running loop
+    try:
+        step.send(None)  # runs up to the first yield, synchronously (nothing is awaited before it)
+    except StopIteration:
+        pass
+    return generator

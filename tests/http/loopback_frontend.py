@@ -49,6 +49,8 @@ class LoopbackFrontend:
         self.control_bodies: list[tuple[str, dict]] = []
         self.flushes = 0
         self.peers: set[tuple] = set()  # client sockets seen (host, port)
+        self.active = 0  # completions being answered now, and the most at once
+        self.peak_active = 0
         self._lock = threading.Lock()
         self._loop = LoopThread()
         self._runner: web.AppRunner | None = None
@@ -87,6 +89,14 @@ class LoopbackFrontend:
             return web.json_response({"error": {"message": f"injected {fault.status}"}},
                                      status=fault.status, headers=fault.headers)
         body = await request.json()
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        try:
+            return await self._answer(request, body)
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request, body: dict) -> web.Response:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if body.get("model") != MODEL:
@@ -119,7 +129,7 @@ class LoopbackFrontend:
             self.flushes += 1
             return web.json_response({"status": "ok", "flushed": True})
         if name == "weight_version":
-            return web.json_response({"status": "ok", "version": self.engine.weight_version()})
+            return web.json_response({"status": "ok", "weight_version": self.engine.weight_version()})
         if name == "refuse_with_200":
             return web.json_response({"status": "error", "message": "refused on purpose"})
         return web.Response(status=404, text="no such route")

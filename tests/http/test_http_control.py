@@ -76,7 +76,7 @@ def test_a_pickled_control_reaches_the_same_worker_and_hides_its_secret_in_repr(
     control = HttpWorkerControl("w0", server.url, secret=SECRET)
     copy = pickle.loads(pickle.dumps(control))
     assert SECRET not in repr(copy)
-    assert call(copy, "weight_version") == {"status": "ok", "version": 0}
+    assert call(copy, "weight_version") == {"status": "ok", "weight_version": 0}
 
 
 def test_metrics_sample_reads_the_workers_prometheus_text(server):

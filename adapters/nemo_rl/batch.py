@@ -1,0 +1,103 @@
+"""Batches at the driver's edge: torch tensors in, torch tensors out, NeMo-RL's layout."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.rollout import RolloutResult
+
+OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths",
+               "truncated")
+
+
+@attrs.frozen
+class PromptBatch:
+    prompts: tuple[list[int], ...]
+    stop_strings: tuple[Sequence[str] | None, ...]
+
+
+def read_batch(data: Any) -> PromptBatch:
+    """``input_ids`` [B, S] right-padded, ``input_lengths`` [B], optional ``stop_strings``."""
+    if not isinstance(data, Mapping) and not hasattr(data, "keys"):
+        raise InvalidValue("data", type(data).__name__, "must be a mapping of tensors "
+                           "(a dict or NeMo-RL's BatchedDataDict)")
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise InvalidValue("data", sorted(data.keys()), f"has no {key!r}")
+    input_ids, lengths = data["input_ids"], data["input_lengths"]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
+            or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise InvalidValue("input_ids", _describe(input_ids), "must be an integer tensor [B, S]")
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 \
+            or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise InvalidValue("input_lengths", _describe(lengths), "must be an integer tensor [B]")
+    batch_size, width = input_ids.shape
+    if batch_size < 1:
+        raise InvalidValue("input_ids", _describe(input_ids), "must hold at least one prompt")
+    if lengths.shape[0] != batch_size:
+        raise InvalidValue("input_lengths", _describe(lengths),
+                           f"must have one length per prompt ({batch_size})")
+    rows, lens = input_ids.tolist(), lengths.tolist()
+    for index, length in enumerate(lens):
+        if not 1 <= length <= width:
+            raise InvalidValue(f"input_lengths[{index}]", length, f"must be in [1, {width}]")
+    stops = data.get("stop_strings") if hasattr(data, "get") else None
+    if stops is None:
+        stops = (None,) * batch_size
+    elif isinstance(stops, str) or not isinstance(stops, Sequence) or len(stops) != batch_size:
+        raise InvalidValue("stop_strings", stops, f"must be one list (or None) per prompt ({batch_size})")
+    return PromptBatch(tuple(row[:n] for row, n in zip(rows, lens)), tuple(stops))
+
+
+def sample_output(prompt: list[int], result: RolloutResult) -> dict[str, torch.Tensor]:
+    """One sample in the contract's layout: L = prompt + generated, logprobs 0 at the prompt."""
+    generated = result.token_ids
+    total = len(prompt) + len(generated)
+    return {
+        "output_ids": torch.tensor([prompt + list(generated)], dtype=torch.long),
+        "logprobs": torch.tensor([[0.0] * len(prompt) + list(result.logprobs)], dtype=torch.float32),
+        "generation_lengths": torch.tensor([len(generated)], dtype=torch.long),
+        "unpadded_sequence_lengths": torch.tensor([total], dtype=torch.long),
+        "truncated": torch.tensor([result.truncated], dtype=torch.bool),
+    }
+
+
+def like(data: Any, out: dict[str, Any]) -> Any:
+    """``out`` in the caller's batch type (a dict subclass such as BatchedDataDict), else a dict."""
+    kind = type(data)
+    if kind is dict or not isinstance(data, (dict, Mapping)):
+        return out
+    try:
+        return kind(out)
+    except Exception:  # a mapping type that cannot be built from a dict: hand back a dict
+        return out
+
+
+def stack_outputs(samples: Sequence[Mapping[str, torch.Tensor]], pad_token_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """Per-sample outputs (in sample order) as one right-padded batch [B, max L]."""
+    if not samples:
+        raise InvalidValue("samples", [], "need at least one sample")
+    width = max(s["output_ids"].shape[1] for s in samples)
+    output_ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
+    for row, s in enumerate(samples):
+        n = s["output_ids"].shape[1]
+        output_ids[row, :n] = s["output_ids"][0]
+        logprobs[row, :n] = s["logprobs"][0]
+    return {
+        "output_ids": output_ids, "logprobs": logprobs,
+        **{key: torch.cat([s[key] for s in samples]) for key in
+           ("generation_lengths", "unpadded_sequence_lengths", "truncated")},
+    }
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__

@@ -1,0 +1,273 @@
+"""DynamoGeneration: NeMo-RL's generation interface over a Dynamo fleet.
+
+Torch tensors live only at this edge; inside, prompts become the core's RolloutRequests, the
+core's rollout client sends them (retrying transient failures) through the completions port,
+and each answer is assembled into the contract's tensors as soon as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
+from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
+from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
+from rollout_fleet.core.clock import Clock
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
+from rollout_fleet.core.refit import CollectiveSenderSpec
+from rollout_fleet.core.refit_service import RefitCoordinator
+from rollout_fleet.core.rollout import GREEDY, RolloutRequest, RolloutResult
+from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+from rollout_fleet.ports.completions import CompletionsTransport
+from rollout_fleet.ports.control import WorkerControl
+from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
+
+log = logging.getLogger(__name__)
+METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens")
+_REFIT_LATER = ("is not wired into DynamoGeneration yet (refit over the collective comes with "
+                "the refit issue); the fleet serves rollouts and cache invalidation today")
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+class DynamoGeneration:
+    """A drop-in generation backend with the shape of NeMo-RL's ``GenerationInterface``.
+
+    Owns (and stops at ``shutdown``) only what it was handed in ``owned``: the fleet, when
+    built from one. A pickled copy keeps the config, the frontend URL and the workers' control
+    endpoints (with the secret); it generates and invalidates caches, owns nothing, and its
+    ``shutdown`` releases only its own connections.
+    """
+
+    def __init__(self, config: GenerationConfig, *, frontend_url: str,
+                 transport: CompletionsTransport, controls: Sequence[WorkerControl],
+                 metrics: Sequence[WorkerMetrics] = (), owned: Sequence[Stoppable] = (),
+                 clock: Clock | None = None) -> None:
+        if not isinstance(config, GenerationConfig):
+            raise InvalidValue("config", type(config).__name__, "must be a GenerationConfig")
+        self.config = config
+        self.frontend_url = frontend_url
+        self._transport = transport
+        self._controls = tuple(controls)
+        self._metrics = tuple(metrics)
+        self._owned = tuple(owned)
+        self.is_copy = False
+        self._limits = RolloutLimits(config.max_model_len, config.max_new_tokens,
+                                     config.stop_strings, config.context_limit_policy)
+        self._sampling = config.sampling
+        self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
+        self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,
+                                       timeout_s=config.control_timeout_s or 600.0)
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        self._helper = HelperLoop("dynamo-generation")
+        self._sampler = None
+        self._started_at = time.monotonic()
+        self._timelines = _empty_timelines(self._metrics)
+        self._shut_down = False
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, data: Any, greedy: bool = False) -> Any:
+        raise NotImplementedError(
+            "DynamoGeneration serves a fleet asynchronously and has no blocking generate(): "
+            "use `async for index, sample in generation.generate_async(data, greedy)`")
+
+    async def generate_async(self, data: Any, greedy: bool = False
+                             ) -> AsyncIterator[tuple[int, Any]]:
+        """Yield ``(sample_index, one-sample output)`` as each rollout finishes."""
+        self._check_open()
+        if not isinstance(greedy, bool):
+            raise InvalidValue("greedy", greedy, "must be a bool")
+        batch = read_batch(data)
+        requests = self._requests(batch, GREEDY if greedy else self._sampling)
+        self._start_sampler()
+        semaphore = self._semaphore()
+
+        async def one(index: int, request: RolloutRequest) -> tuple[int, RolloutResult]:
+            async with semaphore:
+                return index, await self._client.rollout(request)
+
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
+        try:
+            for finished in asyncio.as_completed(tasks):
+                index, result = await finished
+                self._check_result(index, batch.prompts[index], requests[index], result)
+                yield index, like(data, sample_output(batch.prompts[index], result))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _requests(self, batch, sampling) -> list[RolloutRequest]:
+        requests = []
+        for index, (prompt, stops) in enumerate(zip(batch.prompts, batch.stop_strings)):
+            try:
+                requests.append(self._limits.request(self._next_id(), prompt, sampling=sampling,
+                                                     stop_strings=stops))
+            except InvalidValue as exc:
+                raise type(exc)(f"sample {index}: {exc.field}", exc.value, exc.rule) from None
+        return requests
+
+    def _check_result(self, index: int, prompt: list[int], request: RolloutRequest,
+                      result: RolloutResult) -> None:
+        """The fleet must stay within the budget and the context window it was given."""
+        generated = len(result.token_ids)
+        if generated > request.max_new_tokens or len(prompt) + generated > self.config.max_model_len:
+            raise WireError(
+                f"sample {index} ({request.request_id}): the fleet returned {generated} tokens "
+                f"for a budget of {request.max_new_tokens} after a {len(prompt)}-token prompt "
+                f"(max_model_len={self.config.max_model_len})")
+
+    def _next_id(self) -> str:
+        return f"rollout-{self._id_prefix}-{next(self._ids)}"
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        semaphore = self._semaphores.get(loop)
+        if semaphore is None:
+            for dead in [lp for lp in self._semaphores if lp.is_closed()]:
+                del self._semaphores[dead]
+            semaphore = self._semaphores[loop] = asyncio.Semaphore(self.config.max_concurrency)
+        return semaphore
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        self._check_open()
+        self._start_sampler()
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """The end of a generation phase: no rollout may be served from stale cache after it."""
+        return self.invalidate_kv_cache()
+
+    def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
+        """Flush every worker's prefix/KV cache; WorkerFailures names each worker that failed."""
+        self._check_open()
+        self._helper.run(self.ainvalidate_kv_cache())
+        return True
+
+    async def ainvalidate_kv_cache(self) -> bool:
+        await self._refit.invalidate_caches()
+        return True
+
+    def shutdown(self) -> bool:
+        """Stop what this driver owns (safe to repeat); a copy stops nothing but its connections."""
+        if self._shut_down:
+            return True
+        self._shut_down = True
+        if self._sampler is not None:
+            self._sampler.cancel()
+        if self._helper.started:
+            try:
+                self._helper.run(self._close_connections(), timeout_s=30)
+            except Exception as exc:  # closing sockets must not keep the fleet from stopping
+                log.warning("closing the driver's connections failed: %s", exc)
+        self._helper.close()
+        for thing in self._owned:
+            thing.stop()
+        return True
+
+    async def _close_connections(self) -> None:
+        await self._transport.aclose()
+        for closeable in {id(c): c for c in (*self._controls, *self._metrics)}.values():
+            clients = getattr(closeable, "clients", None)
+            if clients is not None:
+                await clients.aclose()
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RolloutFleetError("this DynamoGeneration was shut down")
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(c.worker_id for c in self._controls)
+
+    def get_inference_world_size(self) -> int:
+        return len(self._controls) * self.config.ranks_per_worker
+
+    def get_collective_sender_spec(self) -> CollectiveSenderSpec:
+        return self.config.sender_spec
+
+    # -- metrics ------------------------------------------------------------------------------
+    def get_logger_metrics(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
+        """Per-worker timelines ``{quantity: {worker_id: [(seconds since start, value), ...]}}``."""
+        return {key: {w: list(points) for w, points in per_worker.items()}
+                for key, per_worker in self._timelines.items()}
+
+    def clear_logger_metrics(self) -> None:
+        for per_worker in self._timelines.values():
+            for points in per_worker.values():
+                points.clear()
+
+    def sample_worker_metrics(self) -> list[WorkerLoad]:
+        """Take one sample of every worker now (also what the periodic sampler does)."""
+        self._check_open()
+        return self._helper.run(self._sample_once())
+
+    async def _sample_once(self) -> list[WorkerLoad]:
+        answers = await asyncio.gather(*(m.sample() for m in self._metrics), return_exceptions=True)
+        at = time.monotonic() - self._started_at
+        loads = []
+        for source, answer in zip(self._metrics, answers):
+            if isinstance(answer, BaseException):
+                log.warning("metrics of worker %s unavailable: %s", source.worker_id, answer)
+                continue
+            loads.append(answer)
+            for key in METRIC_KEYS:
+                value = getattr(answer, key)
+                if value is not None:
+                    self._timelines[key][answer.worker_id].append((at, value))
+        return loads
+
+    def _start_sampler(self) -> None:
+        if self._sampler is not None or not self._metrics or self.config.metrics_interval_s <= 0:
+            return
+        self._sampler = self._helper.spawn(self._sample_forever(self.config.metrics_interval_s))
+
+    async def _sample_forever(self, interval_s: float) -> None:
+        while True:
+            await self._sample_once()
+            await asyncio.sleep(interval_s)
+
+    # -- refit: filled in by the refit issue ---------------------------------------------------
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
+        raise NotImplementedError(f"init_collective {_REFIT_LATER}")
+
+    def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> None:
+        raise NotImplementedError(f"prepare_refit_info {_REFIT_LATER}")
+
+    def update_weights_from_collective(self) -> list:
+        raise NotImplementedError(f"update_weights_from_collective {_REFIT_LATER}")
+
+    def update_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> list:
+        raise NotImplementedError(
+            "update_weights_via_ipc_zmq needs the trainer and the engines to share GPUs in one "
+            "process group (CUDA IPC); a Dynamo fleet's workers are separate servers and receive "
+            "weights over the collective: use init_collective + update_weights_from_collective")
+
+    # -- pickling -----------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "frontend_url": self.frontend_url,
+                "transport": self._transport, "controls": self._controls}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"], frontend_url=state["frontend_url"],
+                      transport=state["transport"], controls=state["controls"])
+        self.is_copy = True
+
+    def __repr__(self) -> str:
+        kind = "copy" if self.is_copy else "owner"
+        return f"DynamoGeneration({self.frontend_url!r}, workers={list(self.worker_ids)}, {kind})"
+
+
+def _empty_timelines(metrics: Sequence[WorkerMetrics]) -> dict[str, dict[str, list]]:
+    return {key: {m.worker_id: [] for m in metrics} for key in METRIC_KEYS}
