@@ -1,0 +1,61 @@
+"""Trainer-side helper: join a refit group and send a state dict, from any torch loop.
+
+A trainer with several ranks (NeMo-RL's policy workers) calls this on every rank: rank 0
+sends; the other trainer ranks join the group, so its world size is checked, and return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
+from rollout_fleet.adapters.collective.transfer import TorchWeightSender
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, dtype_name
+
+
+def refit_info_of(state_dict: Mapping[str, Any]) -> RefitInfo:
+    """The refit info of a state dict, in its iteration order."""
+    return RefitInfo.from_state_dict_info(
+        {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in state_dict.items()})
+
+
+class TrainerRefitSession:
+    """One trainer rank's membership of a refit group; send as many refits as needed, then close."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *,
+                 train_world_size: int = 1, backend: str = "gloo", timeout_s: float = 60.0,
+                 spec: CollectiveSenderSpec | None = None) -> None:
+        self.group: CollectiveGroup = init_group(host, port, rank, world_size, backend, timeout_s,
+                                                 train_world_size=train_world_size)
+        self.sender = TorchWeightSender(self.group, spec)
+
+    @property
+    def port(self) -> int:
+        return self.group.port
+
+    def send_state_dict(self, state_dict: Mapping[str, Any],
+                        info: RefitInfo | None = None) -> RefitInfo:
+        """Send ``state_dict`` (on rank 0; a no-op elsewhere); returns the refit info it used."""
+        info = info if info is not None else refit_info_of(state_dict)
+        self.sender.send(info, state_dict)
+        return info
+
+    def close(self) -> None:
+        self.sender.close()
+
+    def __enter__(self) -> "TrainerRefitSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def send_state_dict(state_dict: Mapping[str, Any], *, host: str, port: int, rank: int,
+                    world_size: int, train_world_size: int = 1, backend: str = "gloo",
+                    timeout_s: float = 60.0, spec: CollectiveSenderSpec | None = None,
+                    info: RefitInfo | None = None) -> RefitInfo:
+    """Join the group, send one refit, leave: the one-shot form of :class:`TrainerRefitSession`."""
+    with TrainerRefitSession(host, port, rank, world_size, train_world_size=train_world_size,
+                             backend=backend, timeout_s=timeout_s, spec=spec) as session:
+        return session.send_state_dict(state_dict, info)

@@ -1,0 +1,222 @@
+"""Weight sender and receiver over a refit group: a header check, then packed buffers.
+
+Before the first byte, every data rank contributes its header row (protocol, buffer bytes,
+buffers in flight, a hash of the refit info, total bytes, role) to one small all-reduce, so
+every rank sees every other rank's header and a mismatch is the same clear error everywhere.
+
+Then the sender packs bucket k+1 while bucket k's broadcast is in flight: ``num_buffers``
+buffers rotate, and a buffer is refilled only after its previous broadcast completed.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
+from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket, unpack_bucket
+from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.refit import (
+    Bucket, CollectiveSenderSpec, RefitInfo, max_bucket_bytes, plan_buckets,
+)
+from rollout_fleet.ports.collective import WeightReceiver, WeightSender
+
+HEADER_FORMAT = 1
+HEADER_FIELDS = ("header_format", "protocol", "buffer_bytes", "num_buffers", "refit_info",
+                 "total_bytes", "role")
+SENDER, RECEIVER = 1, 2
+
+
+def _hash63(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def info_digest(info: RefitInfo) -> int:
+    return _hash63(json.dumps(info.to_wire(), sort_keys=True, separators=(",", ":")))
+
+
+def header_row(spec: CollectiveSenderSpec, info: RefitInfo, role: int) -> list[int]:
+    return [HEADER_FORMAT, _hash63(spec.protocol), spec.buffer_bytes, spec.num_buffers,
+            info_digest(info), info.total_bytes, role]
+
+
+def exchange_headers(group: CollectiveGroup, spec: CollectiveSenderSpec, info: RefitInfo,
+                     role: int) -> None:
+    """Every data rank learns every header; any difference raises the same RefitError on all."""
+    table = torch.zeros((group.data_size, len(HEADER_FIELDS)), dtype=torch.int64,
+                        device=group.device)
+    table[group.data_rank] = torch.tensor(header_row(spec, info, role), dtype=torch.int64)
+    group.wait(group.all_reduce_sum(table), "the header exchange")
+    rows = table.cpu().tolist()
+    problems = _header_problems(rows, group.train_world_size)
+    if problems:
+        raise group.fail("the header check", "sender and receivers disagree on the refit: "
+                         + "; ".join(problems))
+
+
+def _group_rank(data_rank: int, train_world_size: int) -> int:
+    return 0 if data_rank == 0 else data_rank - 1 + train_world_size
+
+
+def _header_problems(rows: list[list[int]], train_world_size: int) -> list[str]:
+    sender = dict(zip(HEADER_FIELDS, rows[0]))
+    problems = []
+    if sender["role"] != SENDER:
+        problems.append("rank 0 is not sending")
+    for data_rank, row in enumerate(rows[1:], start=1):
+        mine = dict(zip(HEADER_FIELDS, row))
+        who = f"rank {_group_rank(data_rank, train_world_size)}"
+        if mine["role"] != RECEIVER:
+            problems.append(f"{who} is not receiving")
+            continue
+        for field in HEADER_FIELDS[:-1]:
+            if mine[field] != sender[field]:
+                problems.append(_describe(who, field, mine[field], sender[field]))
+    return problems
+
+
+def _describe(who: str, field: str, theirs: int, senders: int) -> str:
+    if field in ("protocol", "refit_info"):
+        return f"{who} has a different {field} (hash {theirs:#x} vs the sender's {senders:#x})"
+    return f"{who} has {field}={theirs}, the sender has {field}={senders}"
+
+
+def _tensor_stream(info: RefitInfo, named_tensors: Any) -> Iterator[tuple[str, Any]]:
+    """Tensors in info order. A mapping is checked whole before any byte moves."""
+    if isinstance(named_tensors, Mapping):
+        unknown = sorted(set(named_tensors) - {t.name for t in info.tensors})
+        if unknown:
+            raise InvalidValue("tensor name", unknown, "not in the refit info")
+        for meta in info.tensors:
+            if meta.name not in named_tensors:
+                raise InvalidValue("tensor name", meta.name, "in the refit info, missing from the"
+                                   " state dict")
+            check_tensor(meta, meta.name, named_tensors[meta.name])
+        return iter([(t.name, named_tensors[t.name]) for t in info.tensors])
+    return iter(named_tensors)
+
+
+class TorchWeightSender(WeightSender):
+    """Trainer side. On rank 0 it sends; on other trainer ranks ``send`` does nothing."""
+
+    def __init__(self, group: CollectiveGroup, spec: CollectiveSenderSpec | None = None) -> None:
+        if group.data_rank not in (0, None):
+            raise InvalidValue("rank", group.rank, "a sender is a trainer rank")
+        self.group = group
+        self.spec = spec or CollectiveSenderSpec()
+
+    def send(self, info: RefitInfo, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        if not self.group.is_sender:
+            return
+        self.group.check_usable()
+        stream = _tensor_stream(info, named_tensors)
+        plan = plan_buckets(info.tensors, self.spec.buffer_bytes)
+        exchange_headers(self.group, self.spec, info, SENDER)
+        try:
+            self._send_buckets(plan, stream)
+        except InvalidValue as exc:
+            self.group.fail("sending", f"the tensors did not match the refit info: {exc}")
+            raise
+
+    def _send_buckets(self, plan: tuple[Bucket, ...], stream: Iterator[tuple[str, Any]]) -> None:
+        slots = self._slots(plan)
+        in_flight: collections.deque = collections.deque()  # (bucket index, work), oldest first
+        sent = 0
+        for index, bucket in enumerate(plan):
+            tensors = [self._next_tensor(stream, entry.meta) for entry in bucket.entries]
+            if bucket.nbytes == 0:
+                continue
+            if len(in_flight) == len(slots):  # the oldest broadcast still holds this slot
+                self._wait(in_flight.popleft(), plan)
+            slot = slots[sent % len(slots)]
+            pack_bucket(slot, bucket, tensors)
+            in_flight.append((index, self.group.broadcast(slot[:bucket.nbytes])))
+            sent += 1
+        while in_flight:
+            self._wait(in_flight.popleft(), plan)
+
+    def _slots(self, plan: tuple[Bucket, ...]) -> list[torch.Tensor]:
+        count = min(self.spec.num_buffers, sum(1 for b in plan if b.nbytes)) or 1
+        size = max_bucket_bytes(plan)
+        return [torch.empty(size, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
+
+    @staticmethod
+    def _next_tensor(stream: Iterator[tuple[str, Any]], meta: Any) -> torch.Tensor:
+        try:
+            name, tensor = next(stream)
+        except StopIteration:
+            raise InvalidValue("tensor name", meta.name, "the tensors ran out before it") from None
+        check_tensor(meta, name, tensor)
+        return tensor
+
+    def _wait(self, indexed_work: tuple[int, Any], plan: tuple[Bucket, ...]) -> None:
+        index, work = indexed_work
+        self.group.wait(work, f"bucket {index + 1}/{len(plan)}")
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class TorchWeightReceiver(WeightReceiver):
+    """Worker side, one per worker rank.
+
+    ``receive`` yields views into a packed block that is handed over and never reused: each
+    bucket is received into a fresh block, so the tensors stay valid however long the consumer
+    keeps them (a dict of them, an engine that holds references), and no copy is made out of
+    the buffer. At most ``num_buffers`` blocks are in flight; on a GPU the caching allocator
+    recycles the blocks the consumer has dropped.
+    """
+
+    def __init__(self, group: CollectiveGroup, spec: CollectiveSenderSpec | None = None) -> None:
+        if not group.data_rank:
+            raise InvalidValue("rank", group.rank, "a receiver is a worker rank, not a trainer rank")
+        self.group = group
+        self.spec = spec or CollectiveSenderSpec()
+
+    def receive(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
+        self.group.check_usable()
+        plan = plan_buckets(info.tensors, self.spec.buffer_bytes)
+        exchange_headers(self.group, self.spec, info, RECEIVER)
+        finished = False
+        try:
+            yield from self._receive_buckets(plan)
+            finished = True
+        finally:
+            if not finished and not self.group.broken:
+                self.group.broken = "the receiver stopped before the last bucket"
+
+    def _receive_buckets(self, plan: tuple[Bucket, ...]) -> Iterator[tuple[str, Any]]:
+        moving = [index for index, bucket in enumerate(plan) if bucket.nbytes]
+        posted: collections.deque = collections.deque()
+        for index in moving[:self.spec.num_buffers]:
+            posted.append(self._post(plan[index]))
+        next_to_post = len(posted)
+        for index, bucket in enumerate(plan):
+            if bucket.nbytes == 0:
+                yield from unpack_bucket(torch.empty(0, dtype=torch.uint8, device=self.group.device),
+                                         bucket)
+                continue
+            block, work = posted.popleft()
+            self.group.wait(work, f"bucket {index + 1}/{len(plan)}")
+            if next_to_post < len(moving):
+                posted.append(self._post(plan[moving[next_to_post]]))
+                next_to_post += 1
+            yield from unpack_bucket(block, bucket)
+
+    def _post(self, bucket: Bucket) -> tuple[torch.Tensor, Any]:
+        block = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+        return block, self.group.broadcast(block)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def make_receiver(host: str, port: int, rank: int, world_size: int, spec: CollectiveSenderSpec,
+                  timeout_s: float, *, backend: str = "gloo") -> TorchWeightReceiver:
+    """Join the group as worker rank ``rank`` and return its receiver (the worker's factory shape)."""
+    return TorchWeightReceiver(init_group(host, port, rank, world_size, backend, timeout_s), spec)

@@ -1,0 +1,147 @@
+"""Real gloo groups whose ranks are threads of this process: validation, reuse, abandonment."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rollout_fleet.adapters.collective import (
+    TorchWeightReceiver, TorchWeightSender, init_group, make_receiver,
+)
+from rollout_fleet.adapters.collective.packing import as_bytes, pack_bucket, unpack_bucket
+from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.core.errors import InvalidValue, RefitError
+from rollout_fleet.core.refit import CollectiveSenderSpec, plan_buckets
+from tests.collective import peers
+from tests.collective.harness import free_port
+
+pytestmark = pytest.mark.collective
+SPEC = CollectiveSenderSpec(buffer_bytes=2048, num_buffers=2)
+
+
+def in_threads(*calls):
+    results: list = [None] * len(calls)
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # reported to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+@pytest.fixture
+def pair():
+    port = free_port()
+    sender_group, receiver = in_threads(
+        lambda: init_group("127.0.0.1", port, 0, 2, "gloo", 15.0),
+        lambda: make_receiver("127.0.0.1", port, 1, 2, SPEC, 15.0))
+    yield TorchWeightSender(sender_group, SPEC), receiver
+    sender_group.close()
+    receiver.close()
+
+
+def test_packing_round_trips_every_dtype_and_shape_bit_exact():
+    tensors = peers.make_state_dict(3)
+    info = refit_info_of(tensors)
+    for bucket in plan_buckets(info.tensors, 512):
+        block = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        pack_bucket(block, bucket, [tensors[e.meta.name] for e in bucket.entries])
+        for name, view in unpack_bucket(block, bucket):
+            assert view.dtype == tensors[name].dtype and view.shape == tensors[name].shape
+            assert torch.equal(as_bytes(view), as_bytes(tensors[name]))
+
+
+def test_a_non_contiguous_tensor_is_packed_by_value():
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    info = refit_info_of({"t": tensor})
+    (bucket,) = plan_buckets(info.tensors, 1 << 10)
+    block = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pack_bucket(block, bucket, [tensor])
+    assert torch.equal(dict(unpack_bucket(block, bucket))["t"], tensor)
+
+
+def test_a_bad_state_dict_is_refused_before_any_byte_and_the_group_stays_usable(pair):
+    sender, receiver = pair
+    tensors = peers.make_state_dict(5)
+    info = refit_info_of(tensors)
+    wrong = dict(tensors, **{"embed.weight": torch.zeros(2, 2)})
+    with pytest.raises(InvalidValue, match="shape of 'embed.weight'"):
+        sender.send(info, wrong)
+    with pytest.raises(InvalidValue, match="not in the refit info"):
+        sender.send(info, dict(tensors, extra=torch.zeros(1)))
+    sent, received = in_threads(lambda: sender.send(info, tensors),
+                                lambda: list(receiver.receive(info)))
+    assert sent is None
+    assert [n for n, _ in received] == list(tensors)
+    assert all(torch.equal(as_bytes(t), as_bytes(tensors[n])) for n, t in received)
+
+
+def test_received_tensors_stay_valid_after_later_buckets_arrive(pair):
+    # Views into handed-over blocks: keeping every tensor of several refits must not alias.
+    sender, receiver = pair
+    kept = []
+    for seed in (1, 2):
+        tensors = peers.make_state_dict(seed)
+        info = refit_info_of(tensors)
+        _, received = in_threads(lambda: sender.send(info, tensors),
+                                 lambda: list(receiver.receive(info)))
+        kept.append((tensors, received))
+    for tensors, received in kept:
+        assert all(torch.equal(as_bytes(t), as_bytes(tensors[n])) for n, t in received)
+
+
+def test_a_receiver_abandoned_mid_refit_refuses_to_be_reused(pair):
+    sender, receiver = pair
+    tensors = peers.make_state_dict(4)
+    info = refit_info_of(tensors)
+
+    def take_two():
+        stream = receiver.receive(info)
+        got = [next(stream), next(stream)]
+        stream.close()
+        return got
+
+    in_threads(lambda: sender.send(info, tensors), take_two)
+    with pytest.raises(RefitError, match="stopped before the last bucket"):
+        list(receiver.receive(info))
+
+
+def test_a_worker_adopts_the_trainer_world_size_of_rank_0():
+    port = free_port()
+    groups = in_threads(
+        lambda: init_group("127.0.0.1", port, 0, 4, "gloo", 15.0, train_world_size=2),
+        lambda: init_group("127.0.0.1", port, 1, 4, "gloo", 15.0, train_world_size=2),
+        lambda: init_group("127.0.0.1", port, 2, 4, "gloo", 15.0),
+        lambda: init_group("127.0.0.1", port, 3, 4, "gloo", 15.0))
+    try:
+        assert [g.train_world_size for g in groups] == [2, 2, 2, 2]
+        assert [g.data_rank for g in groups] == [0, None, 1, 2]
+        with pytest.raises(InvalidValue, match="a receiver is a worker rank"):
+            TorchWeightReceiver(groups[1], SPEC)
+    finally:
+        for g in groups:
+            g.close()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(rank=3, world_size=3), "rank"),
+    (dict(rank=0, world_size=1), "world_size"),
+    (dict(rank=0, world_size=3, backend="mpi"), "backend"),
+    (dict(rank=0, world_size=3, train_world_size=3), "train_world_size"),
+    (dict(rank=0, world_size=3, timeout_s=0), "timeout_s"),
+])
+def test_bad_group_arguments_are_refused_naming_the_field(kwargs, field):
+    args = dict(host="127.0.0.1", port=free_port(), backend="gloo", timeout_s=5.0) | kwargs
+    with pytest.raises(InvalidValue) as caught:
+        init_group(**args)
+    assert caught.value.field == field
