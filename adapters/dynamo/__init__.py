@@ -1,9 +1,22 @@
-"""Dynamo adapter: serve any engine port through Dynamo's backend SDK, run Dynamo's frontend."""
+"""Dynamo adapter: serve any engine port through Dynamo's backend SDK, run Dynamo's frontend.
 
-from rollout_fleet.adapters.dynamo.adapter import CONTROL_SECRET_FIELD, DynamoEngineAdapter
-from rollout_fleet.adapters.dynamo.endpoint import start_dynamo_endpoint
+The names that need Dynamo itself load on first use, so ``env`` and ``frontend`` can be used
+before Dynamo is imported: its runtime reads DYN_LOG and friends once, when it loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend, FrontendError, stop_process_group
+
+_LAZY = {
+    "CONTROL_SECRET_FIELD": "rollout_fleet.adapters.dynamo.adapter",
+    "DynamoEngineAdapter": "rollout_fleet.adapters.dynamo.adapter",
+    "start_dynamo_endpoint": "rollout_fleet.adapters.dynamo.endpoint",
+}
 
 __all__ = [
     "CONTROL_SECRET_FIELD",
@@ -15,3 +28,10 @@ __all__ = [
     "start_dynamo_endpoint",
     "stop_process_group",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

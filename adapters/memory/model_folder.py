@@ -11,6 +11,7 @@ Written with plain ``json``: the folder needs no ``tokenizers`` or ``transformer
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -44,7 +45,10 @@ def write_model_folder(folder: str | Path, *, context_length: int = 256) -> Path
                                     "unk_token": EOS_TOKEN, "pad_token": EOS_TOKEN},
     }
     for name, content in files.items():
-        (path / name).write_text(json.dumps(content, indent=1) + "\n", encoding="utf-8")
+        # Write then rename: several workers may write the same folder while others read it.
+        staged = path / f".{name}.{os.getpid()}.tmp"
+        staged.write_text(json.dumps(content, indent=1) + "\n", encoding="utf-8")
+        os.replace(staged, path / name)
     return path
 
 
