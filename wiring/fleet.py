@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -33,6 +33,9 @@ from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import ConfigError, FleetConfig
 from rollout_fleet.wiring.netns import in_private_netns
+
+if TYPE_CHECKING:
+    from rollout_fleet.adapters.nemo_rl import DynamoGeneration
 
 logger = logging.getLogger("rollout_fleet.fleet")
 _LOG_TAIL = 3000
@@ -152,6 +155,27 @@ class Fleet:
     @property
     def control_urls(self) -> dict[str, str]:
         return {w.name: self.control_url(w) for w in self.workers}
+
+    def generation(self, **overrides: Any) -> "DynamoGeneration":
+        """A DynamoGeneration over this fleet (``overrides``: GenerationConfig fields).
+
+        It does not own the fleet: ``fleet.shutdown()`` stops the fleet.
+        """
+        from rollout_fleet.adapters.nemo_rl import GenerationConfig
+        from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation
+
+        c = self.config
+        settings = {
+            "model": c.served_model_name, "max_model_len": c.max_model_len,
+            "max_new_tokens": c.max_new_tokens, "stop_strings": tuple(c.stop_strings),
+            "context_limit_policy": c.context_limit_policy, "max_concurrency": c.max_in_flight,
+            "retry": c.retry.policy(), "ranks_per_worker": c.ranks_per_worker,
+            "sender_spec": c.refit.spec(), "control_timeout_s": c.timeouts.refit_s,
+        } | overrides
+        return build_generation(
+            GenerationConfig(**settings), frontend_url=self.frontend_url,
+            workers=[WorkerEndpoint(name, url) for name, url in self.control_urls.items()],
+            control_secret=self.secret)
 
     def dead_workers(self) -> list[str]:
         return sorted(name for name, alive in self.placement.alive().items() if not alive)

@@ -1,0 +1,113 @@
+"""A fleet of in-memory-engine workers on real Ray, behind the real Dynamo frontend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollout_fleet.wiring.config import ConfigError, parse_config
+from rollout_fleet.wiring.fleet import Fleet, FleetStartError
+from tests.driver.conftest import check_sample, collect, engine_answers, mixed_batch
+from tests.fleet.helpers import (
+    assert_nothing_left, fleet_ports, non_loopback_fleet_listeners, own_children_before,
+)
+
+pytestmark = pytest.mark.ray
+MAX_MODEL_LEN, MAX_NEW = 128, 12
+
+
+def memory_config(**overrides):
+    settings = {"engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN},
+                "served_model_name": "mem", "num_workers": 2, "max_model_len": MAX_MODEL_LEN,
+                "max_new_tokens": MAX_NEW, "timeouts": {"start_s": 120}} | overrides
+    return parse_config(settings)
+
+
+@pytest.mark.parametrize("discovery", ["file", "etcd"])
+def test_a_fleet_serves_rollouts_equal_to_the_engine_and_stops_clean(discovery):
+    before = own_children_before()
+    fleet = Fleet.start(memory_config(discovery=discovery))
+    try:
+        pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
+        ports = fleet_ports(fleet)
+        assert non_loopback_fleet_listeners(fleet) == []
+        generation = fleet.generation()
+        prompts, data = mixed_batch(128, seed=3)
+        pairs = asyncio.run(collect(generation, data, greedy=True))
+        answers = engine_answers(prompts, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN)
+        assert sorted(i for i, _ in pairs) == list(range(128))
+        for index, sample in pairs:
+            check_sample(sample, prompts[index], answers[index])
+        served = [generation_stats["served"] for generation_stats in _stats(fleet)]
+        assert sum(served) >= 128 and all(s > 0 for s in served), f"one worker got nothing: {served}"
+        metrics = generation.get_logger_metrics()
+        assert set(metrics) >= {"generated_tokens"}
+        generation.shutdown()
+    finally:
+        fleet.shutdown()
+        fleet.shutdown()  # safe to repeat
+    assert_nothing_left(pgids, ports, before)
+
+
+def _stats(fleet):
+    from rollout_fleet.wiring.fleet import call_control
+
+    return [call_control(url, "stats", fleet.secret) for url in fleet.control_urls.values()]
+
+
+def test_a_failed_start_names_the_worker_and_cleans_up():
+    before = own_children_before()
+    config = memory_config(engine={"kind": "memory", "no_such_option": 1}, num_workers=1,
+                           timeouts={"start_s": 60})
+    with pytest.raises(FleetStartError) as info:
+        Fleet.start(config)
+    assert "worker-0" in str(info.value) and "no_such_option" in str(info.value)
+    assert_nothing_left([], [], before)
+
+
+def test_a_port_in_use_is_refused_before_anything_starts():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ConfigError) as info:
+            memory_config(frontend_port=busy.getsockname()[1])
+    assert "already in use" in str(info.value)
+
+
+def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing():
+    engine = {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN, "token_delay_s": 0.02}
+    fleet = Fleet.start(memory_config(engine=engine, retry={"max_attempts": 8, "base_delay_s": 0.2}))
+    try:
+        generation = fleet.generation()
+        prompts, data = mixed_batch(48, seed=5)
+        answers = engine_answers(prompts, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN)
+        results, errors = {}, []
+
+        async def run_batch():
+            async def killer():
+                await asyncio.sleep(0.3)  # rollouts are in flight on both workers by now
+                await asyncio.to_thread(fleet.kill_worker, "worker-0")
+            kill = asyncio.ensure_future(killer())
+            try:
+                async for index, sample in generation.generate_async(data, greedy=True):
+                    assert index not in results, f"sample {index} yielded twice"
+                    results[index] = sample
+            except Exception as exc:  # noqa: BLE001 - a clear error is an allowed outcome
+                errors.append(exc)
+            await kill
+
+        asyncio.run(run_batch())
+        assert fleet.dead_workers() == ["worker-0"]
+        for index, sample in results.items():
+            check_sample(sample, prompts[index], answers[index])
+        if errors:
+            assert "worker" in str(errors[0]).lower() or "attempt" in str(errors[0]), errors[0]
+        else:
+            assert sorted(results) == list(range(48)), "a rollout was silently lost"
+        generation.shutdown()
+    finally:
+        fleet.shutdown()
