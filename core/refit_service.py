@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import attrs
+
 from rollout_fleet.core.errors import InvalidValue, RefitError, WorkerFailures
 from rollout_fleet.core.refit import CollectiveSenderSpec, RankLayout, RefitInfo, TensorMeta
 
@@ -24,6 +26,29 @@ class WorkerControlLike(Protocol):
                    ) -> Mapping[str, Any]: ...
 
 
+@attrs.frozen
+class ControlCall:
+    """One control request to one worker, not yet sent (a driver may run it where it likes)."""
+
+    control: Any  # WorkerControlLike
+    name: str
+    body: Mapping[str, Any]
+
+    @property
+    def worker_id(self) -> str:
+        return self.control.worker_id
+
+
+async def run_control_call(call: ControlCall, timeout_s: float) -> Mapping[str, Any]:
+    """Send one control call, bounded by ``timeout_s``."""
+    try:
+        return await asyncio.wait_for(call.control.call(call.name, call.body, timeout_s=timeout_s),
+                                      timeout_s)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise RefitError(f"{call.name} on worker {call.worker_id} timed out after "
+                         f"{timeout_s:.0f} s") from None
+
+
 class RefitCoordinator:
     """Driver side of a refit, across every worker."""
 
@@ -31,34 +56,40 @@ class RefitCoordinator:
                  timeout_s: float = 600.0) -> None:
         self._controls = list(controls)
         self._ranks_per_worker = ranks_per_worker
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
 
     def layout(self, train_world_size: int) -> RankLayout:
         return RankLayout(train_world_size, len(self._controls), self._ranks_per_worker)
 
-    def init_collective_calls(self, host: str, port: int, world_size: int, train_world_size: int,
-                              spec: CollectiveSenderSpec) -> list[Awaitable[Mapping[str, Any]]]:
-        """One awaitable per worker; the world size is checked before any worker is asked."""
+    def init_collective_plan(self, host: str, port: int, world_size: int, train_world_size: int,
+                             spec: CollectiveSenderSpec) -> list[ControlCall]:
+        """One call per worker; the world size is checked before any worker is asked."""
         layout = self.layout(train_world_size)
         layout.check_world_size(world_size)
-        return [self._call(control, "init_collective", {
+        return [ControlCall(control, "init_collective", {
             "host": host, "port": port, "world_size": world_size,
-            "rank": layout.worker_rank(index), "sender_spec": spec.to_wire(),
-            "timeout_s": self._timeout_s,
+            "rank": layout.worker_rank(index), "train_world_size": train_world_size,
+            "sender_spec": spec.to_wire(), "timeout_s": self.timeout_s,
         }) for index, control in enumerate(self._controls)]
 
-    async def prepare_refit_info(self, info: RefitInfo) -> None:
-        await self._everywhere("prepare_refit_info", {"refit_info": info.to_wire()})
+    def update_weights_plan(self) -> list[ControlCall]:
+        return [ControlCall(control, "update_weights", {}) for control in self._controls]
+
+    def init_collective_calls(self, *args: Any) -> list[Awaitable[Mapping[str, Any]]]:
+        return [run_control_call(c, self.timeout_s) for c in self.init_collective_plan(*args)]
 
     def update_weights_calls(self) -> list[Awaitable[Mapping[str, Any]]]:
         """One awaitable per worker (a trainer sends while these wait)."""
-        return [self._call(control, "update_weights", {}) for control in self._controls]
+        return [run_control_call(c, self.timeout_s) for c in self.update_weights_plan()]
 
     async def update_weights(self) -> dict[str, int]:
         """Every worker receives and loads; WorkerFailures names each one that did not."""
         answers = await gather_workers("update_weights", {
-            c.worker_id: call for c, call in zip(self._controls, self.update_weights_calls())})
+            c.worker_id: run_control_call(c, self.timeout_s) for c in self.update_weights_plan()})
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
+
+    async def prepare_refit_info(self, info: RefitInfo) -> None:
+        await self._everywhere("prepare_refit_info", {"refit_info": info.to_wire()})
 
     async def invalidate_caches(self) -> None:
         await self._everywhere("flush_cache", {})
@@ -68,15 +99,9 @@ class RefitCoordinator:
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
 
     async def _everywhere(self, step: str, body: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-        return await gather_workers(step, {c.worker_id: self._call(c, step, body) for c in self._controls})
-
-    async def _call(self, control: WorkerControlLike, name: str, body: Mapping[str, Any]):
-        try:
-            return await asyncio.wait_for(control.call(name, body, timeout_s=self._timeout_s),
-                                          self._timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise RefitError(f"{name} on worker {control.worker_id} timed out after "
-                             f"{self._timeout_s:.0f} s") from None
+        return await gather_workers(step, {
+            c.worker_id: run_control_call(ControlCall(c, step, body), self.timeout_s)
+            for c in self._controls})
 
 
 async def gather_workers(step: str, calls: Mapping[str, Awaitable[Any]]) -> dict[str, Any]:
@@ -101,7 +126,8 @@ class LoaderLike(Protocol):
     async def reset_cache(self) -> None: ...
 
 
-ReceiverFactory = Callable[[str, int, int, int, CollectiveSenderSpec, float], ReceiverLike]
+# (host, port, rank, world_size, train_world_size, sender spec, timeout_s) -> receiver
+ReceiverFactory = Callable[[str, int, int, int, int, CollectiveSenderSpec, float], ReceiverLike]
 
 
 class WorkerRefit:
@@ -121,13 +147,14 @@ class WorkerRefit:
                 "weight_version": self.weight_version}
 
     async def init_collective(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        host, port, world_size, rank = (_field(body, k) for k in ("host", "port", "world_size", "rank"))
+        host, port, world_size, rank, train_world_size = (_field(body, k) for k in (
+            "host", "port", "world_size", "rank", "train_world_size"))
         spec = CollectiveSenderSpec.from_wire(_field(body, "sender_spec"))
         timeout_s = float(body.get("timeout_s", 600.0))
         async with self._lock:
             self._close_receiver()
             self._receiver = await asyncio.to_thread(
-                self._make_receiver, host, port, rank, world_size, spec, timeout_s)
+                self._make_receiver, host, port, rank, world_size, train_world_size, spec, timeout_s)
         return {"rank": rank}
 
     async def prepare_refit_info(self, body: Mapping[str, Any]) -> dict[str, Any]:

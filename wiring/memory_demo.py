@@ -46,7 +46,7 @@ async def run_memory_demo(num_workers: int = 2, prompts: int = 8, group: int = 4
         return results, seconds
 
     group_ = MemoryCollective()
-    workers = [WorkerRefit(e, lambda h, p, rank, w, spec, t: MemoryWeightReceiver(group_, rank, spec, t))
+    workers = [WorkerRefit(e, lambda h, p, rank, w, tw, spec, t: MemoryWeightReceiver(group_, rank, spec, t))
                for e in engines]
     coordinator = RefitCoordinator([LocalWorkerControl(f"worker-{i}", w.controls())
                                     for i, w in enumerate(workers)], timeout_s=30)

@@ -86,6 +86,27 @@ def build_engine(config: Mapping[str, Any]) -> BuiltEngine:
     return factory(options, Path(_required(config, "run_dir")), config.get("model_path"))
 
 
+def refit_controls(engine: Any, config: Mapping[str, Any]) -> dict[str, Control]:
+    """The refit controls (init_collective, prepare_refit_info, update_weights) of an engine
+    that can load weights; the cache flush and weight version are the adapter's built-ins."""
+    from rollout_fleet.core.refit_service import WorkerRefit
+    from rollout_fleet.ports.engine import WeightLoader
+
+    if not isinstance(engine, WeightLoader):
+        return {}
+    backend = config.get("collective_backend", "gloo")
+
+    def make_receiver(host, port, rank, world_size, train_world_size, spec, timeout_s):
+        from rollout_fleet.adapters.collective import TorchWeightReceiver, init_group
+
+        group = init_group(host, port, rank, world_size, backend, timeout_s,
+                           train_world_size=train_world_size)
+        return TorchWeightReceiver(group, spec)
+
+    controls = WorkerRefit(engine, make_receiver).controls()
+    return {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
+
+
 def worker_env(config: Mapping[str, Any]) -> dict[str, str]:
     """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start)."""
     from rollout_fleet.adapters.dynamo.env import dynamo_env
@@ -102,7 +123,7 @@ async def serve_worker(config: Mapping[str, Any], *, stop: asyncio.Event | None 
 
     built = build_engine(config)
     adapter = DynamoEngineAdapter(built.engine, control_secret=config.get("control_secret"),
-                                  controls=built.controls)
+                                  controls={**built.controls, **refit_controls(built.engine, config)})
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
     serving = start_dynamo_endpoint(

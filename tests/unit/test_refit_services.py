@@ -21,7 +21,7 @@ def make_fleet(n=2, timeout_s=5.0):
     group = MemoryCollective()
     engines = [MemoryEngine(seed=0) for _ in range(n)]
 
-    def receiver_factory(host, port, rank, world_size, spec, timeout):
+    def receiver_factory(host, port, rank, world_size, train_world_size, spec, timeout):
         return MemoryWeightReceiver(group, rank, spec, timeout_s=timeout)
 
     workers = [WorkerRefit(engine, receiver_factory) for engine in engines]
