@@ -13,12 +13,13 @@ or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON ob
       "served_model_name": "mem",
       "model_path": null,              # optional: the memory engine writes its own folder
       "system_port": 18081,            # POST /engine/control/<name> is served here
-      "control_secret": null           # when set, every control body must carry it
+      "control_secret": null,          # when set, every control body must carry it
+      "sigterm_grace_s": 15            # after SIGTERM, exit anyway if still running by then
     }
 
 An engine kind is one entry of ``ENGINE_FACTORIES``; it returns the engine, its model folder and
 any extra controls the worker should serve. The worker runs until SIGTERM (Dynamo drains and
-unregisters, then this returns) or until ``stop`` is set.
+unregisters, then this returns).
 """
 
 from __future__ import annotations
@@ -117,8 +118,12 @@ def worker_env(config: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
-async def serve_worker(config: Mapping[str, Any], *, stop: asyncio.Event | None = None) -> None:
-    """Build the engine and serve it through Dynamo until SIGTERM or ``stop`` is set."""
+async def serve_worker(config: Mapping[str, Any]) -> None:
+    """Build the engine and serve it through Dynamo; returns once Dynamo has shut down.
+
+    Dynamo's worker stops only on SIGTERM/SIGINT to this process (it drains, unregisters, runs
+    ``cleanup``): cancelling this coroutine does NOT stop it serving.
+    """
     from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, start_dynamo_endpoint
 
     built = build_engine(config)
@@ -126,21 +131,10 @@ async def serve_worker(config: Mapping[str, Any], *, stop: asyncio.Event | None 
                                   controls={**built.controls, **refit_controls(built.engine, config)})
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
-    serving = start_dynamo_endpoint(
+    await start_dynamo_endpoint(
         adapter, model_path=built.model_path,
         served_model_name=_required(config, "served_model_name"),
         namespace=config.get("namespace", "fleet"), engine_env=env)
-    waiters = [serving]
-    if stop is not None:
-        waiters.append(asyncio.ensure_future(stop.wait()))
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
-    if serving.done() and not serving.cancelled() and serving.exception() is not None:
-        raise serving.exception()
 
 
 def load_config(text_or_path: str) -> dict[str, Any]:
@@ -164,14 +158,26 @@ def main(argv: list[str] | None = None) -> int:
     # Before Dynamo is imported: its runtime reads the environment (DYN_LOG...) when it loads.
     os.environ.update(worker_env(config))
 
+    asyncio.run(_serve_until_sigterm(config, float(config.get("sigterm_grace_s", 15.0))))
+    logger.info("worker: stopped")
+    return 0
+
+
+async def _serve_until_sigterm(config: Mapping[str, Any], grace_s: float) -> None:
+    loop = asyncio.get_running_loop()
+
+    def exit_if_still_running() -> None:
+        # A SIGTERM that came before Dynamo installed its handler reached only this one.
+        logger.error("worker: still running %.0f s after SIGTERM; exiting now", grace_s)
+        os._exit(128 + signal.SIGTERM)
+
     def on_sigterm(signum: int, _frame: Any) -> None:
         # Dynamo's handler runs first (drain, unregister), then this one; serve_worker returns.
         logger.info("worker: SIGTERM received (signal %d), shutting down", signum)
+        loop.call_soon_threadsafe(loop.call_later, grace_s, exit_if_still_running)
 
     signal.signal(signal.SIGTERM, on_sigterm)  # before the endpoint starts, so Dynamo chains it
-    asyncio.run(serve_worker(config))
-    logger.info("worker: stopped")
-    return 0
+    await serve_worker(config)
 
 
 def _required(config: Mapping[str, Any], key: str) -> Any:

@@ -30,7 +30,8 @@ def start_dynamo_endpoint(adapter: DynamoEngineAdapter, *, model_path: str,
     ``engine_env``: the DYN_* variables (``dynamo_env``); put into ``os.environ`` now because
     the Dynamo runtime reads them once, when it starts. ``enable_kv_routing`` stays off unless
     the engine publishes KV events: Dynamo binds those sockets on every interface.
-    The task ends when Dynamo has shut down (on SIGTERM, or when cancelled).
+    The task ends when Dynamo has shut down, on SIGTERM/SIGINT to this process: cancelling the
+    task does NOT stop Dynamo's worker (it keeps serving; checked with 1.6.1).
 
     SIGTERM: Dynamo's runtime installs its own handler (graceful shutdown: unregister, drain,
     ``cleanup``) and then calls the handler that was installed before it, so the host's handler

@@ -1,0 +1,53 @@
+"""The worker entry point's config: engine factory by kind, clear errors naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollout_fleet.adapters.memory.engine import VOCAB, MemoryEngine
+from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.wiring.worker import ENGINE_FACTORIES, build_engine, load_config, worker_env
+
+pytestmark = pytest.mark.dynamo
+
+
+def test_memory_kind_builds_the_engine_and_its_model_folder(tmp_path):
+    built = build_engine({"engine": {"kind": "memory", "seed": 3, "context_length": 128},
+                          "run_dir": str(tmp_path)})
+    assert isinstance(built.engine, MemoryEngine) and built.engine.context_length == 128
+    config = json.loads((tmp_path / "model-memory" / "config.json").read_text())
+    assert config["vocab_size"] == len(VOCAB) and config["max_position_embeddings"] == 128
+    tokenizer = json.loads((tmp_path / "model-memory" / "tokenizer.json").read_text())
+    assert tokenizer["model"]["vocab"]["<eos>"] == 0
+    assert "engine_stats" in built.controls
+    assert "memory" in ENGINE_FACTORIES
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"engine": {"kind": "tpu-magic"}, "run_dir": "/tmp"}, "engine.kind"),
+    ({"engine": {"kind": "memory", "sede": 1}, "run_dir": "/tmp"}, "engine"),
+    ({"engine": {"kind": "memory"}}, "run_dir"),
+])
+def test_bad_config_names_the_field(config, field):
+    with pytest.raises(InvalidValue) as failure:
+        build_engine(config)
+    assert failure.value.field == field
+
+
+def test_config_from_text_or_file(tmp_path):
+    path = tmp_path / "w.json"
+    path.write_text('{"engine": {"kind": "memory"}}')
+    assert load_config(str(path)) == load_config('{"engine": {"kind": "memory"}}')
+    with pytest.raises(InvalidValue, match="is not JSON"):
+        load_config("{nope")
+
+
+def test_worker_env_is_loopback_and_checks_the_system_port(tmp_path):
+    env = worker_env({"run_dir": str(tmp_path), "system_port": 23001})
+    assert env["DYN_SYSTEM_PORT"] == "23001"
+    hosts = {k: v for k, v in env.items() if k.endswith("_HOST")}
+    assert len(hosts) >= 5 and set(hosts.values()) == {"127.0.0.1"}
+    with pytest.raises(InvalidValue, match="signed 16-bit"):
+        worker_env({"run_dir": str(tmp_path), "system_port": 40000})
