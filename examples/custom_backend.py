@@ -1,0 +1,79 @@
+"""A new backend in one file: the engine port's four methods, over a toy "engine".
+
+CountingEngine continues a prompt by counting upward modulo its vocabulary, with a fixed
+logprob per token; it stops at a stop string or the budget, and honours abort. Its contract
+test (tests/examples/test_examples.py) runs the project's EngineContract suite against it,
+exactly as a real backend's own tests would.
+
+Serve it through Dynamo by adding one entry to rollout_fleet.wiring.worker.ENGINE_FACTORIES.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Sequence
+
+from rollout_fleet.core.errors import EngineError
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource
+
+VOCAB = 26  # token t is the letter chr(ord("a") + t)
+
+
+def decode(token_ids: Sequence[int]) -> str:
+    return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+class CountingEngine(EnginePort):
+    def __init__(self, context_length: int = 64) -> None:
+        self.context_length = context_length
+        self._aborted: set[str] = set()
+
+    async def start(self, worker_id: int | str) -> EngineFacts:
+        return EngineFacts(context_length=self.context_length, kv_block_size=16,
+                           total_kv_blocks=64, max_num_seqs=32)
+
+    async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                            max_new_tokens: int, sampling: SamplingSpec,
+                            stop_strings: Sequence[str] = ()) -> ServedRollout:
+        if len(prompt_token_ids) + max_new_tokens > self.context_length:
+            raise EngineError(f"prompt of {len(prompt_token_ids)} + {max_new_tokens} tokens "
+                              f"exceeds context_length={self.context_length}")
+        rng = random.Random(sampling.seed)
+        step = 1 if sampling.greedy else rng.randint(1, 5)  # sampling picks the stride
+        tokens: list[int] = []
+        finish = FinishReason.LENGTH
+        token = prompt_token_ids[-1]
+        for _ in range(max_new_tokens):
+            await asyncio.sleep(0)  # let aborts in
+            if request_id in self._aborted:
+                finish = FinishReason.ABORT
+                break
+            token = (token + step) % VOCAB
+            tokens.append(token)
+            if any(stop in decode(tokens) for stop in stop_strings):
+                finish = FinishReason.STOP
+                break
+        self._aborted.discard(request_id)
+        logprob = -math.log(VOCAB if not sampling.greedy else 2)
+        return ServedRollout(tokens, [logprob] * len(tokens), finish,
+                             Usage(len(prompt_token_ids), len(tokens)))
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def kv_event_sources(self) -> Sequence[KvEventSource]:
+        return ()
+
+
+if __name__ == "__main__":
+    async def main() -> None:
+        engine = CountingEngine()
+        print(await engine.start(0))
+        served = await engine.serve_rollout([0, 1, 2], request_id="r1", max_new_tokens=8,
+                                            sampling=SamplingSpec(), stop_strings=["gh"])
+        print(decode(served.token_ids), served.finish_reason.value)
+
+    asyncio.run(main())
