@@ -129,3 +129,19 @@ def test_plain_chat_completion(fleet):
     answer = httpx.post(f"{fleet.url}/v1/chat/completions", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"]
+
+
+def test_plain_completion_honours_stop_strings(fleet):
+    # Seed 10 after prompt [3] produces "lginwofoth...": the engine stops at the token that
+    # completes "th", and the frontend leaves the stop string out of the text (OpenAI's rule).
+    sampling = SamplingSpec(greedy=False, temperature=1.0, seed=10)
+    expected = decode(reference(RolloutRequest(request_id="stop", prompt_token_ids=[3],
+                                               max_new_tokens=60, sampling=sampling,
+                                               stop_strings=("th",))).token_ids)
+    assert expected.endswith("th")
+    body = {"model": SERVED_MODEL, "prompt": [3], "max_tokens": 60, "temperature": 1.0,
+            "seed": 10, "stop": ["th"]}
+    answer = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (expected[:-len("th")], "stop")
