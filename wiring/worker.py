@@ -177,6 +177,7 @@ async def _serve_until_sigterm(config: Mapping[str, Any], grace_s: float) -> Non
         loop.call_soon_threadsafe(loop.call_later, grace_s, exit_if_still_running)
 
     signal.signal(signal.SIGTERM, on_sigterm)  # before the endpoint starts, so Dynamo chains it
+    logger.info("worker: starting (pid %d)", os.getpid())
     await serve_worker(config)
 
 

@@ -33,3 +33,26 @@ def test_sigterm_reaches_dynamo_and_the_host_handler(fleet):
     while served in fleet.frontend.listed_models() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert served not in fleet.frontend.listed_models()  # it unregistered
+
+
+def test_sigterm_while_starting_never_hangs(fleet):
+    # A SIGTERM that lands before Dynamo installs its own handler (the worker is still importing
+    # Dynamo) reaches only the worker's handler: the worker must still exit, after its grace.
+    config = {**worker_config(fleet.run_dir, free_port(below=32768), "mem-early-term"),
+              "sigterm_grace_s": 1}
+    worker = start_worker_process(fleet.run_dir, config, "worker-early-term")
+    log_path = fleet.run_dir / "worker-early-term.log"
+    try:
+        deadline = time.monotonic() + 30
+        while "worker: starting" not in log_path.read_text(errors="replace"):
+            assert worker.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.01)
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(30)  # exits one way or the other, no SIGKILL needed
+    finally:
+        stop_child(worker)
+    log = log_path.read_text(errors="replace")
+    assert "SIGTERM received" in log
+    # 0: Dynamo was already up and shut down; 143: the grace ran out before Dynamo took over.
+    assert (code, "exiting now" in log) in ((0, False), (128 + signal.SIGTERM, True))
+    assert leftover_processes([worker.pid]) == []
