@@ -1,0 +1,114 @@
+"""Build the tiny model folder: config.json, model.safetensors, tokenizer files, generation_config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"  # trained first, so their IDs are 0, 1, 2
+CORPUS_FILE = "corpus.txt"
+
+
+@attrs.frozen
+class TinyModelSpec:
+    """Shape of the tiny model. head_dim = hidden / heads must stay >= 32 (vLLM's CPU attention)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    num_layers: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    init_std: float = 0.08  # wider than the usual 0.02, so greedy choices are rarely near-ties
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
+            raise InvalidValue("hidden_size / num_heads", f"{self.hidden_size}/{self.num_heads}",
+                               "must divide evenly into a head_dim >= 32")
+        if self.vocab_size < 300:
+            raise InvalidValue("vocab_size", self.vocab_size, "must be >= 300 (256 bytes + merges)")
+
+
+def corpus_text() -> str:
+    return resources.files(__package__).joinpath(CORPUS_FILE).read_text(encoding="utf-8")
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on the shipped corpus (deterministic: merges break ties by pair).
+
+    The base alphabet is only the corpus's own characters (plain ASCII), not all 256 bytes:
+    every token then decodes to whole characters, so text grows token by token the same way
+    in an incremental detokenizer (stop strings) as in a one-shot decode.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS], show_progress=False)
+    tokenizer.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise InvalidValue("vocab_size", vocab_size,
+                           f"the corpus only supports {tokenizer.get_vocab_size()} tokens")
+    return tokenizer
+
+
+def llama_config(spec: TinyModelSpec):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        torch_dtype="float32")
+
+
+def tiny_state_dict(seed: int, spec: TinyModelSpec = TinyModelSpec()) -> dict:
+    """The model's weights (HF checkpoint names, float32) drawn from ``seed``."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):  # names and shapes only; no allocation, no default init
+        skeleton = LlamaForCausalLM(llama_config(spec))
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, param in sorted(skeleton.state_dict().items()):
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(param.shape, dtype=torch.float32)
+        else:
+            weights[name] = torch.randn(param.shape, generator=generator,
+                                        dtype=torch.float32) * spec.init_std
+    return weights
+
+
+def build_tiny_model(directory: str | os.PathLike, seed: int = 0,
+                     spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write the model folder and return its path. Same seed, same bytes."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidValue("seed", seed, "must be an int >= 0")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    llama_config(spec).save_pretrained(out)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
+    save_file(tiny_state_dict(seed, spec), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(spec.vocab_size),
+        bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        model_max_length=spec.max_position_embeddings)
+    tokenizer.save_pretrained(out)
+    (out / "rollout_fleet_tiny_model.json").write_text(
+        json.dumps({"seed": seed, **attrs.asdict(spec)}, indent=2, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,105 @@
+"""Engine settings for the vLLM backend: a plain value, with CPU and GPU defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue
+
+WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
+DEVICES = ("cpu", "cuda")
+CPU_KV_CACHE_BYTES = 64 * 2**20  # room for 256 blocks of the tiny model; a laptop-sized cache
+
+
+def _device(_inst: Any, _attr: Any, value: Any) -> None:
+    if value not in DEVICES:
+        raise InvalidValue("device", value, f"must be one of {', '.join(DEVICES)}")
+
+
+def _optional_positive_int(field: str):
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidValue(field, value, "must be None or an int >= 1")
+    return check
+
+
+@attrs.frozen
+class VllmEngineConfig:
+    """What the adapter asks vLLM for. ``None`` means the device's default (see ``engine_kwargs``).
+
+    CPU defaults: float32, eager mode, a 64 MiB KV cache, 512-token context.
+    GPU defaults: the model's dtype and context, CUDA graphs, 90% of GPU memory, and vLLM's
+    native NCCL weight-transfer engine for refit.
+    """
+
+    model: str = attrs.field()
+    device: str = attrs.field(default="cpu", validator=_device)
+    served_model_name: str | None = None
+    dtype: str | None = None
+    max_model_len: int | None = attrs.field(default=None, validator=_optional_positive_int("max_model_len"))
+    enforce_eager: bool | None = None
+    kv_cache_memory_bytes: int | None = attrs.field(
+        default=None, validator=_optional_positive_int("kv_cache_memory_bytes"))
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int | None = attrs.field(default=None, validator=_optional_positive_int("max_num_seqs"))
+    tensor_parallel_size: int = attrs.field(default=1, validator=_optional_positive_int("tensor_parallel_size"))
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    kv_events_port: int | None = attrs.field(
+        default=None, validator=_optional_positive_int("kv_events_port"))  # None: no KV events
+    extra_engine_args: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @model.validator
+    def _model(self, _attr: Any, value: Any) -> None:
+        if not isinstance(value, str) or not value:
+            raise InvalidValue("model", value, "must be a model folder or name")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "VllmEngineConfig":
+        """From a config dict; unknown keys are refused by name."""
+        if not isinstance(data, Mapping):
+            raise InvalidValue("vllm config", type(data).__name__, "must be a mapping")
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidValue("vllm config", unknown, f"unknown keys; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        # vLLM's default endpoint binds every interface; ours is loopback only.
+        return None if self.kv_events_port is None else f"tcp://127.0.0.1:{self.kv_events_port}"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
+        on_cpu = self.device == "cpu"
+        kwargs: dict[str, Any] = dict(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            dtype=self.dtype or ("float32" if on_cpu else "auto"),
+            max_model_len=self.max_model_len or (512 if on_cpu else None),
+            enforce_eager=self.enforce_eager if self.enforce_eager is not None else on_cpu,
+            seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+            generation_config="vllm",  # sampling comes from each request, never from the folder
+        )
+        if on_cpu:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        else:
+            if self.kv_cache_memory_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+            kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        if self.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.kv_events_endpoint is not None:
+            kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": self.kv_events_endpoint, "topic": "kv-events"}
+        kwargs.update(self.extra_engine_args)
+        return {k: v for k, v in kwargs.items() if v is not None}

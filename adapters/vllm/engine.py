@@ -1,0 +1,340 @@
+"""DynamoVllmAdapter: the engine port (and the weight-loading port) over vLLM's AsyncLLM.
+
+One adapter owns one vLLM engine in this process's event loop; vLLM runs the model in its own
+engine-core and worker processes. Rollouts are token-ID prompts in, every generated token with
+its logprob out, exactly as a native ``generate`` would answer them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+from rollout_fleet.adapters.vllm.weights import check_weights, checkpoint_metas
+from rollout_fleet.core.errors import EngineError, WeightMismatch
+from rollout_fleet.core.refit import RefitInfo, TensorMeta
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
+                   "abort": FinishReason.ABORT}
+_EARLY_ABORTS_KEPT = 4096
+
+
+@attrs.define
+class _Live:
+    """One rollout this adapter is serving."""
+
+    admitted: bool = False  # vLLM knows the request id: an abort can go straight to it
+    aborted: bool = False
+
+
+class DynamoVllmAdapter(EnginePort, WeightLoader):
+    """The vLLM backend of a rollout-fleet worker."""
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, once started
+        self._facts: EngineFacts | None = None
+        self._metas: dict[str, TensorMeta] = {}
+        self._start_lock = asyncio.Lock()
+        self._weight_lock = asyncio.Lock()
+        self._live: dict[str, _Live] = {}
+        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._version = 0
+
+    # -- engine port --------------------------------------------------------------------------
+    async def start(self, worker_id: int | str) -> EngineFacts:
+        async with self._start_lock:
+            if self._engine is None:
+                # Building the engine blocks for ~20 s on a CPU (it spawns and waits for the
+                # engine core); a thread keeps this loop answering meanwhile.
+                self._engine = await _in_thread(_build_engine, self.config)
+                self._facts = _read_facts(self._engine)
+                self._metas = checkpoint_metas(self._engine.model_config.model, _engine_dtype(self._engine))
+                log.info("vLLM engine up for worker %s: %s", worker_id, self._facts)
+        return self._facts
+
+    async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                            max_new_tokens: int, sampling: SamplingSpec,
+                            stop_strings: Sequence[str] = ()) -> ServedRollout:
+        engine = self._require_engine()
+        prompt = list(prompt_token_ids)
+        self._check_input(prompt, max_new_tokens)
+        version = self._version
+        if self._early_aborts.pop(request_id, "absent") is None:
+            return _served([], [], FinishReason.ABORT, len(prompt), version)
+        params = _sampling_params(sampling, max_new_tokens, stop_strings)
+        live = self._live[request_id] = _Live()
+        try:
+            output = await self._generate(engine, prompt, params, request_id, live)
+        finally:
+            self._live.pop(request_id, None)
+        return _to_served(output, len(prompt), version)
+
+    async def abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None:  # not here yet (or long gone): remember, so it ends as soon as it comes
+            self._early_aborts[request_id] = None
+            while len(self._early_aborts) > _EARLY_ABORTS_KEPT:
+                self._early_aborts.popitem(last=False)
+            return
+        live.aborted = True
+        if live.admitted:
+            await self._engine.abort(request_id)
+
+    def kv_event_sources(self) -> Sequence[KvEventSource]:
+        if self._engine is None or self.config.kv_events_port is None:
+            return ()
+        sources = []
+        for events in self._engine.get_kv_event_sources().values():
+            if events.enable_kv_cache_events and events.publisher == "zmq":
+                sources.append(KvEventSource(
+                    kind="zmq", endpoint=events.endpoint.replace("*", "127.0.0.1"),
+                    topic=events.topic, replay_endpoint=events.replay_endpoint))
+        return tuple(sources)
+
+    # -- weight-loading port ------------------------------------------------------------------
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        self._require_engine()
+        return dict(self._metas)
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
+        """CPU path (and any device, for tensors held in this process): check everything,
+        then reload layer by layer inside the worker, then drop the prefix cache."""
+        engine = self._require_engine()
+        offered = check_weights(named_tensors, self._metas)
+        async with self._weight_lock:
+            packed = [_pack(name, tensor) for name, tensor in offered]
+            await engine.collective_rpc("rollout_fleet_load_weights", args=(packed,))
+            return await self._commit_new_weights()
+
+    async def receive_weights(self, refit_info: RefitInfo) -> int:
+        """GPU path: the trainer broadcasts packed buffers over NCCL into vLLM's native
+        weight-transfer engine (joined earlier with ``init_weight_transfer``).
+
+        Not exercised on this project's CPU machines: vLLM's transfer engines need an
+        accelerator (NCCL or CUDA IPC).
+        """
+        engine = self._require_engine()
+        self._check_native_transfer()
+        try:
+            refit_info.check_against(self._metas)
+        except WeightMismatch:
+            raise
+        except ValueError as error:
+            raise WeightMismatch(error.field, error.value, error.rule) from None
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        update = {"names": [t.name for t in refit_info.tensors],
+                  "dtype_names": [t.dtype for t in refit_info.tensors],
+                  "shapes": [list(t.shape) for t in refit_info.tensors]}
+        async with self._weight_lock:
+            await engine.start_weight_update()
+            await engine.update_weights(WeightTransferUpdateRequest(update_info=update))
+            await engine.finish_weight_update()
+            return await self._commit_new_weights()
+
+    async def init_weight_transfer(self, init_info: Mapping[str, Any]) -> None:
+        """GPU path: join the trainer's NCCL group (vLLM's ``NCCLWeightTransferInitInfo`` keys)."""
+        engine = self._require_engine()
+        self._check_native_transfer()
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info)))
+
+    def weight_version(self) -> int:
+        return self._version
+
+    async def reset_cache(self) -> None:
+        engine = self._require_engine()
+        if await engine.reset_prefix_cache():
+            return
+        # Running requests still hold blocks: preempt them (they recompute), then reset.
+        if not await engine.reset_prefix_cache(reset_running_requests=True):
+            raise EngineError("vLLM refused to reset its prefix cache")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes; safe to call twice."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        handler = engine.output_handler
+        await _in_thread(engine.shutdown)  # waits (up to ~5 s) for the engine core to exit
+        if handler is not None:
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        del engine
+        gc.collect()  # collect it now: a late __del__ at interpreter exit would shut down twice
+
+    # -- internals ----------------------------------------------------------------------------
+    def _require_engine(self) -> Any:
+        if self._engine is None:
+            raise EngineError("the vLLM engine is not started: call start() first")
+        return self._engine
+
+    def _check_native_transfer(self) -> None:
+        if self.config.device != "cuda":
+            raise EngineError(f"device={self.config.device!r}: vLLM's native weight transfer needs "
+                              "GPUs; on the CPU load tensors with load_weights()")
+
+    def _check_input(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise EngineError("prompt_token_ids is empty")
+        vocab = self._engine.model_config.get_vocab_size()
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"prompt_token_ids has IDs outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
+        context = self._facts.context_length
+        if len(prompt) + max_new_tokens > context:
+            raise EngineError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} "
+                              f"exceeds context_length={context}")
+
+    async def _commit_new_weights(self) -> int:
+        await self.reset_cache()
+        self._version += 1
+        return self._version
+
+    async def _generate(self, engine: Any, prompt: list[int], params: Any, request_id: str,
+                        live: _Live) -> Any:
+        from vllm.inputs.engine import tokens_input
+
+        try:
+            collector = await engine.add_request(request_id, tokens_input(prompt), params)
+        except Exception as error:  # vLLM's validation: name the cause, keep serving
+            raise EngineError(f"vLLM refused request {request_id!r}: {error}") from error
+        live.admitted = True
+        try:
+            if live.aborted:  # the abort came while vLLM was admitting it
+                await engine.abort(request_id)
+            while True:
+                output = collector.get_nowait() or await collector.get()
+                if output.finished:
+                    return output
+        except asyncio.CancelledError:
+            await engine.abort(request_id)
+            raise
+        finally:
+            collector.close()
+
+
+async def _in_thread(function: Any, *args: Any) -> Any:
+    """Run a blocking call in a thread of its own, keeping no reference to its result or its
+    function afterwards: anything left holding the vLLM engine keeps it alive past ``close``,
+    and its late ``__del__`` then runs a second shutdown while the interpreter exits."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    outcome: list[tuple[Any, BaseException | None]] = []  # emptied by the loop, not the thread
+
+    def run() -> None:
+        try:
+            outcome.append((function(*args), None))
+        except BaseException as error:  # handed to the awaiting coroutine
+            outcome.append((None, error))
+        loop.call_soon_threadsafe(_settle, future, outcome)
+
+    threading.Thread(target=run, name="vllm-blocking-call", daemon=True).start()
+    try:
+        return await future
+    finally:
+        future = function = args = None  # the thread's closure cells let go too
+
+
+def _settle(future: asyncio.Future, outcome: list) -> None:
+    result, error = outcome.pop()
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _build_engine(config: VllmEngineConfig) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kwargs = config.engine_kwargs()
+    if "kv_events_config" in kwargs:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+    if "weight_transfer_config" in kwargs:
+        from vllm.config import WeightTransferConfig
+
+        kwargs["weight_transfer_config"] = WeightTransferConfig(**kwargs["weight_transfer_config"])
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+def _pack(name: str, tensor: Any) -> tuple[str, str, list[int], bytes]:
+    cpu = tensor.detach().contiguous().cpu()
+    raw = cpu.reshape(-1).view(torch_uint8()).numpy().tobytes()
+    return name, str(cpu.dtype).removeprefix("torch."), list(cpu.shape), raw
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _read_facts(engine: Any) -> EngineFacts:
+    config = engine.vllm_config
+    return EngineFacts(
+        context_length=config.model_config.max_model_len,
+        kv_block_size=config.cache_config.block_size,
+        total_kv_blocks=config.cache_config.num_gpu_blocks,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+    )
+
+
+def _engine_dtype(engine: Any) -> str:
+    return str(engine.model_config.dtype).removeprefix("torch.")
+
+
+def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str]) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    common = dict(max_tokens=max_new_tokens, logprobs=0, stop=list(stop_strings) or None,
+                  detokenize=bool(stop_strings),  # text is only needed to find stop strings
+                  output_kind=RequestOutputKind.FINAL_ONLY)
+    if sampling.greedy:
+        return SamplingParams(temperature=0.0, **common)
+    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=0 if sampling.top_k == -1 else sampling.top_k,
+                          seed=sampling.seed, **common)
+
+
+def _to_served(output: Any, prompt_len: int, version: int) -> ServedRollout:
+    completion = output.outputs[0]
+    reason = _FINISH_REASONS.get(completion.finish_reason)
+    if reason is None:
+        raise EngineError(f"vLLM ended request {output.request_id!r} with finish_reason="
+                          f"{completion.finish_reason!r}")
+    token_ids = list(completion.token_ids)
+    logprobs = completion.logprobs or []
+    if len(logprobs) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(logprobs)} logprobs "
+                          f"for request {output.request_id!r}")
+    chosen = [step[token].logprob for step, token in zip(logprobs, token_ids)]
+    return _served(token_ids, chosen, reason, prompt_len, version)
+
+
+def _served(token_ids, logprobs, reason, prompt_len, version) -> ServedRollout:
+    return ServedRollout(token_ids, logprobs, reason, Usage(prompt_len, len(token_ids)),
+                         weight_version=version)
