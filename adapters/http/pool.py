@@ -11,9 +11,7 @@ import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any
-
-import attrs
+from typing import Any, NamedTuple
 
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.core.errors import TransportError
@@ -21,8 +19,7 @@ from rollout_fleet.core.errors import TransportError
 JSON_CONTENT_TYPE = "application/json"
 
 
-@attrs.frozen
-class RawAnswer:
+class RawAnswer(NamedTuple):  # a tuple: built once per request on the hot path
     status: int
     body: bytes
     retry_after: str | None = None  # the Retry-After header as sent, when there was one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -55,15 +56,22 @@ def read_batch(data: Any) -> PromptBatch:
 
 
 def sample_output(prompt: list[int], result: RolloutResult) -> dict[str, torch.Tensor]:
-    """One sample in the contract's layout: L = prompt + generated, logprobs 0 at the prompt."""
+    """One sample in the contract's layout: L = prompt + generated, logprobs 0 at the prompt.
+
+    Built through typed arrays (C loops) rather than torch.tensor(list), which infers a type
+    per element: this runs once per rollout on the driver's hot path.
+    """
     generated = result.token_ids
-    total = len(prompt) + len(generated)
+    ids = array.array("q", prompt)
+    ids.extend(generated)
+    logprobs = array.array("f", bytes(4 * len(prompt)))
+    logprobs.extend(result.logprobs)
     return {
-        "output_ids": torch.tensor([prompt + list(generated)], dtype=torch.long),
-        "logprobs": torch.tensor([[0.0] * len(prompt) + list(result.logprobs)], dtype=torch.float32),
-        "generation_lengths": torch.tensor([len(generated)], dtype=torch.long),
-        "unpadded_sequence_lengths": torch.tensor([total], dtype=torch.long),
-        "truncated": torch.tensor([result.truncated], dtype=torch.bool),
+        "output_ids": torch.frombuffer(ids, dtype=torch.long).unsqueeze(0),
+        "logprobs": torch.frombuffer(logprobs, dtype=torch.float32).unsqueeze(0),
+        "generation_lengths": torch.full((1,), len(generated), dtype=torch.long),
+        "unpadded_sequence_lengths": torch.full((1,), len(ids), dtype=torch.long),
+        "truncated": torch.full((1,), result.truncated, dtype=torch.bool),
     }
 
 

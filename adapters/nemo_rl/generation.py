@@ -91,20 +91,33 @@ class DynamoGeneration:
         requests = self._requests(batch, GREEDY if greedy else self._sampling)
         self._start_sampler()
         semaphore = self._semaphore()
+        finished: asyncio.Queue = asyncio.Queue()
+        pending = iter(enumerate(requests))
 
-        async def one(index: int, request: RolloutRequest) -> tuple[int, RolloutResult]:
-            async with semaphore:
-                return index, await self._client.rollout(request)
+        async def send_until_done() -> None:
+            # A few long-lived senders instead of one task per sample: less loop overhead per
+            # rollout. The semaphore still bounds every generate_async on this loop together.
+            for index, request in pending:
+                try:
+                    async with semaphore:
+                        result = await self._client.rollout(request)
+                except Exception as exc:  # handed to the consumer, which raises it
+                    finished.put_nowait((index, exc))
+                    return
+                finished.put_nowait((index, result))
 
-        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
+        senders = [asyncio.ensure_future(send_until_done())
+                   for _ in range(min(self.config.max_concurrency, len(requests)))]
         try:
-            for finished in asyncio.as_completed(tasks):
-                index, result = await finished
+            for _ in range(len(requests)):
+                index, result = await finished.get()
+                if isinstance(result, BaseException):
+                    raise result
                 self._check_result(index, batch.prompts[index], requests[index], result)
                 yield index, like(data, sample_output(batch.prompts[index], result))
         finally:
-            for task in tasks:
-                task.cancel()
+            for sender in senders:
+                sender.cancel()
 
     def _requests(self, batch, sampling) -> list[RolloutRequest]:
         requests = []

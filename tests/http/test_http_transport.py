@@ -240,3 +240,15 @@ class socket_closed_port:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+def test_a_body_that_is_not_json_is_refused_by_name(frontend):
+    transport = HttpCompletionsTransport(frontend.url)
+
+    async def go():
+        try:
+            await transport.post_completion({"prompt": object()}, request_id="r-obj")
+        finally:
+            await transport.aclose()
+    with pytest.raises(InvalidValue, match="body"):
+        asyncio.run(go())
