@@ -112,3 +112,30 @@ def test_logger_metrics_hold_per_worker_in_flight_timelines_from_prometheus(flee
         assert generation.get_logger_metrics()["inflight_requests"]["w0"] == []
     finally:
         generation.shutdown()
+
+
+def test_faults_in_front_of_the_real_frontend_are_retried_with_one_request_id(fleet):
+    from rollout_fleet.core.retry import RetryPolicy
+    from tests.driver.fault_proxy import FaultProxy
+    from tests.http.loopback_frontend import Fault
+
+    proxy = FaultProxy(fleet.url)
+    config = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=24,
+                              retry=RetryPolicy(max_attempts=4, base_delay_s=0.01, jitter=0.0))
+    generation = build_generation(config, frontend_url=proxy.url, control_secret=CONTROL_SECRET,
+                                  workers=[])
+    try:
+        proxy.faults.extend([Fault(503), Fault(429), Fault.connection_reset()])
+        prompts, data = mixed_batch(1, seed=4)
+        [(index, sample)] = asyncio.run(collect(generation, data))
+        check_sample(sample, prompts[0], engine_answers(prompts, max_new_tokens=24, max_model_len=64)[0])
+        assert len(proxy.attempt_ids) == 4 and len(set(proxy.attempt_ids)) == 1
+        assert proxy.attempt_ids[0].startswith("rollout-")
+
+        proxy.faults.append(Fault(400))
+        with pytest.raises(HttpStatusError) as caught:
+            asyncio.run(collect(generation, mixed_batch(1, seed=5)[1]))
+        assert caught.value.status == 400 and len(proxy.attempt_ids) == 5  # one attempt only
+    finally:
+        generation.shutdown()
+        proxy.close()

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig, stack_outputs
-from rollout_fleet.core.errors import ContextLimitExceeded, InvalidValue, RolloutFleetError, WorkerFailures
+from rollout_fleet.core.errors import (
+    ContextLimitExceeded, HttpStatusError, InvalidValue, RolloutFleetError, WorkerFailures,
+)
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.rollout import SamplingSpec
 from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation
@@ -270,3 +272,29 @@ def run_child(payload: bytes, timeout_s: float = 120.0) -> dict:
         raise
     assert child.returncode == 0, err.decode()[-3000:]
     return pickle.loads(out)
+
+
+def test_a_failing_sample_fails_the_batch_clearly_and_the_driver_keeps_serving(generation, server):
+    from tests.http.loopback_frontend import Fault
+    server.faults.append(Fault(400))
+    with pytest.raises(HttpStatusError) as caught:
+        asyncio.run(collect(generation, mixed_batch(16)[1]))
+    assert caught.value.status == 400
+    assert len(asyncio.run(collect(generation, mixed_batch(16)[1]))) == 16
+
+
+def test_a_transient_failure_inside_a_batch_is_retried(server):
+    from rollout_fleet.core.retry import RetryPolicy
+    from tests.http.loopback_frontend import Fault
+    config = GenerationConfig(model=MODEL, max_model_len=48, max_new_tokens=16,
+                              retry=RetryPolicy(max_attempts=3, base_delay_s=0.001, jitter=0.0))
+    g = build_generation(config, frontend_url=server.url, control_secret=SECRET, workers=[])
+    try:
+        server.faults.extend([Fault(503), Fault(502)])
+        prompts, data = mixed_batch(8, seed=6)
+        pairs = dict(asyncio.run(collect(g, data)))
+        answers = engine_answers(prompts, max_new_tokens=16, max_model_len=48)
+        for index, prompt in enumerate(prompts):
+            check_sample(pairs[index], prompt, answers[index])
+    finally:
+        g.shutdown()
