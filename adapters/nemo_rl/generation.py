@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
+from rollout_fleet.adapters.nemo_rl.refit import FleetRefit
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
 from rollout_fleet.core.refit import CollectiveSenderSpec
@@ -30,8 +31,6 @@ from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 log = logging.getLogger(__name__)
 METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens")
-_REFIT_LATER = ("is not wired into DynamoGeneration yet (refit over the collective comes with "
-                "the refit issue); the fleet serves rollouts and cache invalidation today")
 
 
 class Stoppable(Protocol):
@@ -70,6 +69,7 @@ class DynamoGeneration:
         self._ids = itertools.count()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
         self._helper = HelperLoop("dynamo-generation")
+        self._fleet_refit = FleetRefit(self._refit, self._helper, config.sender_spec)
         self._sampler = None
         self._started_at = time.monotonic()
         self._timelines = _empty_timelines(self._metrics)
@@ -251,15 +251,30 @@ class DynamoGeneration:
             await self._sample_once()
             await asyncio.sleep(interval_s)
 
-    # -- refit: filled in by the refit issue ---------------------------------------------------
+    # -- refit --------------------------------------------------------------------------------
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
-        raise NotImplementedError(f"init_collective {_REFIT_LATER}")
+        """Every worker joins the refit group at ``ip:port`` (rank ``T + i * E``); returns one
+        future per worker at once, so the trainer can join while they wait (Ray ObjectRefs when
+        Ray runs in the driver, else concurrent futures). The world size is checked first."""
+        self._check_open()
+        return self._fleet_refit.init_collective(ip, port, world_size,
+                                                 train_world_size=train_world_size)
 
-    def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> None:
-        raise NotImplementedError(f"prepare_refit_info {_REFIT_LATER}")
+    def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> Any:
+        """NeMo-RL's ``{name: (shape, dtype)}``; every worker refuses unknown names, wrong shapes
+        or dtypes before any transfer. Returns the RefitInfo (its order is the wire order)."""
+        self._check_open()
+        return self._fleet_refit.prepare_refit_info(state_dict_info)
 
     def update_weights_from_collective(self) -> list:
-        raise NotImplementedError(f"update_weights_from_collective {_REFIT_LATER}")
+        """Every worker receives the trainer's broadcast and loads it; one future per worker."""
+        self._check_open()
+        return self._fleet_refit.update_weights_from_collective()
+
+    def get_weight_versions(self) -> dict[str, int]:
+        """Worker id -> the version of the weights it serves (0 = as started, +1 per refit)."""
+        self._check_open()
+        return self._fleet_refit.weight_versions()
 
     def update_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> list:
         raise NotImplementedError(

@@ -182,15 +182,16 @@ def test_a_worker_that_refuses_the_flush_is_named(server):
         g.shutdown()
 
 
-def test_facts_and_refit_stubs(generation):
+def test_facts_and_refit_refusals(generation):
+    from rollout_fleet.core.errors import RefitError, WorldSizeMismatch
+
     assert generation.frontend_url.startswith("http://127.0.0.1:")
     assert generation.get_inference_world_size() == 2
     assert generation.get_collective_sender_spec() == CollectiveSenderSpec()
-    for call in (lambda: generation.init_collective("127.0.0.1", 1, 3, train_world_size=1),
-                 lambda: generation.prepare_refit_info({}),
-                 generation.update_weights_from_collective):
-        with pytest.raises(NotImplementedError, match="refit"):
-            call()
+    with pytest.raises(WorldSizeMismatch, match="= 3"):  # 1 trainer rank + 2 workers
+        generation.init_collective("127.0.0.1", 1, 4, train_world_size=1)
+    with pytest.raises(RefitError, match="before prepare_refit_info"):
+        generation.update_weights_from_collective()
     with pytest.raises(NotImplementedError, match="over the collective"):
         generation.update_weights_via_ipc_zmq()
 
