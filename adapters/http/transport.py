@@ -12,7 +12,7 @@ import msgspec
 
 from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients
 from rollout_fleet.adapters.http.settings import HttpSettings
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.errors import InvalidValue, TransportError
 from rollout_fleet.core.wire import REQUEST_ID_HEADER
 from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse
 
@@ -72,6 +72,12 @@ class HttpCompletionsTransport(CompletionsTransport):
         answer = await self.clients.current().post_json(
             self.url, dumps(body),
             {"content-type": JSON_CONTENT_TYPE, REQUEST_ID_HEADER: request_id})
+        if answer.status == 404 and not answer.body.strip():
+            # Dynamo's frontend mounts /v1/completions only once it has discovered a model: a
+            # frontend that (re)started answers a bare 404 for a moment (an unknown model gets a
+            # JSON body). Retry it like a frontend that is not listening yet.
+            raise TransportError(f"POST {self.url}: HTTP 404 with no body: the frontend has no "
+                                 "completions route yet (starting up, no model discovered)")
         retry_after = None if answer.retry_after is None else parse_retry_after(answer.retry_after)
         return TransportResponse(answer.status, answer.body, retry_after)
 
