@@ -139,3 +139,40 @@ def test_faults_in_front_of_the_real_frontend_are_retried_with_one_request_id(fl
     finally:
         generation.shutdown()
         proxy.close()
+
+
+def test_1000_concurrent_rollouts_through_the_real_frontend_stay_within_the_socket_limit(fleet):
+    from urllib.parse import urlsplit
+
+    from rollout_fleet.adapters.http import HttpSettings
+    from tests.driver.sockets import my_connections_to
+
+    frontend_port = urlsplit(fleet.url).port
+    config = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=8,
+                              max_concurrency=1000)
+    generation = build_generation(config, frontend_url=fleet.url, control_secret=CONTROL_SECRET,
+                                  workers=[], http=HttpSettings(max_in_flight=32))
+    peak = 0
+
+    async def run():
+        nonlocal peak
+        done = asyncio.Event()
+
+        async def watch():
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, my_connections_to(frontend_port))
+                await asyncio.sleep(0.005)
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return [pair async for pair in generation.generate_async(mixed_batch(1000, seed=8)[1])]
+        finally:
+            peak = max(peak, my_connections_to(frontend_port))
+            done.set()
+            await watcher
+    try:
+        pairs = asyncio.run(run())
+        assert sorted(i for i, _ in pairs) == list(range(1000))
+        assert 1 <= peak <= 32
+    finally:
+        generation.shutdown()
