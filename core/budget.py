@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from rollout_fleet.core.errors import ContextLimitExceeded, InvalidValue
+from rollout_fleet.core.errors import ContextLimitExceeded, InvalidValue, shown
 
 
 class ContextLimitPolicy(str, enum.Enum):
@@ -27,12 +27,17 @@ def token_budget(
             raise InvalidValue(field, value, "must be an int >= 0")
     if max_model_len < 1:
         raise InvalidValue("max_model_len", max_model_len, "must be >= 1")
+    try:
+        policy = ContextLimitPolicy(policy)
+    except ValueError:
+        allowed = ", ".join(p.value for p in ContextLimitPolicy)
+        raise InvalidValue("context_limit_policy", policy, f"must be one of {allowed}") from None
     room = max_model_len - prompt_len
     if room <= 0:
-        if ContextLimitPolicy(policy) is ContextLimitPolicy.REJECT:
+        if policy is ContextLimitPolicy.REJECT:
             raise ContextLimitExceeded(
                 "prompt_len", prompt_len,
-                f"leaves no room to generate within max_model_len={max_model_len} "
+                f"leaves no room to generate within max_model_len={shown(max_model_len)} "
                 "(context_limit_policy='reject'; use 'empty' to answer with no tokens)",
             )
         return 0

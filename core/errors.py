@@ -119,6 +119,18 @@ class ControlRefused(RolloutFleetError):
     """A worker refused a control request (unknown name, bad secret, bad body)."""
 
 
+def shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` shortened for a message; never raises, whatever the value."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # ints past Python's str-conversion cap, very deep nesting
+        text = f"<unprintable {type(value).__name__}>"
+    return _cut(text, limit)
+
+
 def _short(value: Any, limit: int = 200) -> str:
-    text = repr(value) if not isinstance(value, str) else value
+    return _cut(value, limit) if isinstance(value, str) else shown(value, limit)
+
+
+def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"

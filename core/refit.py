@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch
+from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch, shown
 
 # Bytes per element of each dtype a refit may carry (names as torch prints them, without "torch.").
 DTYPE_BYTES: Mapping[str, int] = {
@@ -21,13 +21,18 @@ BUFFER_ALIGN = 256  # every tensor starts on a 256-byte boundary: any dtype view
 
 def dtype_name(dtype: Any) -> str:
     """``torch.float32`` / ``"torch.float32"`` / ``"float32"`` -> ``"float32"``; refuses unknown names."""
-    name = str(dtype).removeprefix("torch.")
+    try:
+        name = str(dtype).removeprefix("torch.")
+    except (ValueError, RecursionError):  # a huge int or deeply nested value is no dtype
+        name = None
     if name not in DTYPE_BYTES:
         raise InvalidValue("dtype", dtype, f"must be one of {', '.join(sorted(DTYPE_BYTES))}")
     return name
 
 
 def _shape(value: Any, field: str) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes, Mapping)):  # iterable, but "" would read as a scalar's shape
+        raise InvalidValue(field, value, "a shape is a sequence of ints")
     try:
         dims = tuple(value)
     except TypeError:
@@ -85,7 +90,7 @@ class RefitInfo:
             try:
                 shape, dtype = entry
             except (TypeError, ValueError):
-                raise InvalidValue(f"state_dict_info[{name!r}]", entry, "must be (shape, dtype)") from None
+                raise InvalidValue(f"state_dict_info[{shown(name)}]", entry, "must be (shape, dtype)") from None
             metas.append(TensorMeta(name, shape, dtype))
         return cls(tuple(metas), packed)
 
@@ -102,7 +107,10 @@ class RefitInfo:
             if not isinstance(entry, (list, tuple)) or len(entry) != 3:
                 raise InvalidValue(f"refit_info.tensors[{index}]", entry, "must be [name, shape, dtype]")
             metas.append(TensorMeta(*entry))
-        return cls(tuple(metas), bool(data.get("packed", True)))
+        packed = data.get("packed", True)
+        if not isinstance(packed, bool):  # bool("false") is True
+            raise InvalidValue("refit_info.packed", packed, "must be true or false")
+        return cls(tuple(metas), packed)
 
     @property
     def total_bytes(self) -> int:
@@ -129,11 +137,18 @@ def _positive_int(field: str):
     return check
 
 
+def _non_empty_str(field: str):
+    def check(_i, _a, value):
+        if not isinstance(value, str) or not value:
+            raise InvalidValue(field, value, "must be a non-empty string")
+    return check
+
+
 @attrs.frozen
 class CollectiveSenderSpec:
     """The packed-buffer geometry both ends of a refit must share."""
 
-    protocol: str = PACKED_PROTOCOL
+    protocol: str = attrs.field(default=PACKED_PROTOCOL, validator=_non_empty_str("protocol"))
     buffer_bytes: int = attrs.field(default=1 << 30, validator=_positive_int("buffer_bytes"))
     num_buffers: int = attrs.field(default=2, validator=_positive_int("num_buffers"))
 
@@ -146,7 +161,7 @@ class CollectiveSenderSpec:
             raise InvalidValue("sender_spec", data, "must be an object")
         unknown = set(data) - {"protocol", "buffer_bytes", "num_buffers"}
         if unknown:
-            raise InvalidValue("sender_spec", sorted(unknown), "unknown keys")
+            raise InvalidValue("sender_spec", sorted(map(repr, unknown)), "unknown keys")
         return cls(**data)
 
 

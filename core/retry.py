@@ -15,6 +15,7 @@ from rollout_fleet.core.errors import (
     TransportError,
     UnreadableBody,
 )
+from rollout_fleet.core.rollout import is_finite_number
 
 # 408 timeout, 429 load shed; 5xx are matched by range below.
 _TRANSIENT_4XX = frozenset({408, 429})
@@ -42,8 +43,7 @@ def _positive_int(field: str):
 
 def _non_negative(field: str):
     def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value < 0:
+        if not is_finite_number(value) or value < 0:
             raise InvalidValue(field, value, "must be a finite number >= 0")
     return check
 
@@ -53,7 +53,7 @@ class RetryPolicy:
     """Exponential backoff with proportional jitter.
 
     Attempt n (1-based) that failed waits ``min(max_delay_s, base_delay_s * backoff**(n-1))``
-    scaled by a factor drawn in ``[1 - jitter, 1 + jitter]``.
+    scaled by a factor drawn in ``[1 - jitter, 1 + jitter]``, never more than ``max_delay_s``.
     """
 
     max_attempts: int = attrs.field(default=5, validator=_positive_int("retry.max_attempts"))
@@ -77,8 +77,16 @@ class RetryPolicy:
 
         A server's Retry-After, when given, is a floor (capped by max_delay_s).
         """
-        nominal = min(self.max_delay_s, self.base_delay_s * self.backoff ** (attempt - 1))
-        delay = nominal * (1.0 - self.jitter + 2.0 * self.jitter * unit_random)
+        nominal = self._nominal_s(attempt)
+        delay = min(self.max_delay_s, nominal * (1.0 - self.jitter + 2.0 * self.jitter * unit_random))
         if retry_after_s is not None and retry_after_s > delay:
             delay = min(retry_after_s, self.max_delay_s)
-        return max(0.0, delay)
+        return max(0.0, float(delay))
+
+    def _nominal_s(self, attempt: int) -> float:
+        if self.base_delay_s == 0:
+            return 0.0
+        try:  # float power: an int one would build a huge int before the cap applies
+            return min(self.max_delay_s, self.base_delay_s * float(self.backoff) ** (attempt - 1))
+        except OverflowError:  # far past the cap
+            return float(self.max_delay_s)

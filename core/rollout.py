@@ -26,6 +26,16 @@ class FinishReason(str, enum.Enum):
             raise InvalidValue(field, value, f"must be one of {allowed}") from None
 
 
+def is_finite_number(value: Any) -> bool:
+    """A non-bool int or float that is finite as a float (huge ints overflow: not finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def token_ids_tuple(field: str):
     """attrs converter+validator: a tuple of non-negative ints (bools refused)."""
 
@@ -55,10 +65,9 @@ def logprobs_tuple(field: str):
         for index, lp in enumerate(items):
             if isinstance(lp, bool) or not isinstance(lp, (int, float)):
                 raise InvalidValue(f"{field}[{index}]", lp, "logprobs are floats")
-            lp = float(lp)
-            if not math.isfinite(lp) or lp > 0.0:
+            if not is_finite_number(lp) or lp > 0.0:
                 raise InvalidValue(f"{field}[{index}]", lp, "logprobs are finite and <= 0")
-            out.append(lp)
+            out.append(float(lp))
         return tuple(out)
 
     return convert
@@ -102,8 +111,7 @@ class SamplingSpec:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.greedy, bool):
             raise InvalidValue("greedy", self.greedy, "must be a bool")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature <= 0:
+        if not is_finite_number(self.temperature) or self.temperature <= 0:
             raise InvalidValue("temperature", self.temperature, "must be a finite float > 0")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
                 or not 0 < self.top_p <= 1:
@@ -163,6 +171,8 @@ class ServedRollout:
 
     def __attrs_post_init__(self) -> None:
         _check_generation(self.token_ids, self.logprobs)
+        if self.weight_version is not None:
+            _int_at_least("weight_version", 0)(self, None, self.weight_version)
         if self.usage.completion_tokens != len(self.token_ids):
             raise InvalidValue("usage.completion_tokens", self.usage.completion_tokens,
                                f"must equal the number of generated tokens ({len(self.token_ids)})")

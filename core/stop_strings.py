@@ -15,13 +15,15 @@ def merge_stop_strings(
     cap: int = MAX_STOP_STRINGS,
 ) -> tuple[str, ...]:
     """Union in first-seen order (configured first); raise past ``cap``."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise InvalidValue("stop string cap", cap, "must be an int >= 0")
     merged: dict[str, None] = {}
     for field, group in (("stop_strings (configured)", configured),
                          ("stop_strings (per sample)", per_sample)):
         if group is None:
             continue
-        if isinstance(group, str):
-            raise InvalidValue(field, group, "must be a list of strings, not one string")
+        if isinstance(group, str) or not isinstance(group, Iterable):
+            raise InvalidValue(field, group, "must be a list of strings")
         for stop in group:
             if not isinstance(stop, str) or not stop:
                 raise InvalidValue(field, stop, "each stop string must be a non-empty string")

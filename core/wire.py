@@ -23,6 +23,7 @@ from rollout_fleet.core.errors import (
     SpecVersionError,
     UnreadableBody,
     WireError,
+    shown,
 )
 from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec, ServedRollout, Usage
 
@@ -71,7 +72,7 @@ def encode_rollout_annotation(request: RolloutRequest) -> str:
 def decode_rollout_annotation(annotation: str) -> RolloutSpec:
     """Parse one ``rollout:`` annotation; AnnotationError / SpecVersionError on bad input."""
     if not isinstance(annotation, str) or not annotation.startswith(ROLLOUT_ANNOTATION_PREFIX):
-        raise AnnotationError(f"not a rollout annotation: {annotation!r:.200}")
+        raise AnnotationError(f"not a rollout annotation: {shown(annotation)}")
     try:
         spec = json.loads(annotation[len(ROLLOUT_ANNOTATION_PREFIX):])
     except (ValueError, RecursionError) as exc:
@@ -79,9 +80,9 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
     if not isinstance(spec, dict):
         raise AnnotationError(f"rollout annotation must hold a JSON object, got {type(spec).__name__}")
     version = spec.get("v")
-    if version != ROLLOUT_SPEC_VERSION:
+    if not _is_version(version, ROLLOUT_SPEC_VERSION):
         raise SpecVersionError(
-            f"rollout spec version {version!r} is not spoken here (this worker speaks "
+            f"rollout spec version {shown(version)} is not spoken here (this worker speaks "
             f"v={ROLLOUT_SPEC_VERSION}); upgrade the driver and workers together"
         )
     try:
@@ -151,8 +152,8 @@ def served_from_engine_data(data: Any) -> ServedRollout:
     """Inverse of ``engine_data_of``; WireError subclasses on any defect."""
     if not isinstance(data, Mapping):
         raise WireError(f"engine_data must be an object, got {type(data).__name__}")
-    if data.get("v") != ENGINE_DATA_VERSION:
-        raise SpecVersionError(f"engine_data version {data.get('v')!r} is not {ENGINE_DATA_VERSION}")
+    if not _is_version(data.get("v"), ENGINE_DATA_VERSION):
+        raise SpecVersionError(f"engine_data version {shown(data.get('v'))} is not {ENGINE_DATA_VERSION}")
     token_ids = _required_wire(data, "token_ids", "nvext.engine_data")
     logprobs = _required_wire(data, "logprobs", "nvext.engine_data")
     if not isinstance(token_ids, list) or not isinstance(logprobs, list):
@@ -183,6 +184,8 @@ def parse_completion_answer(body: bytes | str) -> ServedRollout:
     UnreadableBody (not JSON), ErrorInBody (a 200 that says it failed), MissingField,
     LengthMismatch: each distinct so the retry rules can tell them apart.
     """
+    if not isinstance(body, (bytes, bytearray, str)):
+        raise WireError(f"answer body must be bytes or str, got {type(body).__name__}")
     try:
         answer = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -191,13 +194,18 @@ def parse_completion_answer(body: bytes | str) -> ServedRollout:
         raise WireError(f"answer must be a JSON object, got {type(answer).__name__}")
     if answer.get("status") == "error" or "error" in answer:
         message = answer.get("message") or answer.get("error")
-        raise ErrorInBody(f"the fleet answered 200 with an error: {str(message)[:500]}")
+        text = message[:500] if isinstance(message, str) else shown(message, 500)
+        raise ErrorInBody(f"the fleet answered 200 with an error: {text}")
     nvext = answer.get("nvext")
     if not isinstance(nvext, dict):
         raise MissingField("nvext")
     if "engine_data" not in nvext:
         raise MissingField("nvext.engine_data")
     return served_from_engine_data(nvext["engine_data"])
+
+
+def _is_version(value: Any, expected: int) -> bool:
+    return type(value) is int and value == expected  # refuses true and 1.0, which compare equal to 1
 
 
 def _required(spec: Mapping[str, Any], key: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
 
@@ -29,6 +29,7 @@ class _Strict(BaseModel):
 
 
 class RetrySection(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # RetryPolicy needs finite
     max_attempts: int = Field(5, ge=1)
     base_delay_s: float = Field(0.1, ge=0)
     backoff: float = Field(2.0, ge=1)
@@ -84,7 +85,7 @@ class FleetConfig(_Strict):
         if "kind" not in self.engine:
             raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
         if self.device == "cpu" and self.ranks_per_worker != 1:
-            raise ValueError(f"ranks_per_worker={self.ranks_per_worker}: CPU workers have one rank")
+            raise ValueError(f"ranks_per_worker={_shown(self.ranks_per_worker)}: CPU workers have one rank")
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self
@@ -119,11 +120,17 @@ def load_config(path: str | Path) -> FleetConfig:
         text = path.read_text()
     except OSError as exc:
         raise InvalidValue("--config", str(path), f"cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidValue("--config", str(path), f"is not UTF-8 text: {exc.reason}") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError) as exc:  # deep nesting recurses
         raise InvalidValue("--config", str(path), f"is not valid {path.suffix or 'JSON'}: {exc}") from None
     return parse_config(data, source=str(path))
+
+
+def _shown(value: Any) -> str:
+    return shown(value, 80)  # never raises: huge ints and deep nesting have no repr
 
 
 def _problems(exc: pydantic.ValidationError) -> str:
@@ -131,8 +138,8 @@ def _problems(exc: pydantic.ValidationError) -> str:
     for error in exc.errors():
         where = ".".join(str(p) for p in error["loc"]) or "(top level)"
         value = error.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r:.80})"
+        got = "" if isinstance(value, dict) else f" (got {_shown(value)})"
         message = error["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}: {message}{shown}" if error["type"] != "extra_forbidden"
+        problems.append(f"{where}: {message}{got}" if error["type"] != "extra_forbidden"
                         else f"{where}: unknown key")
     return "; ".join(problems)
