@@ -19,6 +19,13 @@ def _positive_int(field: str):
     return check
 
 
+def _positive(field: str):
+    def check(_i, _a, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InvalidValue(field, value, "must be a number > 0")
+    return check
+
+
 def _non_negative(field: str):
     def check(_i, _a, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -52,7 +59,7 @@ class GenerationConfig:
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     ranks_per_worker: int = attrs.field(default=1, validator=_positive_int("ranks_per_worker"))
     sender_spec: CollectiveSenderSpec = attrs.field(factory=CollectiveSenderSpec)
-    control_timeout_s: float = attrs.field(default=600.0, validator=_non_negative("control_timeout_s"))
+    control_timeout_s: float = attrs.field(default=600.0, validator=_positive("control_timeout_s"))
     # > 0: sample every worker's metrics this often while the driver lives; 0: only on demand.
     metrics_interval_s: float = attrs.field(default=0.0, validator=_non_negative("metrics_interval_s"))
 

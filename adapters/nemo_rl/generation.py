@@ -64,7 +64,7 @@ class DynamoGeneration:
         self._sampling = config.sampling
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
         self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,
-                                       timeout_s=config.control_timeout_s or 600.0)
+                                       timeout_s=config.control_timeout_s)
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}

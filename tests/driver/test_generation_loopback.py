@@ -299,3 +299,13 @@ def test_a_transient_failure_inside_a_batch_is_retried(server):
             check_sample(pairs[index], prompt, answers[index])
     finally:
         g.shutdown()
+
+
+@pytest.mark.parametrize("field,value", [("max_model_len", 0), ("max_concurrency", 0),
+                                         ("control_timeout_s", 0), ("temperature", -1.0),
+                                         ("stop_strings", [""]), ("metrics_interval_s", -1)])
+def test_a_bad_generation_config_names_the_field(field, value):
+    settings = {"model": MODEL, "max_model_len": 48, "max_new_tokens": 4, field: value}
+    with pytest.raises(InvalidValue) as caught:
+        GenerationConfig(**settings)
+    assert field.split("_")[0] in str(caught.value)
