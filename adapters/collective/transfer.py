@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rollout_fleet.adapters.collective.blocks import BlockPool, fresh_block
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
 from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket, unpack_bucket
 from rollout_fleet.core.errors import InvalidValue
@@ -109,6 +110,7 @@ class TorchWeightSender(WeightSender):
             raise InvalidValue("rank", group.rank, "a sender is a trainer rank")
         self.group = group
         self.spec = spec or CollectiveSenderSpec()
+        self._kept_slots: list[torch.Tensor] = []
 
     def send(self, info: RefitInfo, named_tensors: Iterable[tuple[str, Any]]) -> None:
         if not self.group.is_sender:
@@ -124,26 +126,51 @@ class TorchWeightSender(WeightSender):
             raise
 
     def _send_buckets(self, plan: tuple[Bucket, ...], stream: Iterator[tuple[str, Any]]) -> None:
-        slots = self._slots(plan)
+        """At most ``num_buffers`` broadcasts in flight; a slot is refilled once its last
+        broadcast is done (it is older than the ``num_buffers - 1`` still in flight)."""
+        slots: list[torch.Tensor] = []
         in_flight: collections.deque = collections.deque()  # (bucket index, work), oldest first
-        sent = 0
+        packed = 0
         for index, bucket in enumerate(plan):
             tensors = [self._next_tensor(stream, entry.meta) for entry in bucket.entries]
             if bucket.nbytes == 0:
                 continue
-            if len(in_flight) == len(slots):  # the oldest broadcast still holds this slot
+            if len(in_flight) == self.spec.num_buffers:
                 self._wait(in_flight.popleft(), plan)
-            slot = slots[sent % len(slots)]
-            pack_bucket(slot, bucket, tensors)
-            in_flight.append((index, self.group.broadcast(slot[:bucket.nbytes])))
-            sent += 1
+            payload = self._alone(bucket, tensors)
+            if payload is None:
+                slots = slots or self._slots(plan)
+                payload = slots[packed % len(slots)][:bucket.nbytes]
+                pack_bucket(payload, bucket, tensors)
+                packed += 1
+            in_flight.append((index, self.group.broadcast(payload)))
         while in_flight:
             self._wait(in_flight.popleft(), plan)
 
+    def _alone(self, bucket: Bucket, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """A tensor that fills its bucket alone goes as it is: its bytes are the packed bucket,
+        so packing it would only copy them (the work handle keeps it alive until sent)."""
+        if len(tensors) != 1 or bucket.entries[0].offset != 0:
+            return None
+        tensor = tensors[0]
+        if not tensor.is_contiguous() or tensor.device != self.group.device:
+            return None
+        return tensor.reshape(-1).view(torch.uint8)
+
+    def _wait(self, indexed_work: tuple[int, Any], plan: tuple[Bucket, ...]) -> None:
+        index, work = indexed_work
+        self.group.wait(work, f"bucket {index + 1}/{len(plan)}")
+
     def _slots(self, plan: tuple[Bucket, ...]) -> list[torch.Tensor]:
+        """The packing buffers; on the CPU kept between refits (warm pages, see blocks.py)."""
         count = min(self.spec.num_buffers, sum(1 for b in plan if b.nbytes)) or 1
         size = max_bucket_bytes(plan)
-        return [torch.empty(size, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
+        device = self.group.device
+        if device.type != "cpu":
+            return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        if len(self._kept_slots) < count or any(s.numel() < size for s in self._kept_slots):
+            self._kept_slots = [fresh_block(size, device) for _ in range(count)]
+        return self._kept_slots[:count]
 
     @staticmethod
     def _next_tensor(stream: Iterator[tuple[str, Any]], meta: Any) -> torch.Tensor:
@@ -154,22 +181,20 @@ class TorchWeightSender(WeightSender):
         check_tensor(meta, name, tensor)
         return tensor
 
-    def _wait(self, indexed_work: tuple[int, Any], plan: tuple[Bucket, ...]) -> None:
-        index, work = indexed_work
-        self.group.wait(work, f"bucket {index + 1}/{len(plan)}")
-
     def close(self) -> None:
+        self._kept_slots = []
         self.group.close()
 
 
 class TorchWeightReceiver(WeightReceiver):
     """Worker side, one per worker rank.
 
-    ``receive`` yields views into a packed block that is handed over and never reused: each
-    bucket is received into a fresh block, so the tensors stay valid however long the consumer
-    keeps them (a dict of them, an engine that holds references), and no copy is made out of
-    the buffer. At most ``num_buffers`` blocks are in flight; on a GPU the caching allocator
-    recycles the blocks the consumer has dropped.
+    ``receive`` yields views, not copies, of the block each bucket arrived in, and a block is
+    never written again while any tensor handed out still views it: it is either fresh or one
+    whose views have all been dropped (blocks.BlockPool). So the tensors stay valid however
+    long the consumer keeps them (a staged list, an engine holding references) and no copy
+    is made out of the buffer; a consumer that loads and drops them lets the blocks recycle.
+    At most ``num_buffers`` blocks are in flight.
     """
 
     def __init__(self, group: CollectiveGroup, spec: CollectiveSenderSpec | None = None) -> None:
@@ -177,6 +202,8 @@ class TorchWeightReceiver(WeightReceiver):
             raise InvalidValue("rank", group.rank, "a receiver is a worker rank, not a trainer rank")
         self.group = group
         self.spec = spec or CollectiveSenderSpec()
+        # In flight, just arrived, and the one whose last tensor the consumer still holds.
+        self._blocks = BlockPool(group.device, capacity=self.spec.num_buffers + 2)
 
     def receive(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
         self.group.check_usable()
@@ -193,8 +220,9 @@ class TorchWeightReceiver(WeightReceiver):
     def _receive_buckets(self, plan: tuple[Bucket, ...]) -> Iterator[tuple[str, Any]]:
         moving = [index for index, bucket in enumerate(plan) if bucket.nbytes]
         posted: collections.deque = collections.deque()
+        block_bytes = max_bucket_bytes(plan)
         for index in moving[:self.spec.num_buffers]:
-            posted.append(self._post(plan[index]))
+            posted.append(self._post(plan[index], block_bytes))
         next_to_post = len(posted)
         for index, bucket in enumerate(plan):
             if bucket.nbytes == 0:
@@ -204,12 +232,12 @@ class TorchWeightReceiver(WeightReceiver):
             block, work = posted.popleft()
             self.group.wait(work, f"bucket {index + 1}/{len(plan)}")
             if next_to_post < len(moving):
-                posted.append(self._post(plan[moving[next_to_post]]))
+                posted.append(self._post(plan[moving[next_to_post]], block_bytes))
                 next_to_post += 1
             yield from unpack_bucket(block, bucket)
 
-    def _post(self, bucket: Bucket) -> tuple[torch.Tensor, Any]:
-        block = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+    def _post(self, bucket: Bucket, block_bytes: int) -> tuple[torch.Tensor, Any]:
+        block = self._blocks.take(bucket.nbytes, block_bytes)
         return block, self.group.broadcast(block)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ HOST = "127.0.0.1"
 
 
 def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
-    """Mixed dtypes, odd shapes, a scalar, empty tensors and one tensor of ~300 KB."""
+    """Mixed dtypes, odd shapes, a scalar, empty tensors, a strided one, one of ~300 KB."""
     gen = torch.Generator().manual_seed(seed)
     return {
         "embed.weight": torch.randn(97, 13, generator=gen),
@@ -36,6 +36,7 @@ def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
         "layer.1.odd.bias": torch.randn(3, 1, 5, generator=gen).to(torch.bfloat16),
         "tail.empty": torch.zeros(3, 0, dtype=torch.bfloat16),
         "mask": torch.rand(11, generator=gen) > 0.5,
+        "layer.2.transposed.weight": torch.randn(9, 300, generator=gen).t(),  # not contiguous
     }
 
 

@@ -10,6 +10,7 @@ import torch
 from rollout_fleet.adapters.collective import (
     TorchWeightReceiver, TorchWeightSender, init_group, make_receiver,
 )
+from rollout_fleet.adapters.collective.blocks import BlockPool
 from rollout_fleet.adapters.collective.packing import as_bytes, pack_bucket, unpack_bucket
 from rollout_fleet.adapters.collective.trainer import refit_info_of
 from rollout_fleet.core.errors import InvalidValue, RefitError
@@ -145,3 +146,22 @@ def test_bad_group_arguments_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(InvalidValue) as caught:
         init_group(**args)
     assert caught.value.field == field
+
+
+def test_a_receive_block_is_reused_only_once_no_tensor_views_it():
+    pool = BlockPool(torch.device("cpu"), capacity=3)
+    first = pool.take(1000, 4096)
+    kept = first[8:16].view(torch.int64)  # a tensor handed out, still alive
+    del first
+    second = pool.take(1000, 4096)
+    assert second.data_ptr() != kept.data_ptr() - 8  # busy: a new block
+    del kept
+    third = pool.take(4096, 4096)
+    assert third.untyped_storage().data_ptr() in {b.untyped_storage().data_ptr()
+                                                  for b, _ in pool._kept[:1]}  # the first, reused
+
+
+def test_the_pool_keeps_at_most_its_capacity():
+    pool = BlockPool(torch.device("cpu"), capacity=2)
+    held = [pool.take(100, 100) for _ in range(5)]
+    assert len(pool._kept) == 2 and len(held) == 5
