@@ -36,10 +36,20 @@ def is_finite_number(value: Any) -> bool:
         return False
 
 
+_PLAIN_SEQUENCES = (list, tuple)
+_INT_ONLY = frozenset({int})
+_FLOAT_ONLY = frozenset({float})
+
+
 def token_ids_tuple(field: str):
     """attrs converter+validator: a tuple of non-negative ints (bools refused)."""
 
     def convert(value: Any) -> tuple[int, ...]:
+        # Fast path (the driver's hot path): a list/tuple of plain non-negative ints, checked
+        # in C loops; anything else takes the element-by-element path that names the culprit.
+        if type(value) in _PLAIN_SEQUENCES and (
+                not value or (set(map(type, value)) <= _INT_ONLY and min(value) >= 0)):
+            return tuple(value)
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             try:
                 value = list(value)
@@ -57,6 +67,10 @@ def logprobs_tuple(field: str):
     """attrs converter: a tuple of finite floats <= 0."""
 
     def convert(value: Any) -> tuple[float, ...]:
+        if type(value) in _PLAIN_SEQUENCES and (not value or (
+                set(map(type, value)) <= _FLOAT_ONLY and max(value) <= 0.0
+                and all(map(math.isfinite, value)))):
+            return tuple(value)  # fast path, as for token IDs
         try:
             items = list(value)
         except TypeError:
