@@ -130,6 +130,10 @@ class RefitInfo:
                                    f"the engine's parameter has dtype {known.dtype}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive_int(field: str):
     def check(_i, _a, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -222,9 +226,9 @@ class RankLayout:
         return self.train_world_size + self.num_workers * self.ranks_per_worker
 
     def worker_rank(self, worker_index: int, local_rank: int = 0) -> int:
-        if not 0 <= worker_index < self.num_workers:
+        if not _is_int(worker_index) or not 0 <= worker_index < self.num_workers:
             raise InvalidValue("worker_index", worker_index, f"must be in [0, {self.num_workers})")
-        if not 0 <= local_rank < self.ranks_per_worker:
+        if not _is_int(local_rank) or not 0 <= local_rank < self.ranks_per_worker:
             raise InvalidValue("local_rank", local_rank, f"must be in [0, {self.ranks_per_worker})")
         return self.train_world_size + worker_index * self.ranks_per_worker + local_rank
 

@@ -107,8 +107,10 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
 
 
 def find_annotation(annotations: Sequence[Any] | None, prefix: str) -> str | None:
-    """The first annotation with ``prefix``, or None."""
-    for annotation in annotations or ():
+    """The first annotation with ``prefix``, or None (also when ``annotations`` is not a list)."""
+    if isinstance(annotations, (str, bytes)) or not isinstance(annotations, Sequence):
+        return None
+    for annotation in annotations:
         if isinstance(annotation, str) and annotation.startswith(prefix):
             return annotation
     return None

@@ -17,6 +17,7 @@ from rollout_fleet.core.refit import (
     BUFFER_ALIGN,
     DTYPE_BYTES,
     CollectiveSenderSpec,
+    RankLayout,
     RefitInfo,
     TensorMeta,
     dtype_name,
@@ -179,3 +180,35 @@ def test_plan_buckets_refuses_a_bad_limit(tensors, buffer_bytes):
         return
     with pytest.raises(InvalidValue, match="buffer_bytes"):
         plan_buckets(tensors, buffer_bytes)
+
+
+# ---------------------------------------------------------------- rank layout
+
+small = st.integers(1, 6)
+
+
+@given(python_values | small, python_values | small, python_values | small)
+def test_any_rank_layout_builds_or_raises_invalid_value(train, workers, per_worker):
+    layout = _build_or_invalid(RankLayout, train, workers, per_worker)
+    if layout is not None:
+        assert layout.world_size == train + workers * per_worker
+
+
+@given(small, small, small)
+def test_worker_ranks_tile_the_world_after_the_trainer(train, workers, per_worker):
+    layout = RankLayout(train, workers, per_worker)
+    ranks = [layout.worker_rank(w, r) for w in range(workers) for r in range(per_worker)]
+    assert ranks == list(range(train, layout.world_size))
+
+
+@given(small, small, small, python_values | st.integers(-3, 9), python_values | st.integers(-3, 9))
+def test_any_worker_rank_lookup_answers_or_raises_invalid_value(train, workers, per_worker, index, local):
+    rank = _build_or_invalid(RankLayout(train, workers, per_worker).worker_rank, index, local)
+    assert rank is None or (type(rank) is int and train <= rank < train + workers * per_worker)
+
+
+@pytest.mark.parametrize("index", ["0", 1.5, None, True])
+def test_worker_index_must_be_an_int(index):
+    # Found by the property above: "0" raised TypeError, and 1.5 and True gave ranks.
+    with pytest.raises(InvalidValue, match="worker_index"):
+        RankLayout(1, 3).worker_rank(index)

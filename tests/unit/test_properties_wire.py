@@ -149,10 +149,19 @@ def test_completion_body_is_strict_json_carrying_the_request(request, model):
         assert body.get("seed") == request.sampling.seed
 
 
-@given(st.none() | st.lists(python_values, max_size=6), st.text(max_size=9))
+@given(st.lists(python_values | st.text(max_size=12).map("rollout:".__add__), max_size=6) | python_values,
+       st.text(max_size=9) | st.just(ROLLOUT_ANNOTATION_PREFIX))
 def test_find_annotation_never_raises(annotations, prefix):
     found = find_annotation(annotations, prefix)
     assert found is None or (isinstance(found, str) and found.startswith(prefix) and found in annotations)
+    if isinstance(annotations, list):
+        assert found == next((a for a in annotations if isinstance(a, str) and a.startswith(prefix)), None)
+
+
+@pytest.mark.parametrize("annotations", [5, 1.5, True, {"rollout:": 1}.keys()])
+def test_annotations_that_are_not_a_list_hold_no_rollout(annotations):
+    # Found by the property above: iterating an int raised TypeError.
+    assert find_annotation(annotations, ROLLOUT_ANNOTATION_PREFIX) is None
 
 
 # ---------------------------------------------------------------- engine data and answers
