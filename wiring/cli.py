@@ -6,15 +6,29 @@ import argparse
 import asyncio
 import sys
 
+import attrs
+
 from rollout_fleet.core.errors import RolloutFleetError
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rollout_fleet.wiring.memory_demo import run_memory_demo
+    if args.in_memory:
+        from rollout_fleet.wiring.memory_demo import run_memory_demo
 
-    figures = asyncio.run(run_memory_demo(num_workers=args.workers))
-    if set(figures["weight_versions"].values()) != {1}:
-        raise RolloutFleetError(f"the refit did not reach every worker: {figures['weight_versions']}")
+        figures = asyncio.run(run_memory_demo(num_workers=args.workers))
+        if set(figures["weight_versions"].values()) != {1}:
+            raise RolloutFleetError(f"the refit did not reach every worker: {figures['weight_versions']}")
+        return 0
+    from rollout_fleet.wiring.demo.run import DemoSettings, run_demo
+    from rollout_fleet.wiring.netns import reexec_in_private_netns
+
+    reexec_in_private_netns()  # a local Ray binds every interface: keep it on loopback
+    settings = DemoSettings(workers=args.workers, out_dir=args.out, progress=not args.quiet)
+    if args.ci:
+        settings = attrs.evolve(settings, steps=2, prompts=4, group_size=4)
+    if args.steps is not None:
+        settings = attrs.evolve(settings, steps=args.steps)
+    run_demo(settings)
     return 0
 
 
@@ -24,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="rollouts and a refit on an embedded fleet",
                                description="Run rollouts, refit every worker, run rollouts again.")
     demo.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    demo.add_argument("--ci", action="store_true", help="the short form CI runs")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default 6)")
+    demo.add_argument("--out", default="out/demo", help="folder for demo.json and demo.png")
+    demo.add_argument("--ci", action="store_true", help="the short form CI runs (2 steps)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--in-memory", action="store_true",
+                      help="the in-memory demo: core services only, no Ray, Dynamo or vLLM")
     demo.set_defaults(run=_demo)
     return parser
 

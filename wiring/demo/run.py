@@ -1,0 +1,155 @@
+"""The demo: a short GRPO loop on the embedded fleet (tiny model, 2 vLLM workers on Ray,
+Dynamo frontend, refits over gloo), printing what an RL engineer watches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import RolloutFleetError
+
+
+@attrs.frozen
+class DemoSettings:
+    steps: int = 6
+    prompts: int = 8
+    group_size: int = 8
+    prompt_len: int = 8
+    max_new_tokens: int = 16
+    workers: int = 2
+    learning_rate: float = 1e-2
+    seed: int = 0
+    mismatch_bound: float = 1e-3  # float32 noise between two implementations of one model
+    out_dir: str = "out/demo"
+    engine: str = "vllm"
+    progress: bool = True
+
+
+class DemoFailed(RolloutFleetError):
+    """A check of the demo did not hold (refit missed a worker, mismatch too large)."""
+
+
+def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
+    import ray
+    import torch
+
+    from rollout_fleet.adapters.collective import TrainerRefitSession
+    from rollout_fleet.adapters.ray.supervisor import free_port
+    from rollout_fleet.wiring.config import parse_config
+    from rollout_fleet.wiring.demo.report import header, row, write_outputs
+    from rollout_fleet.wiring.demo.trainer import PolicyTrainer, Scored, TargetTokenReward
+    from rollout_fleet.wiring.fleet import Fleet
+
+    torch.set_num_threads(1)  # the workers need the cores more than the tiny trainer does
+    config = parse_config({
+        "engine": {"kind": settings.engine}, "num_workers": settings.workers, "model": "tiny",
+        "served_model_name": "tiny", "max_new_tokens": settings.max_new_tokens,
+        "max_model_len": 512, "refit": {"buffer_bytes": 8 << 20, "num_buffers": 2},
+        "timeouts": {"start_s": 600, "refit_s": 300}})
+    print(f"starting a fleet of {settings.workers} {settings.engine} workers on Ray ...", flush=True)
+    started = time.perf_counter()
+    fleet = Fleet.start(config)
+    steps: list[dict[str, Any]] = []
+    session = None
+    generation = None
+    try:
+        print(f"fleet up in {time.perf_counter() - started:.1f} s: frontend {fleet.frontend_url}",
+              flush=True)
+        generation = fleet.generation()
+        trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
+                                seed=settings.seed)
+        reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
+        prompts = _prompts(settings, trainer.model.config.vocab_size)
+
+        port = free_port("127.0.0.1")
+        world_size = 1 + settings.workers
+        joining = generation.init_collective("127.0.0.1", port, world_size, train_world_size=1)
+        session = TrainerRefitSession("127.0.0.1", port, 0, world_size,
+                                      spec=generation.get_collective_sender_spec(), timeout_s=120)
+        ray.get(joining, timeout=300)
+        info = generation.prepare_refit_info(trainer.state_dict_info())
+
+        print(header(), flush=True)
+        for step in range(1, settings.steps + 1):
+            figures: dict[str, Any] = {"step": step}
+            scored, seconds = _rollouts(generation, prompts, settings, reward)
+            tokens = sum(len(s.tokens) for s in scored)
+            figures["mean_reward"] = sum(s.reward for s in scored) / len(scored)
+            figures["rollouts_per_s"] = len(scored) / seconds
+            figures["tokens_per_s"] = tokens / seconds
+            figures["mismatch_mean"], figures["mismatch_max"] = trainer.mismatch(scored)
+            figures["loss"] = trainer.step(scored, settings.group_size)
+            refit_started = time.perf_counter()
+            updating = generation.update_weights_from_collective()
+            session.send_state_dict(trainer.state_dict(), info)
+            ray.get(updating, timeout=300)
+            generation.invalidate_kv_cache()
+            figures["refit_s"] = time.perf_counter() - refit_started
+            versions = generation.get_weight_versions()
+            figures["weight_versions"] = [versions[w] for w in sorted(versions)]
+            steps.append(figures)
+            print(row(figures), flush=True)
+            _check_step(figures, step, settings)
+    finally:
+        if session is not None:
+            session.close()
+        if generation is not None:
+            generation.shutdown()
+        fleet.shutdown()
+    json_path, png_path = write_outputs(steps, Path(settings.out_dir), attrs.asdict(settings))
+    print(f"figures: {json_path}  plot: {png_path}")
+    return steps
+
+
+def _prompts(settings: DemoSettings, vocab_size: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(settings.seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(settings.prompt_len)]
+            for _ in range(settings.prompts)]
+
+
+def _rollouts(generation, prompts, settings: DemoSettings, reward):
+    """One batch: every prompt ``group_size`` times, sampled; scored as they finish."""
+    import torch
+
+    from rollout_fleet.wiring.demo.trainer import Scored
+
+    batch = [p for p in prompts for _ in range(settings.group_size)]
+    data = {"input_ids": torch.tensor(batch, dtype=torch.long),
+            "input_lengths": torch.full((len(batch),), settings.prompt_len, dtype=torch.long)}
+    scored: list[Scored | None] = [None] * len(batch)
+    bar = _progress(len(batch), settings.progress)
+
+    async def collect():
+        async for index, sample in generation.generate_async(data, greedy=False):
+            n = int(sample["generation_lengths"][0])
+            start = settings.prompt_len
+            tokens = tuple(sample["output_ids"][0, start:start + n].tolist())
+            logprobs = tuple(sample["logprobs"][0, start:start + n].tolist())
+            scored[index] = Scored(tuple(batch[index]), tokens, logprobs, reward(tokens))
+            bar.update(1)
+
+    started = time.perf_counter()
+    asyncio.run(collect())
+    bar.close()
+    return scored, time.perf_counter() - started
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="rollouts", leave=False, disable=not enabled, mininterval=0.5)
+
+
+def _check_step(figures: dict[str, Any], step: int, settings: DemoSettings) -> None:
+    if figures["weight_versions"] != [step] * settings.workers:
+        raise DemoFailed(f"step {step}: the refit did not reach every worker "
+                         f"(weight versions {figures['weight_versions']}, expected {step} each)")
+    if figures["mismatch_max"] > settings.mismatch_bound:
+        raise DemoFailed(f"step {step}: train/inference logprob mismatch "
+                         f"{figures['mismatch_max']:.2e} exceeds {settings.mismatch_bound:.0e}")
