@@ -11,6 +11,8 @@ in interleaved rounds (the order rotates each round), medians printed with the r
   (d)  httpx's AsyncClient on its default transport, pooled
 
 Targets: (a) >= 0.9x the rollouts/s of (b); CPU per rollout <= 1.3x (b) and <= 0.7x (c).
+Ratios are printed on the medians and on each client's best run (other processes on a shared
+machine only add CPU time and take throughput away).
 Driver CPU is this process's CPU time (the frontend and workers are other processes). The
 long-lived heap (torch, Dynamo, the fleet handles) is frozen out of the garbage collector before
 measuring: otherwise a full collection over it (120-320 ms here, a cost of the heap and not of
@@ -190,28 +192,40 @@ FULL_COLLECTIONS: dict[str, int] = {}
 
 
 def report(results, concurrency: int, requests: int) -> dict[str, float]:
-    med = {name: (statistics.median(r for r, _ in rows), statistics.median(c for _, c in rows))
-           for name, rows in results.items() if rows}
-    print(f"\nconcurrency {concurrency}, {requests} rollouts per run, medians of "
-          f"{min(len(r) for r in results.values())} interleaved rounds:")
-    print(f"  {'client':30s} {'rollouts/s':>11s} {'CPU us/rollout':>15s}   runs (rollouts/s, us)")
-    for name, rows in results.items():
-        if rows:
-            runs = ", ".join(f"{r:.0f}/{c:.0f}" for r, c in rows)
-            print(f"  {name:30s} {med[name][0]:11.0f} {med[name][1]:15.0f}   {runs}")
+    rows_of = {name: rows for name, rows in results.items() if rows}
+    median = {name: (statistics.median(r for r, _ in rows), statistics.median(c for _, c in rows))
+              for name, rows in rows_of.items()}
+    # Other processes only ever add CPU time and take throughput away: the best run of each
+    # client is the least disturbed estimate of its own cost. Both are printed.
+    best = {name: (max(r for r, _ in rows), min(c for _, c in rows)) for name, rows in rows_of.items()}
+    print(f"\nconcurrency {concurrency}, {requests} rollouts per run, "
+          f"{min(len(r) for r in rows_of.values())} interleaved rounds:")
+    print(f"  {'client':30s} {'rollouts/s':>17s} {'CPU us/rollout':>17s}   "
+          f"runs (rollouts/s / us)")
+    print(f"  {'':30s} {'median':>8s} {'best':>8s} {'median':>8s} {'best':>8s}")
+    for name, rows in rows_of.items():
+        runs = ", ".join(f"{r:.0f}/{c:.0f}" for r, c in rows)
+        print(f"  {name:30s} {median[name][0]:8.0f} {best[name][0]:8.0f} "
+              f"{median[name][1]:8.0f} {best[name][1]:8.0f}   {runs}")
     print(f"  full GC collections so far: {FULL_COLLECTIONS}")
-    a, b, c = med["a  driver (pooled aiohttp)"], med["b  bare pooled aiohttp"], med["c  session per request"]
-    d = med["d  httpx default transport"]
-    ratios = {"a/b rollouts/s": a[0] / b[0], "a/b CPU": a[1] / b[1], "a/c CPU": a[1] / c[1],
-              "d/b CPU": d[1] / b[1], "a'/b CPU": med["a' driver (httpx-aiohttp)"][1] / b[1]}
-    targets = {"a/b rollouts/s": (">=", 0.9), "a/b CPU": ("<=", 1.3), "a/c CPU": ("<=", 0.7)}
-    for key, value in ratios.items():
+    a, a2, b, c, d = ("a  driver (pooled aiohttp)", "a' driver (httpx-aiohttp)",
+                      "b  bare pooled aiohttp", "c  session per request", "d  httpx default transport")
+    checks = [("a/b rollouts/s", lambda m: m[a][0] / m[b][0], ">=", 0.9),
+              ("a/b CPU", lambda m: m[a][1] / m[b][1], "<=", 1.3),
+              ("a/c CPU", lambda m: m[a][1] / m[c][1], "<=", 0.7),
+              ("a'/b CPU", lambda m: m[a2][1] / m[b][1], None, None),
+              ("d/b CPU", lambda m: m[d][1] / m[b][1], None, None)]
+    ratios = {}
+    print(f"  {'ratio':16s} {'median':>7s} {'best':>7s}")
+    for key, ratio, op, bound in checks:
+        on_median, on_best = ratio(median), ratio(best)
+        ratios[key] = on_median
         verdict = ""
-        if key in targets:
-            op, bound = targets[key]
-            ok = value >= bound if op == ">=" else value <= bound
-            verdict = f"  target {op} {bound}: {'met' if ok else 'MISSED'}"
-        print(f"  {key:16s} {value:5.2f}x{verdict}")
+        if op is not None:
+            met = [(v >= bound) if op == ">=" else (v <= bound) for v in (on_median, on_best)]
+            verdict = (f"  target {op} {bound}: median {'met' if met[0] else 'MISSED'}, "
+                       f"best {'met' if met[1] else 'MISSED'}")
+        print(f"  {key:16s} {on_median:6.2f}x {on_best:6.2f}x{verdict}")
     return ratios
 
 
