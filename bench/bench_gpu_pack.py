@@ -153,6 +153,18 @@ def pack_cat(buf, bucket, tensors):
     torch.cat(parts, out=buf[:end])
 
 
+def adapter_with_cat_group(group, buf, per_bucket):
+    """The adapter's packing with another number of tensors per cat (0: the whole bucket)."""
+    def run():
+        saved, packing.CAT_GROUP = packing.CAT_GROUP, group
+        try:
+            for b, ts, _ in per_bucket:
+                packing.pack_bucket(buf, b, ts)
+        finally:
+            packing.CAT_GROUP = saved
+    return run
+
+
 def unpack_loop(buf, bucket, params):
     for (name, view), p in zip(packing.unpack_bucket(buf, bucket), params):
         p.copy_(view)
@@ -238,6 +250,8 @@ def main() -> None:
                                                  for b, ts, _ in per_bucket],
                 "pack (adapter)": lambda: [packing.pack_bucket(buf, b, ts)
                                            for b, ts, _ in per_bucket],
+                **{f"pack (adapter, cat groups of {g})": adapter_with_cat_group(g, buf, per_bucket)
+                   for g in (4, 16, 0)},
                 "unpack loop": lambda: [unpack_loop(buf, b, ps) for b, _, ps in per_bucket],
                 "unpack foreach": lambda: [unpack_foreach(buf, b, ps) for b, _, ps in per_bucket],
                 "unpack (adapter)": lambda: [unpack_split(buf, b, ps) for b, _, ps in per_bucket],

@@ -1,12 +1,11 @@
 """Pack tensors into a uint8 buffer at the bucket plan's offsets, and view them back out.
 
-How a bucket is packed was chosen by measurement on an H200 (bench/bench_gpu_pack.py):
-one ``copy_`` per tensor is a device memcpy at 0.9 of a flat copy's bandwidth for Llama-8B-sized
-tensors (~50 MiB on average), where one ``torch._foreach_copy_`` per bucket (0.45 over uint8,
-0.70 over int64 views) or one ``torch.cat`` (0.70-0.75) is slower; but for smaller tensors
-(Llama-1B, ~13 MiB on average) the loop is bound by Python's cost per launch (0.3 of a flat
-copy) and one ``torch.cat`` into the buffer, padding included, does better (0.45-0.5).
-On the CPU both are memory copies; the loop is used there.
+How a bucket is packed was chosen by measurement on an H200 (bench/bench_gpu_pack.py, figures
+in bench/RESULTS-gpu.md): on a GPU, ``torch.cat`` into the buffer, alignment gaps included, in
+groups of 8 tensors, packs at 0.77-0.79 of a flat device copy's bandwidth for Llama-1B-sized
+tensors and about 0.9 for Llama-8B-sized ones; one ``copy_`` per tensor is bound by Python's
+cost per launch for the smaller model (0.54-0.56), and ``torch._foreach_copy_`` is slower
+everywhere (0.36-0.70). On the CPU the copies are plain memory copies: a loop of ``copy_``.
 """
 
 from __future__ import annotations
@@ -52,33 +51,35 @@ def copy_tensors(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor
             target.copy_(source)
 
 
-CAT_BELOW_MEAN_BYTES = 32 << 20  # on a GPU, tensors this small on average pack faster by one cat
-
-
 def pack_bucket(buffer: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> None:
     """Copy ``tensors`` (one per bucket entry, in order) into ``buffer`` at their offsets."""
     entries = [(e, t) for e, t in zip(bucket.entries, tensors, strict=True) if e.meta.nbytes]
     if not entries:
         return
-    mean_bytes = sum(e.meta.nbytes for e, _ in entries) / len(entries)
-    if (buffer.is_cuda and mean_bytes < CAT_BELOW_MEAN_BYTES
-            and all(t.device == buffer.device for _, t in entries)):
+    if buffer.is_cuda and all(t.device == buffer.device for _, t in entries):
         _pack_by_cat(buffer, entries)
         return
     copy_tensors([buffer[e.offset:e.offset + e.meta.nbytes] for e, _ in entries],
                  [as_bytes(t) for _, t in entries])
 
 
+CAT_GROUP = 8  # tensors per torch.cat on a GPU (0: the whole bucket in one)
+
+
 def _pack_by_cat(buffer: torch.Tensor, entries: list) -> None:
-    """One kernel for the whole bucket: the tensors' bytes with the alignment gaps between."""
+    """One kernel per group of tensors: their bytes with the alignment gaps between."""
     gap = torch.zeros(BUFFER_ALIGN, dtype=torch.uint8, device=buffer.device)
-    parts, end = [], 0
-    for entry, tensor in entries:
-        if entry.offset > end:
-            parts.append(gap[:entry.offset - end])
-        parts.append(as_bytes(tensor))
-        end = entry.offset + entry.meta.nbytes
-    torch.cat(parts, out=buffer[:end])
+    group = CAT_GROUP or len(entries)
+    for first in range(0, len(entries), group):
+        chunk = entries[first:first + group]
+        start = end = chunk[0][0].offset
+        parts = []
+        for entry, tensor in chunk:
+            if entry.offset > end:
+                parts.append(gap[:entry.offset - end])
+            parts.append(as_bytes(tensor))
+            end = entry.offset + entry.meta.nbytes
+        torch.cat(parts, out=buffer[start:end])
 
 
 def unpack_bucket(block: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
