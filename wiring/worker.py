@@ -72,9 +72,23 @@ def _memory_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | 
     return BuiltEngine(engine, model_path, {"engine_stats": engine_stats})
 
 
+def _vllm_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | None) -> BuiltEngine:
+    """``{"kind": "vllm", "model": <folder>, ...VllmEngineConfig keys}``; without a model, the
+    embedded tiny model (``tiny_model_seed``, default 0) is built into the run folder."""
+    from rollout_fleet.adapters.tiny_model import build_tiny_model
+    from rollout_fleet.adapters.vllm import engine_from_config
+
+    options = {k: v for k, v in options.items() if k != "kind"}
+    tiny_model_seed = options.pop("tiny_model_seed", 0)
+    options["model"] = options.get("model") or model_path or str(
+        build_tiny_model(run_dir / f"model-tiny-{tiny_model_seed}", seed=tiny_model_seed))
+    return BuiltEngine(engine_from_config(options), model_path or options["model"])
+
+
 # kind -> factory(engine options, run_dir, model_path or None)
 ENGINE_FACTORIES: dict[str, Callable[[Mapping[str, Any], Path, str | None], BuiltEngine]] = {
     "memory": _memory_engine,
+    "vllm": _vllm_engine,
 }
 
 

@@ -13,6 +13,8 @@ from rollout_fleet.core.errors import InvalidValue
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"  # trained first, so their IDs are 0, 1, 2
 CORPUS_FILE = "corpus.txt"
+# Dynamo's frontend requires a chat template; a plain one: each message's text, then EOS.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{{ eos_token }}{% endfor %}"
 
 
 @attrs.frozen
@@ -70,7 +72,7 @@ def llama_config(spec: TinyModelSpec):
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-6,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        torch_dtype="float32")
+        torch_dtype="float32", architectures=["LlamaForCausalLM"])  # Dynamo's model card needs it
 
 
 def tiny_state_dict(seed: int, spec: TinyModelSpec = TinyModelSpec()) -> dict:
@@ -91,6 +93,14 @@ def tiny_state_dict(seed: int, spec: TinyModelSpec = TinyModelSpec()) -> dict:
     return weights
 
 
+def _add_chat_template(path: Path) -> None:
+    # Dynamo reads the template from tokenizer_config.json only (transformers 5 writes a
+    # separate chat_template.jinja), so it goes in here.
+    config = json.loads(path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def build_tiny_model(directory: str | os.PathLike, seed: int = 0,
                      spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write the model folder and return its path. Same seed, same bytes."""
@@ -109,6 +119,7 @@ def build_tiny_model(directory: str | os.PathLike, seed: int = 0,
         bos_token=BOS, eos_token=EOS, pad_token=PAD,
         model_max_length=spec.max_position_embeddings)
     tokenizer.save_pretrained(out)
+    _add_chat_template(out / "tokenizer_config.json")
     (out / "rollout_fleet_tiny_model.json").write_text(
         json.dumps({"seed": seed, **attrs.asdict(spec)}, indent=2, sort_keys=True) + "\n")
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import gc
 import logging
 import threading
@@ -71,16 +72,17 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         engine = self._require_engine()
         prompt = list(prompt_token_ids)
         self._check_input(prompt, max_new_tokens)
-        version = self._version
         if self._early_aborts.pop(request_id, "absent") is None:
-            return _served([], [], FinishReason.ABORT, len(prompt), version)
+            return _served([], [], FinishReason.ABORT, len(prompt), self._version)
         params = _sampling_params(sampling, max_new_tokens, stop_strings)
         live = self._live[request_id] = _Live()
         try:
             output = await self._generate(engine, prompt, params, request_id, live)
         finally:
             self._live.pop(request_id, None)
-        return _to_served(output, len(prompt), version)
+        # Tagged at completion: weights change only while generation is paused (in-flight
+        # requests drain first), so the version now is the one that served every token.
+        return _to_served(output, len(prompt), self._version)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -116,8 +118,9 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         offered = check_weights(named_tensors, self._metas)
         async with self._weight_lock:
             packed = [_pack(name, tensor) for name, tensor in offered]
-            await engine.collective_rpc("rollout_fleet_load_weights", args=(packed,))
-            return await self._commit_new_weights()
+            async with _paused(engine):
+                await engine.collective_rpc("rollout_fleet_load_weights", args=(packed,))
+                return await self._commit_new_weights()
 
     async def receive_weights(self, refit_info: RefitInfo) -> int:
         """GPU path: the trainer broadcasts packed buffers over NCCL into vLLM's native
@@ -139,7 +142,7 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         update = {"names": [t.name for t in refit_info.tensors],
                   "dtype_names": [t.dtype for t in refit_info.tensors],
                   "shapes": [list(t.shape) for t in refit_info.tensors]}
-        async with self._weight_lock:
+        async with self._weight_lock, _paused(engine):
             await engine.start_weight_update()
             await engine.update_weights(WeightTransferUpdateRequest(update_info=update))
             await engine.finish_weight_update()
@@ -300,6 +303,16 @@ def _read_facts(engine: Any) -> EngineFacts:
         max_num_seqs=config.scheduler_config.max_num_seqs,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
     )
+
+
+@contextlib.asynccontextmanager
+async def _paused(engine: Any):
+    """Let in-flight requests finish, hold new ones, and always resume (even on a failed load)."""
+    await engine.pause_generation(mode="wait", clear_cache=False)
+    try:
+        yield
+    finally:
+        await engine.resume_generation()
 
 
 def _engine_dtype(engine: Any) -> str:
