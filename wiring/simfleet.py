@@ -115,7 +115,7 @@ class SimFleet:
                  seed: int = 0, context_length: int = 256, served_model_name: str = "mem",
                  router_mode: str = "round-robin", control_secret: str | None = None,
                  frontend_port: int | None = None, namespace: str = "sim",
-                 ready_timeout_s: float = 180.0) -> None:
+                 ready_timeout_s: float = 180.0, extra_env: dict[str, str] | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidValue("workers", workers, "must be an int >= 1")
         if router_mode not in ROUTER_MODES:
@@ -132,8 +132,11 @@ class SimFleet:
         self.router_mode = router_mode
         self.namespace = namespace
         self.ready_timeout_s = ready_timeout_s
+        # Extra DYN_* settings for every process (e.g. DYN_TCP_REQUEST_TIMEOUT under heavy load).
+        self.extra_env = dict(extra_env or {})
         self.secret = control_secret if control_secret is not None else secrets.token_hex(16)
-        self.frontend_port = frontend_port or free_loopback_port(below=65536, low=33000)
+        # Below the ephemeral range (32768+), so no client socket can take it while it restarts.
+        self.frontend_port = frontend_port or free_loopback_port()
         self.frontend: DynamoFrontend | None = None
         self.workers: list[SimWorker] = []
         self._stopped = False
@@ -178,11 +181,11 @@ class SimFleet:
     def _child_env(self) -> dict[str, str]:
         from rollout_fleet.adapters.dynamo.env import dynamo_env
 
-        return {**os.environ, **dynamo_env(self.run_dir), "PYTHONUNBUFFERED": "1"}
+        return {**os.environ, **dynamo_env(self.run_dir), "PYTHONUNBUFFERED": "1", **self.extra_env}
 
     def _worker(self, index: int, model_path: str) -> SimWorker:
         name = f"sim-worker-{index}"
-        taken = {w.system_port for w in self.workers}
+        taken = {w.system_port for w in self.workers} | {self.frontend_port}
         port = free_loopback_port()
         while port in taken:
             port = free_loopback_port()
@@ -201,7 +204,7 @@ class SimFleet:
         """Start the frontend (again) on the fleet's port; wait until it lists the model."""
         if self.frontend is not None and self.frontend.process is not None:
             return self.frontend
-        extra = {"DYN_ROUTER_MODE": self.router_mode}
+        extra = {"DYN_ROUTER_MODE": self.router_mode, **self.extra_env}
         self.frontend = DynamoFrontend(self.run_dir, http_port=self.frontend_port, extra_env=extra)
         self.frontend.start()
         if timeout_s is not None:
