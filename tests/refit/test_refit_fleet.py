@@ -1,0 +1,194 @@
+"""Refit on the CPU: a real trainer process, real vLLM workers in a Ray fleet, gloo."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollout_fleet.core.errors import RolloutFleetError, WorkerFailures, WorldSizeMismatch
+from tests.refit.conftest import ROOT, STEPS, Trainer
+from tests.driver.conftest import collect
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def batch_of(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    return {"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts])}
+
+
+def greedy(generation, prompts):
+    pairs = asyncio.run(collect(generation, batch_of(prompts), greedy=True))
+    assert sorted(i for i, _ in pairs) == list(range(len(prompts)))
+    out = {}
+    for index, sample in pairs:
+        start, n = len(prompts[index]), int(sample["generation_lengths"][0])
+        out[index] = (sample["output_ids"][0, start:start + n].tolist(),
+                      sample["logprobs"][0, start:start + n].tolist())
+    return [out[i] for i in range(len(prompts))]
+
+
+def assert_serves(generation, reference, seed, count=8):
+    prompts, answers = reference
+    for index, (tokens, logprobs) in enumerate(greedy(generation, prompts[:count])):
+        want_tokens, want_logprobs = answers[seed][index]
+        assert tokens == want_tokens, f"prompt {index}: not model {seed}'s greedy answer"
+        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_TOLERANCE)
+
+
+def refit(generation, trainer, model_dir):
+    import ray
+
+    updating = generation.update_weights_from_collective()
+    trainer.send(model_dir)
+    ray.get(updating, timeout=120)
+    assert trainer.sent() == "sent"
+    assert generation.invalidate_kv_cache() is True
+
+
+def info_of(model_dir):
+    from safetensors.torch import load_file
+
+    return {name: (tuple(t.shape), t.dtype)
+            for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+
+
+@pytest.fixture
+def generation(fleet):
+    generation = fleet.generation()
+    yield generation
+    generation.shutdown()
+
+
+def test_128_greedy_rollouts_through_the_fleet_equal_the_model(generation, reference):
+    prompts, answers = reference
+    served = greedy(generation, prompts)
+    for index, (tokens, logprobs) in enumerate(served):
+        assert tokens == answers[0][index][0], f"prompt {index}"
+        assert logprobs == pytest.approx(answers[0][index][1], abs=LOGPROB_TOLERANCE)
+
+
+def test_ten_refits_alternating_models_each_serve_the_right_model(generation, models, reference):
+    trainer = Trainer(generation)
+    try:
+        generation.prepare_refit_info(info_of(models[0]))
+        start = generation.get_weight_versions()
+        for round_ in range(1, 11):
+            seed = round_ % 2  # B, A, B, ... ending on A
+            refit(generation, trainer, models[seed])
+            assert_serves(generation, reference, seed)
+            versions = generation.get_weight_versions()
+            assert versions == {w: v + round_ for w, v in start.items()}, "a worker missed a refit"
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("defect", ["shape", "dtype", "name"])
+def test_bad_refit_info_is_refused_before_any_transfer(generation, models, reference, defect):
+    info = info_of(models[0])
+    name = next(iter(info))
+    shape, dtype = info[name]
+    if defect == "shape":
+        info[name] = ((shape[0] + 1, *shape[1:]), dtype)
+    elif defect == "dtype":
+        info[name] = (shape, torch.bfloat16)
+    else:
+        info["model.layers.99.mlp.up_proj.weight"] = (shape, dtype)
+    before = generation.get_weight_versions()
+    with pytest.raises(WorkerFailures) as failure:
+        generation.prepare_refit_info(info)
+    assert set(failure.value.failures) == set(before), "every worker must refuse it"
+    assert generation.get_weight_versions() == before
+    assert_serves(generation, reference, 0)
+
+
+def test_a_wrong_world_size_is_refused_before_any_worker_is_asked(generation, reference):
+    before = generation.get_weight_versions()
+    with pytest.raises(WorldSizeMismatch):
+        generation.init_collective("127.0.0.1", 1, 5, train_world_size=1)
+    assert generation.get_weight_versions() == before
+    assert_serves(generation, reference, 0, count=2)
+
+
+def test_a_refit_while_rollouts_are_in_flight_loses_nothing_and_tags_each(fleet, generation,
+                                                                          models, reference):
+    from rollout_fleet.adapters.http import HttpCompletionsTransport
+    from rollout_fleet.core.rollout import GREEDY
+    from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+
+    prompts, answers = reference
+    trainer = Trainer(generation)
+    try:
+        generation.prepare_refit_info(info_of(models[1]))
+        version_a = set(generation.get_weight_versions().values())
+        assert len(version_a) == 1
+        (version_a,) = version_a
+        limits = RolloutLimits(max_model_len=512, max_new_tokens=STEPS)
+
+        async def rollouts_during_refit():
+            client = RolloutClient(HttpCompletionsTransport(fleet.frontend_url), model="tiny")
+            tasks = [asyncio.ensure_future(client.rollout(limits.request(f"inflight-{i}", p, sampling=GREEDY)))
+                     for i, p in enumerate(prompts[:64])]
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(refit, generation, trainer, models[1])
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(rollouts_during_refit())
+        assert len(results) == 64
+        served_by = {r.weight_version for r in results}
+        assert served_by <= {version_a, version_a + 1}
+        for index, result in enumerate(results):
+            seed = 0 if result.weight_version == version_a else 1
+            assert list(result.token_ids) == answers[seed][index][0], \
+                f"rollout {index} tagged v{result.weight_version} is not model {seed}'s answer"
+        refit(generation, trainer, models[0])  # back to A for the next tests
+    finally:
+        trainer.close()
+
+
+def test_a_trainer_dying_mid_transfer_fails_clearly_and_the_old_weights_stay(generation, models,
+                                                                             reference):
+    import ray
+
+    trainer = Trainer(generation, timeout_s=20)
+    try:
+        generation.prepare_refit_info(info_of(models[1]))
+        before = generation.get_weight_versions()
+        updating = generation.update_weights_from_collective()
+        trainer.send(models[1], die_after=5)
+        with pytest.raises(Exception) as failure:  # a RayTaskError wrapping the worker's refusal
+            ray.get(updating, timeout=180)
+        assert "update_weights" in str(failure.value)
+        assert trainer.process.wait(30) == 3
+        assert generation.get_weight_versions() == before
+        assert_serves(generation, reference, 0)
+    finally:
+        trainer.close()
+    trainer = Trainer(generation)  # a new group: the later refit succeeds
+    try:
+        refit(generation, trainer, models[1])
+        assert_serves(generation, reference, 1)
+        refit(generation, trainer, models[0])
+        assert_serves(generation, reference, 0)
+    finally:
+        trainer.close()
+
+
+def test_a_pickled_copy_in_another_process_invalidates_every_cache(generation, reference, tmp_path):
+    copy = tmp_path / "generation.pkl"
+    copy.write_bytes(pickle.dumps(generation))
+    code = ("import pickle, sys; g = pickle.loads(open(sys.argv[1], 'rb').read());"
+            "print(g.is_copy, g.invalidate_kv_cache()); g.shutdown()")
+    done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
+    assert_serves(generation, reference, 0, count=2)
