@@ -1,0 +1,76 @@
+"""The vLLM adapter's own behaviour beyond the shared contract: aborts reach vLLM, bad input is
+refused by name and the engine keeps serving, settings come from config with device defaults."""
+
+import asyncio
+
+import pytest
+
+from rollout_fleet.adapters.vllm import VllmEngineConfig, engine_from_config
+from rollout_fleet.core.errors import EngineError, InvalidValue
+from rollout_fleet.core.refit import RefitInfo
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec
+
+
+def test_an_abort_ends_the_request_inside_vllm(vllm_engine):
+    engine = vllm_engine.engine
+    prompt = list(vllm_engine.prompts[0])
+    budget = vllm_engine.facts.context_length - len(prompt)
+
+    async def serve_then_abort():
+        task = asyncio.create_task(engine.serve_rollout(
+            prompt, request_id="abort-inside", max_new_tokens=budget,
+            sampling=SamplingSpec(greedy=False, seed=3)))
+        while "abort-inside" not in engine._live or not engine._live["abort-inside"].admitted:
+            await asyncio.sleep(0.01)  # until vLLM has the request
+        await engine.abort("abort-inside")
+        served = await asyncio.wait_for(task, 120)
+        return served, engine._engine.get_num_unfinished_requests()
+
+    served, unfinished = vllm_engine.loop.run(serve_then_abort())
+    assert served.finish_reason is FinishReason.ABORT
+    assert len(served.token_ids) < budget
+    assert unfinished == 0, "vLLM still holds the aborted request"
+
+
+@pytest.mark.parametrize("prompt, budget, words", [
+    ([5, 10**6], 4, "outside the vocabulary"),
+    ([5, 6], 0, "max_new_tokens"),
+    ([5, 6], 511, "exceeds context_length=512"),
+])
+def test_bad_input_is_refused_by_name_and_serving_goes_on(vllm_engine, prompt, budget, words):
+    with pytest.raises(EngineError, match=words):
+        vllm_engine.serve(prompt, budget)
+    assert len(vllm_engine.serve(vllm_engine.prompts[0], 3).token_ids) == 3
+
+
+def test_kv_event_sources_are_empty_when_kv_events_are_off(vllm_engine):
+    assert vllm_engine.engine.kv_event_sources() == ()
+
+
+def test_native_weight_transfer_is_refused_on_the_cpu_with_a_clear_error(vllm_engine):
+    info = RefitInfo.from_state_dict_info({"model.norm.weight": ((128,), "float32")})
+    with pytest.raises(EngineError, match="needs GPUs"):
+        vllm_engine.loop.run(vllm_engine.engine.receive_weights(info))
+
+
+def test_config_defaults_per_device():
+    cpu = VllmEngineConfig(model="/m").engine_kwargs()
+    assert (cpu["dtype"], cpu["enforce_eager"], cpu["max_model_len"]) == ("float32", True, 512)
+    assert cpu["kv_cache_memory_bytes"] == 64 * 2**20 and "weight_transfer_config" not in cpu
+    gpu = VllmEngineConfig(model="/m", device="cuda").engine_kwargs()
+    assert (gpu["dtype"], gpu["enforce_eager"]) == ("auto", False)
+    assert "max_model_len" not in gpu and gpu["weight_transfer_config"] == {"backend": "nccl"}
+    events = VllmEngineConfig(model="/m", kv_events_port=5600).engine_kwargs()["kv_events_config"]
+    assert events["endpoint"] == "tcp://127.0.0.1:5600"  # loopback, never vLLM's tcp://*
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"model": "/m", "max_model_len": 0}, "max_model_len"),
+    ({"model": "/m", "device": "tpu"}, "device"),
+    ({"model": "/m", "no_such_key": 1}, "vllm config"),
+    ({"model": ""}, "model"),
+])
+def test_bad_config_is_refused_by_field(config, field):
+    with pytest.raises(InvalidValue) as refused:
+        engine_from_config(config)
+    assert refused.value.field == field
