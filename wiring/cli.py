@@ -45,7 +45,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--in-memory", action="store_true",
                       help="the in-memory demo: core services only, no Ray, Dynamo or vLLM")
     demo.set_defaults(run=_demo)
+    from rollout_fleet.wiring import cli_generate, cli_refit, cli_serve
+
+    cli_serve.add_parser(commands)
+    cli_generate.add_parser(commands)
+    cli_refit.add_parser(commands)
+    tiny = commands.add_parser("build-tiny-model", help="write the tiny model folder",
+                               description="Write the tiny Llama-style model (config, safetensors "
+                                           "weights, tokenizer) built locally from a seed.")
+    tiny.add_argument("directory", help="folder to write (created if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    tiny.set_defaults(run=_build_tiny_model)
     return parser
+
+
+def _build_tiny_model(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from rollout_fleet.adapters.tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.directory, seed=args.seed))
+    return 0
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 1000 else text[:997] + "..."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except RolloutFleetError as exc:
-        print(f"rollout-fleet {args.command}: error: {exc}", file=sys.stderr)
+        print(f"rollout-fleet {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # files and sockets the command touches
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"rollout-fleet {args.command}: error: {exc.strerror or _one_line(exc)}{where}",
+              file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a value read from a file the command was given
+        print(f"rollout-fleet {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rollout-fleet {args.command}: interrupted", file=sys.stderr)

@@ -1,0 +1,202 @@
+"""``rollout-fleet generate``: rollouts for the prompts of a JSONL file, results to JSONL.
+
+Each input line is ``{"prompt_token_ids": [...]}`` or ``{"text": "..."}`` (text needs
+``--tokenizer``), with optional ``id``, ``stop_strings`` and ``max_new_tokens``. Each output line
+holds the id, the generated token IDs, one logprob per token, the finish reason, and the text
+when a tokenizer was given. Rollouts go through the core's RolloutClient (with retries) over the
+http transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec
+
+_LINE_KEYS = {"prompt_token_ids", "text", "id", "stop_strings", "max_new_tokens"}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser(
+        "generate", help="rollouts for prompts from a JSONL file",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate.add_argument("--url", default=None,
+                          help="the frontend URL (default: the fleet file's)")
+    generate.add_argument("--prompts", required=True, help="input JSONL file, one prompt a line")
+    generate.add_argument("--out", default=None, help="output JSONL file (default: stdout)")
+    generate.add_argument("--fleet-file", default=None,
+                          help="a fleet file written by `serve`: join its network namespace, and "
+                               "take the URL, model name and limits from it")
+    generate.add_argument("--model", default=None, help="served model name (default: the fleet "
+                                                        "file's, else 'tiny')")
+    generate.add_argument("--max-new-tokens", type=int, default=None,
+                          help="token budget per prompt (default: the fleet file's, else 64)")
+    generate.add_argument("--max-model-len", type=int, default=None,
+                          help="the model's context length (default: the fleet file's, else 512)")
+    generate.add_argument("--greedy", action="store_true", help="greedy decoding (default: sample)")
+    generate.add_argument("--seed", type=int, default=None, help="sampling seed")
+    generate.add_argument("--tokenizer", default=None,
+                          help="a model folder with tokenizer.json: encodes text prompts and "
+                               "adds the generated text to each result")
+    generate.add_argument("--concurrency", type=int, default=64, help="rollouts in flight (64)")
+    generate.set_defaults(run=run_generate)
+
+
+@attrs.frozen
+class Prompt:
+    id: str
+    token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...] | None
+    max_new_tokens: int | None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    fleet = None
+    if args.fleet_file:
+        from rollout_fleet.wiring.fleet_file import FleetFile, enter_fleet_netns
+
+        fleet = FleetFile.read(args.fleet_file)
+        enter_fleet_netns(fleet)
+    url = args.url or (fleet.frontend_url if fleet else None)
+    if url is None:
+        raise InvalidValue("--url", None, "is required (or give --fleet-file)")
+    for flag in ("max_new_tokens", "max_model_len", "concurrency"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InvalidValue("--" + flag.replace("_", "-"), value, "must be >= 1")
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    prompts = read_prompts(args.prompts, tokenizer)
+    settings = {
+        "model": args.model or (fleet.served_model_name if fleet else "tiny"),
+        "max_new_tokens": args.max_new_tokens or (fleet.max_new_tokens if fleet else 64),
+        "max_model_len": args.max_model_len or (fleet.max_model_len if fleet else 512),
+    }
+    sampling = SamplingSpec(greedy=args.greedy, seed=args.seed)
+    results = asyncio.run(_rollouts(url, prompts, sampling, args.concurrency, **settings))
+    lines = [json.dumps(_result_line(p, r, tokenizer)) + "\n" for p, r in zip(prompts, results)]
+    if args.out:
+        try:
+            Path(args.out).write_text("".join(lines))
+        except OSError as exc:
+            raise InvalidValue("--out", args.out, f"cannot be written: {exc.strerror}") from None
+        print(f"{len(lines)} results written to {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.writelines(lines)
+    return 0
+
+
+def load_tokenizer(folder: str):
+    from tokenizers import Tokenizer
+
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise InvalidValue("--tokenizer", folder, "has no tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception subclasses
+        raise InvalidValue("--tokenizer", str(path), f"cannot be loaded: {exc}") from None
+
+
+def read_prompts(path: str, tokenizer: Any) -> list[Prompt]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidValue("--prompts", path, f"cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidValue("--prompts", path, f"is not UTF-8 text: {exc.reason}") from None
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            prompts.append(_parse_line(line, f"{path} line {number}", len(prompts), tokenizer))
+    if not prompts:
+        raise InvalidValue("--prompts", path, "holds no prompts")
+    return prompts
+
+
+def _parse_line(line: str, where: str, index: int, tokenizer: Any) -> Prompt:
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidValue(where, line[:80], f"is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise InvalidValue(where, line[:80], "must be a JSON object")
+    unknown = sorted(set(data) - _LINE_KEYS)
+    if unknown:
+        raise InvalidValue(f"{where}: {unknown[0]}", data[unknown[0]],
+                           f"unknown key; known: {sorted(_LINE_KEYS)}")
+    if ("prompt_token_ids" in data) == ("text" in data):
+        raise InvalidValue(where, line[:80], "needs exactly one of prompt_token_ids or text")
+    if "text" in data:
+        if not isinstance(data["text"], str) or not data["text"]:
+            raise InvalidValue(f"{where}: text", data["text"], "must be a non-empty string")
+        if tokenizer is None:
+            raise InvalidValue(f"{where}: text", data["text"][:40], "needs --tokenizer to encode it")
+        token_ids = tokenizer.encode(data["text"]).ids
+    else:
+        token_ids = data["prompt_token_ids"]
+    try:  # the same checks a request gets, named by line
+        request = RolloutRequest(request_id="check", prompt_token_ids=token_ids, max_new_tokens=1,
+                                 stop_strings=data.get("stop_strings", ()))
+    except InvalidValue as exc:
+        raise InvalidValue(f"{where}: {exc.field}", exc.value, exc.rule) from None
+    budget = data.get("max_new_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise InvalidValue(f"{where}: max_new_tokens", budget, "must be an int >= 1")
+    prompt_id = data.get("id", index)
+    if isinstance(prompt_id, bool) or not isinstance(prompt_id, (str, int)) or prompt_id == "":
+        raise InvalidValue(f"{where}: id", prompt_id, "must be a non-empty string or an int")
+    return Prompt(str(prompt_id), request.prompt_token_ids,
+                  request.stop_strings if "stop_strings" in data else None, budget)
+
+
+async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, concurrency: int, *,
+                    model: str, max_new_tokens: int, max_model_len: int) -> list:
+    from rollout_fleet.adapters.http import HttpCompletionsTransport, HttpSettings
+    from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+
+    concurrency = min(concurrency, len(prompts))
+    transport = HttpCompletionsTransport(url, HttpSettings(max_in_flight=concurrency))
+    client = RolloutClient(transport, model=model)
+    limits = RolloutLimits(max_model_len=max_model_len, max_new_tokens=max_new_tokens)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: Prompt):
+        try:
+            request = limits.request(f"generate-{prompt.id}", prompt.token_ids, sampling=sampling,
+                                     stop_strings=prompt.stop_strings,
+                                     max_new_tokens=prompt.max_new_tokens)
+        except InvalidValue as exc:
+            raise InvalidValue(f"prompt {prompt.id!r}: {exc.field}", exc.value, exc.rule) from None
+        async with gate:
+            return await client.rollout(request)
+
+    try:
+        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+    finally:
+        await transport.aclose()
+
+
+def _result_line(prompt: Prompt, result: Any, tokenizer: Any) -> dict[str, Any]:
+    line = {"id": prompt.id, "token_ids": list(result.token_ids), "logprobs": list(result.logprobs),
+            "finish_reason": result.finish_reason.value}
+    if result.weight_version is not None:
+        line["weight_version"] = result.weight_version
+    if tokenizer is not None:
+        line["text"] = tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+    return line
+

@@ -1,0 +1,134 @@
+"""``rollout-fleet refit``: push a safetensors checkpoint into a running fleet.
+
+This process becomes the trainer (rank 0) of a refit group: every worker checks the tensor
+names, shapes and dtypes first (a mismatch is refused before any transfer), then joins the
+group, receives the packed weights and loads them; then every cache is invalidated and the
+new weight versions are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    refit = commands.add_parser(
+        "refit", help="push a safetensors checkpoint into a running fleet",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    refit.add_argument("--fleet-file", required=True,
+                       help="the fleet file written by `serve` (control URLs and secret)")
+    refit.add_argument("--checkpoint", required=True, help="a folder of *.safetensors files")
+    refit.add_argument("--url", default=None, help="the frontend URL (default: the fleet file's)")
+    refit.add_argument("--host", default=None,
+                       help="address the workers reach this process on for the refit group "
+                            "(default: the frontend URL's host)")
+    refit.add_argument("--timeout", type=float, default=120.0,
+                       help="seconds for each refit step (default 120)")
+    refit.set_defaults(run=run_refit)
+
+
+def run_refit(args: argparse.Namespace) -> int:
+    from rollout_fleet.wiring.fleet_file import FleetFile, enter_fleet_netns
+
+    fleet = FleetFile.read(args.fleet_file)
+    enter_fleet_netns(fleet)
+    if not args.timeout > 0:
+        raise InvalidValue("--timeout", args.timeout, "must be > 0")
+    state = load_checkpoint(args.checkpoint)
+    url = args.url or fleet.frontend_url
+    host = args.host or urlsplit(url).hostname or "127.0.0.1"
+    generation = _generation(fleet, url, args.timeout)
+    try:
+        versions, seconds = _push(generation, fleet, state, host, args.timeout)
+    finally:
+        generation.shutdown()
+    print(f"refit {len(state)} tensors into {len(versions)} worker(s) in {seconds:.2f} s")
+    for name, version in sorted(versions.items()):
+        print(f"{name}: weight version {version}")
+    return 0
+
+
+def load_checkpoint(folder: str) -> dict[str, Any]:
+    """Every tensor of DIR/*.safetensors (names must not repeat across files)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise InvalidValue("--checkpoint", folder, "is not a folder")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise InvalidValue("--checkpoint", folder, "holds no *.safetensors file")
+    state: dict[str, Any] = {}
+    for file in files:
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise InvalidValue("--checkpoint", str(file), f"cannot be read as safetensors: "
+                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        repeated = sorted(set(tensors) & set(state))
+        if repeated:
+            raise InvalidValue("--checkpoint", str(file), f"repeats tensor {repeated[0]!r}")
+        state.update(tensors)
+    if not state:
+        raise InvalidValue("--checkpoint", folder, "holds no tensors")
+    return state
+
+
+def _generation(fleet, url: str, timeout_s: float):
+    from rollout_fleet.adapters.nemo_rl import GenerationConfig
+    from rollout_fleet.core.refit import CollectiveSenderSpec
+    from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation
+
+    config = GenerationConfig(
+        model=fleet.served_model_name, max_model_len=fleet.max_model_len,
+        max_new_tokens=fleet.max_new_tokens, ranks_per_worker=fleet.ranks_per_worker,
+        sender_spec=CollectiveSenderSpec(buffer_bytes=fleet.buffer_bytes,
+                                         num_buffers=fleet.num_buffers),
+        control_timeout_s=timeout_s)
+    return build_generation(config, frontend_url=url, control_secret=fleet.secret,
+                            workers=[WorkerEndpoint(n, u) for n, u in fleet.control_urls.items()])
+
+
+def _push(generation, fleet, state: dict[str, Any], host: str,
+          timeout_s: float) -> tuple[dict[str, int], float]:
+    from rollout_fleet.adapters.collective import TrainerRefitSession
+    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.ray.supervisor import free_port
+
+    started = time.monotonic()
+    # Every worker checks names, shapes and dtypes against its engine: nothing moves on a mismatch.
+    info = generation.prepare_refit_info(
+        {t.name: (t.shape, t.dtype) for t in refit_info_of(state).tensors})
+    port = free_port(host)
+    world_size = 1 + generation.get_inference_world_size()
+    joining = generation.init_collective(host, port, world_size, train_world_size=1)
+    backend = "nccl" if fleet.device == "gpu" else "gloo"
+    session = TrainerRefitSession(host, port, 0, world_size, backend=backend, timeout_s=timeout_s,
+                                  spec=generation.get_collective_sender_spec())
+    try:
+        _wait_all(joining, timeout_s, "init_collective")
+        updating = generation.update_weights_from_collective()
+        session.send_state_dict(state, info)
+        _wait_all(updating, timeout_s, "update_weights")
+    finally:
+        session.close()
+    if generation.invalidate_kv_cache() is not True:
+        raise RolloutFleetError("the weights were loaded but a worker's cache was not invalidated")
+    return generation.get_weight_versions(), time.monotonic() - started
+
+
+def _wait_all(futures: list, timeout_s: float, step: str) -> None:
+    for future in futures:
+        try:
+            future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise RolloutFleetError(f"{step} did not finish on every worker within "
+                                    f"{timeout_s:.0f} s") from None
+

@@ -1,0 +1,78 @@
+"""``rollout-fleet serve --config FILE``: start a fleet and keep it up until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from rollout_fleet.wiring.config import load_config
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="start a fleet and keep it up until Ctrl-C",
+        description="Start a fleet (workers on Ray, a Dynamo frontend), print the frontend URL and "
+                    "the workers' control endpoints, write a fleet file for `generate` and "
+                    "`refit`, and serve until Ctrl-C or SIGTERM; then stop everything.")
+    serve.add_argument("--config", required=True, help="the fleet config (TOML or JSON); see "
+                                                       "docs/running-a-fleet.md")
+    serve.add_argument("--fleet-file", default=None,
+                       help="where to write the fleet file (default <run_dir>/fleet.json)")
+    serve.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)  # a bad config fails here, before anything starts
+    if config.ray_address is None:
+        from rollout_fleet.wiring.netns import reexec_in_private_netns
+
+        reexec_in_private_netns()  # a local Ray binds every interface: keep it on loopback
+    from rollout_fleet.wiring.fleet import Fleet
+    from rollout_fleet.wiring.fleet_file import FleetFile
+
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    fleet = Fleet.start(config)  # stops what it started if it fails or is interrupted
+    _stop_on_signals(stop)  # again: starting a local Ray may have replaced the handlers
+    fleet_file = Path(args.fleet_file or fleet.run_dir / "fleet.json").resolve()
+    try:
+        FleetFile.of_fleet(fleet).write(fleet_file)
+        print(f"frontend: {fleet.frontend_url}")
+        for name, url in fleet.control_urls.items():
+            print(f"control {name}: {url}/engine/control/<name>")
+        print(f"fleet file: {fleet_file}")
+        print("serving; Ctrl-C or SIGTERM stops the fleet", flush=True)
+        _serve_until(stop, fleet)
+    finally:
+        fleet_file.unlink(missing_ok=True)
+        fleet.shutdown()
+    print("fleet stopped", flush=True)
+    return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def handler(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            return
+        stop.set()
+        if not _serving.is_set():  # still starting: unwind Fleet.start (it cleans up)
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+_serving = threading.Event()
+
+
+def _serve_until(stop: threading.Event, fleet) -> None:
+    _serving.set()
+    reported: set[str] = set()
+    while not stop.wait(2.0):
+        dead = set(fleet.dead_workers()) - reported
+        if dead:
+            print(f"warning: worker(s) exited: {sorted(dead)}", file=sys.stderr, flush=True)
+            reported |= dead

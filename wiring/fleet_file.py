@@ -1,0 +1,120 @@
+"""The fleet file: how other commands find (and reach) a fleet that ``rollout-fleet serve`` runs.
+
+A fleet with a local Ray lives inside a private network namespace, so its loopback URLs only
+work from inside that namespace. The file names the process whose namespace it is; a command
+given ``--fleet-file`` re-executes itself inside that namespace (``nsenter --net``) first.
+The file holds the control secret, so it is written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
+
+NSENTER_MARK = "ROLLOUT_FLEET_NSENTER"
+_FLAG = "--fleet-file"
+
+
+@attrs.frozen
+class FleetFile:
+    frontend_url: str
+    control_urls: dict[str, str]
+    secret: str
+    netns_pid: int
+    served_model_name: str = "tiny"
+    max_model_len: int = 512
+    max_new_tokens: int = 64
+    buffer_bytes: int = 1 << 30
+    num_buffers: int = 2
+    ranks_per_worker: int = 1
+    device: str = "cpu"
+    processes: dict[str, int] = attrs.field(factory=dict)  # name -> pid (frontend, workers)
+
+    @classmethod
+    def of_fleet(cls, fleet: Any) -> "FleetFile":
+        config = fleet.config
+        processes = {w.name: w.pid for w in fleet.workers}
+        if fleet.frontend is not None and fleet.frontend.process is not None:
+            processes["frontend"] = fleet.frontend.process.pid
+        return cls(frontend_url=fleet.frontend_url, control_urls=dict(fleet.control_urls),
+                   secret=fleet.secret, netns_pid=os.getpid(),
+                   served_model_name=config.served_model_name, max_model_len=config.max_model_len,
+                   max_new_tokens=config.max_new_tokens, buffer_bytes=config.refit.buffer_bytes,
+                   num_buffers=config.refit.num_buffers, ranks_per_worker=config.ranks_per_worker,
+                   device=config.device, processes=processes)
+
+    def write(self, path: str | Path) -> Path:
+        """Write the file readable by its owner only (it carries the control secret)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its old mode otherwise
+        with os.fdopen(fd, "w") as out:
+            json.dump(attrs.asdict(self), out, indent=1)
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> "FleetFile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise InvalidValue(_FLAG, str(path), f"cannot be read: {exc.strerror} "
+                               "(is `rollout-fleet serve` running?)") from None
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise InvalidValue(_FLAG, str(path), f"is not a fleet file (not JSON: {exc})") from None
+        if not isinstance(data, dict):
+            raise InvalidValue(_FLAG, str(path), "is not a fleet file (not a JSON object)")
+        known = {a.name for a in attrs.fields(cls)}
+        unknown = sorted(set(data) - known)
+        missing = sorted(a.name for a in attrs.fields(cls)
+                         if a.default is attrs.NOTHING and a.name not in data)
+        if unknown or missing:
+            raise InvalidValue(_FLAG, str(path), f"is not a fleet file (missing keys {missing}, "
+                               f"unknown keys {unknown})")
+        _check_types(path, data)
+        return cls(**data)
+
+
+def _check_types(path: str | Path, data: dict[str, Any]) -> None:
+    checks = {"frontend_url": str, "secret": str, "netns_pid": int, "control_urls": dict,
+              "served_model_name": str, "max_model_len": int, "max_new_tokens": int}
+    for key, kind in checks.items():
+        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], kind)):
+            raise InvalidValue(f"{_FLAG} {path}: {key}", data[key], f"must be a {kind.__name__}")
+
+
+def enter_fleet_netns(fleet: FleetFile) -> None:
+    """Re-execute this command inside the fleet's network namespace, unless already there."""
+    pid = fleet.netns_pid
+    theirs = f"/proc/{pid}/ns/net"
+    if not os.path.exists(f"/proc/{pid}"):
+        raise RolloutFleetError(f"the fleet's process {pid} is gone: is `rollout-fleet serve` "
+                                "still running?")
+    try:
+        if os.stat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:
+            return
+    except OSError as exc:
+        raise RolloutFleetError(f"cannot read the network namespace of the fleet's process {pid} "
+                                f"({exc.strerror}): run this command as root, or as the user "
+                                "that runs `rollout-fleet serve`") from None
+    if os.environ.get(NSENTER_MARK):
+        raise RolloutFleetError(f"entered {theirs} but still see another network namespace")
+    nsenter = shutil.which("nsenter")
+    if nsenter is None:
+        raise RolloutFleetError("joining the fleet's network namespace needs `nsenter` "
+                                "(util-linux), which is not on PATH")
+    if os.geteuid() != 0:
+        raise RolloutFleetError(f"joining the fleet's network namespace ({theirs}) needs root "
+                                "(nsenter --net): run this command as root, or from a shell "
+                                f"inside that namespace (nsenter --net={theirs})")
+    os.environ[NSENTER_MARK] = "1"
+    argv = [nsenter, f"--net={theirs}", "--", sys.executable, *sys.orig_argv[1:]]  # keeps `-m ...`
+    os.execv(nsenter, argv)
