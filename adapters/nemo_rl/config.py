@@ -53,7 +53,7 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    seed: int | None = None
+    seed: int | None = None  # a base seed: each rollout samples with seed + its number
     # Rollouts in flight at once, across every generate_async call on one event loop.
     max_concurrency: int = attrs.field(default=256, validator=_positive_int("max_concurrency"))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)

@@ -15,6 +15,8 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
+import attrs
+
 from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
@@ -23,7 +25,7 @@ from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.refit_service import RefitCoordinator
-from rollout_fleet.core.rollout import GREEDY, RolloutRequest, RolloutResult
+from rollout_fleet.core.rollout import GREEDY, RolloutRequest, RolloutResult, SamplingSpec
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
 from rollout_fleet.ports.completions import CompletionsTransport
 from rollout_fleet.ports.control import WorkerControl
@@ -122,9 +124,11 @@ class DynamoGeneration:
     def _requests(self, batch, sampling) -> list[RolloutRequest]:
         requests = []
         for index, (prompt, stops) in enumerate(zip(batch.prompts, batch.stop_strings)):
+            number = next(self._ids)
             try:
-                requests.append(self._limits.request(self._next_id(), prompt, sampling=sampling,
-                                                     stop_strings=stops))
+                requests.append(self._limits.request(
+                    f"rollout-{self._id_prefix}-{number}", prompt,
+                    sampling=_seeded_for(sampling, number), stop_strings=stops))
             except InvalidValue as exc:
                 raise type(exc)(f"sample {index}: {exc.field}", exc.value, exc.rule) from None
         return requests
@@ -138,9 +142,6 @@ class DynamoGeneration:
                 f"sample {index} ({request.request_id}): the fleet returned {generated} tokens "
                 f"for a budget of {request.max_new_tokens} after a {len(prompt)}-token prompt "
                 f"(max_model_len={self.config.max_model_len})")
-
-    def _next_id(self) -> str:
-        return f"rollout-{self._id_prefix}-{next(self._ids)}"
 
     def _semaphore(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -295,6 +296,14 @@ class DynamoGeneration:
     def __repr__(self) -> str:
         kind = "copy" if self.is_copy else "owner"
         return f"DynamoGeneration({self.frontend_url!r}, workers={list(self.worker_ids)}, {kind})"
+
+
+def _seeded_for(sampling: SamplingSpec, number: int) -> SamplingSpec:
+    """A base seed gives each rollout its own seed (base + its number): the samples of one prompt
+    differ, and a run that asks the same things in the same order draws the same tokens."""
+    if sampling.greedy or sampling.seed is None:
+        return sampling
+    return attrs.evolve(sampling, seed=(sampling.seed + number) % 2**63)
 
 
 def _empty_timelines(metrics: Sequence[WorkerMetrics]) -> dict[str, dict[str, list]]:

@@ -84,12 +84,12 @@ def test_sampling_with_a_seed_and_per_sample_stop_strings_match_the_engine(serve
         stops = [["th"], None, ["a", "o"], None, [], ["x"], None, ["in"]]
         data["stop_strings"] = stops
         pairs = dict(asyncio.run(collect(g, data, greedy=False)))
-        answers = engine_answers(prompts, max_new_tokens=16, max_model_len=48, stop_strings=stops,
-                                 configured_stops=["e"],
-                                 sampling=SamplingSpec(greedy=False, temperature=0.9, top_p=0.95,
-                                                       seed=1234))
-        for index, prompt in enumerate(prompts):
-            check_sample(pairs[index], prompt, answers[index])
+        for index, prompt in enumerate(prompts):  # rollout n samples with the base seed + n
+            (answer,) = engine_answers([prompt], max_new_tokens=16, max_model_len=48,
+                                       stop_strings=[stops[index]], configured_stops=["e"],
+                                       sampling=SamplingSpec(greedy=False, temperature=0.9,
+                                                             top_p=0.95, seed=1234 + index))
+            check_sample(pairs[index], prompt, answer)
     finally:
         g.shutdown()
 
