@@ -1,0 +1,152 @@
+"""End to end on a real fleet (2 memory-engine workers on Ray, the real Dynamo frontend):
+`serve` in a subprocess, `generate` and `refit` through its fleet file, then Ctrl-C (SIGINT)
+stops everything: no process of the fleet left, no port still listening."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_fleet.wiring.netns import in_private_netns
+from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env, run_cli
+from tests.driver.conftest import engine_answers
+from tests.support.processes import leftover_processes, stop_child
+
+MAX_MODEL_LEN, MAX_NEW = 128, 12
+PROMPTS = [[3, 4, 5], [7], [10, 11, 12, 13, 14], [20, 21]]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """A running `rollout-fleet serve` and its fleet file."""
+    if not in_private_netns():
+        pytest.fail("this tier starts a local Ray cluster (it binds 0.0.0.0): run it inside "
+                    "`unshare -n` (scripts/test.sh does)")
+    root = tmp_path_factory.mktemp("cli-fleet")
+    config = root / "fleet.toml"
+    config.write_text(f"""
+served_model_name = "mem"
+num_workers = 2
+max_model_len = {MAX_MODEL_LEN}
+max_new_tokens = {MAX_NEW}
+run_dir = "{root / 'run'}"
+engine = {{ kind = "memory", seed = 0, context_length = {MAX_MODEL_LEN} }}
+refit = {{ buffer_bytes = 65536, num_buffers = 2 }}
+[timeouts]
+start_s = 120
+""")
+    log = root / "serve.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([*COMMAND, "serve", "--config", str(config)], stdout=out,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                   env=cli_env(), start_new_session=True)
+    fleet_file = root / "run" / "fleet.json"
+    deadline = time.monotonic() + 150
+    while "serving;" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_child(process)
+            pytest.fail(f"serve did not come up (exit {process.returncode}):\n"
+                        f"{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+    yield process, fleet_file, log
+    stop_child(process, sig=signal.SIGINT, timeout_s=60)  # a no-op when the test stopped it
+
+
+def _generate(tmp_path, fleet_file, prompts, *extra):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "results.jsonl"
+    result = run_cli("generate", "--fleet-file", fleet_file, "--prompts", path, "--out", out,
+                     "--greedy", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _token_prompts():
+    return [{"prompt_token_ids": p, "id": f"p{i}"} for i, p in enumerate(PROMPTS)]
+
+
+def _memory_checkpoint(folder: Path, seed: int, rows: int | None = None) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from rollout_fleet.adapters.memory.engine import TinyBigramModel
+
+    folder.mkdir(parents=True)
+    state = {name: torch.tensor(matrix, dtype=torch.float32)[:rows]
+             for name, matrix in TinyBigramModel.from_seed(seed).state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
+    process, fleet_file, log = fleet
+    served = json.loads(fleet_file.read_text())
+    assert fleet_file.stat().st_mode & 0o777 == 0o600
+    assert served["frontend_url"] in log.read_text()
+    for url in served["control_urls"].values():
+        assert url in log.read_text()
+
+    # generate: the fleet's greedy answers are the memory engine's own (seed 0)
+    want = engine_answers(PROMPTS, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN, seed=0)
+    (tmp_path / "a").mkdir()
+    before = _generate(tmp_path / "a", fleet_file, _token_prompts())
+    assert [r["id"] for r in before] == ["p0", "p1", "p2", "p3"]
+    for result, answer in zip(before, want):
+        assert result["token_ids"] == list(answer.token_ids)
+        assert result["logprobs"] == pytest.approx(list(answer.logprobs), abs=1e-9)
+        assert result["finish_reason"] == answer.finish_reason.value
+
+    # text prompts through the model folder's tokenizer; the text of each answer comes back
+    tokenizer_dir = fleet_file.parent / "model-memory"
+    (tmp_path / "t").mkdir()
+    texts = _generate(tmp_path / "t", fleet_file, [{"text": "ab"}, {"text": "the", "max_new_tokens": 3}],
+                      "--tokenizer", tokenizer_dir)
+    assert [r["id"] for r in texts] == ["0", "1"]
+    assert len(texts[1]["token_ids"]) <= 3
+    assert all(isinstance(r["text"], str) and len(r["logprobs"]) == len(r["token_ids"])
+               for r in texts)
+
+    # refit with wrong shapes: refused before any transfer, the fleet keeps its weights
+    bad = _memory_checkpoint(tmp_path / "bad", seed=1, rows=3)
+    assert_one_line_error(run_cli("refit", "--fleet-file", fleet_file, "--checkpoint", bad),
+                          "prepare_refit_info", "shape", "embed.weight")
+    # refit with the seed-1 weights: every worker at version 1, greedy answers are seed 1's
+    good = _memory_checkpoint(tmp_path / "good", seed=1)
+    result = run_cli("refit", "--fleet-file", fleet_file, "--checkpoint", good)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "worker-0: weight version 1" in result.stdout
+    assert "worker-1: weight version 1" in result.stdout
+    (tmp_path / "b").mkdir()
+    after = _generate(tmp_path / "b", fleet_file, _token_prompts())
+    want_1 = engine_answers(PROMPTS, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN, seed=1)
+    assert [r["token_ids"] for r in after] == [list(a.token_ids) for a in want_1]
+    assert [r["token_ids"] for r in after] != [r["token_ids"] for r in before]
+    assert {r["weight_version"] for r in after} == {1}
+
+    # Ctrl-C: serve stops the fleet and exits 0; nothing of it is left
+    ports = [_port(served["frontend_url"])] + [_port(u) for u in served["control_urls"].values()]
+    process.send_signal(signal.SIGINT)
+    assert process.wait(60) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "fleet stopped" in text and "Traceback" not in text, text[-3000:]
+    assert not fleet_file.exists()
+    groups = [process.pid, *served["processes"].values()]
+    assert leftover_processes(groups, wait_s=15) == []
+    assert [p for p in ports if _listening(p)] == []
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
