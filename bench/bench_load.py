@@ -6,14 +6,16 @@ two clients send the same bodies at the same concurrency (every rollout in fligh
 interleaved, each in a fresh child process so its memory and sockets are its own:
 
   driver    this project's DynamoGeneration.generate_async (one pooled client, retries,
-            tensors in and out)
+            tensors in and out), from a fresh pool (``--warm``: then again on the warm pool)
   upstream  a new aiohttp session per request (the upstream NeMo-RL way), same bodies, parsed
             with the same wire parser
 
-Printed per client: rollouts/s, p50/p99 latency (batch start to the rollout's result; all are
-sent at once), the child's peak RSS, RSS growth per in-flight rollout (peak during the batch
-minus RSS just before it, over the rollouts in flight), and its open sockets (read from
-/proc/self/fd: the peak during the batch and the count after it ended).
+Printed per client: rollouts/s, the client's own CPU time per rollout, p50/p99 latency (batch
+start to the rollout's result; all are sent at once), the child's peak RSS, RSS growth per
+in-flight rollout (peak during the batch minus RSS just before it, over the rollouts in
+flight), its open sockets (read from /proc/self/fd: the peak during the batch and the count
+after it ended), and what the frontend itself answered (its Prometheus counters), so retried 5xx cannot hide. On 2 shared cores the
+fleet (8 worker processes + the frontend) is the bottleneck; the client CPU is the driver's own.
 
 The KV router's event sockets bind 0.0.0.0, so when it is asked for the whole bench re-executes
 itself inside a private network namespace (unshare -n, loopback only).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -116,12 +119,12 @@ async def batch_with_driver(spec: dict, prompts: list[list[int]]) -> dict:
     runs = {}
     for name in ("cold", "warm") if spec.get("warm") else ("cold",):
         latencies, seen = [], set()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         async for index, _sample in generation.generate_async(data, greedy=True):
             latencies.append(time.perf_counter() - t0)
             seen.add(index)
         assert seen == set(range(n)), "lost or duplicated rollouts"
-        runs[name] = latencies
+        runs[name] = (latencies, time.process_time() - cpu0)
     sampler.stop()
     await generation._transport.aclose()  # this loop's pool
     generation.shutdown()
@@ -131,7 +134,6 @@ async def batch_with_driver(spec: dict, prompts: list[list[int]]) -> dict:
 async def batch_session_per_request(spec: dict, prompts: list[list[int]]
                                     ) -> dict:
     import aiohttp
-    import torch  # noqa: F401 - loaded as in the driver's child (and in any trainer): same baseline
 
     from rollout_fleet.core.rollout import RolloutRequest
     from rollout_fleet.core.wire import REQUEST_ID_HEADER, completion_body, parse_completion_answer
@@ -156,16 +158,28 @@ async def batch_session_per_request(spec: dict, prompts: list[list[int]]
     before = rss_bytes()
     sampler = Sampler()
     sampler.start()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(one(*b) for b in bodies))
+    cpu = time.process_time() - cpu0
     sampler.stop()
     assert len(latencies) == len(prompts)
-    return {"runs": {"cold": latencies}, "sampler": sampler, "before": before}
+    return {"runs": {"cold": (latencies, cpu)}, "sampler": sampler, "before": before}
 
 
 def child_main(spec_text: str) -> int:
     spec = json.loads(spec_text)
     prompts = make_prompts(spec["rollouts"], seed=spec["seed"])
+    # Both clients load the same libraries, then freeze that long-lived heap out of the garbage
+    # collector: otherwise full collections over torch's heap (100+ ms each, triggered by the
+    # allocations of thousands of requests) land on whichever client runs, not on its own cost.
+    import aiohttp  # noqa: F401
+    import torch  # noqa: F401
+
+    import rollout_fleet.adapters.nemo_rl  # noqa: F401
+    import rollout_fleet.wiring.driver  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
     run = batch_with_driver if spec["client"] == "driver" else batch_session_per_request
     measured = asyncio.run(run(spec, prompts))
     sampler, n = measured["sampler"], len(prompts)
@@ -175,9 +189,10 @@ def child_main(spec_text: str) -> int:
         "peak_sockets": sampler.peak_sockets, "sockets_after": open_sockets(),
     }
     rows = {}
-    for name, latencies in measured["runs"].items():
+    for name, (latencies, cpu_s) in measured["runs"].items():
         latencies = sorted(latencies)
-        rows[name] = {"rollouts_per_s": n / latencies[-1], "p50_s": latencies[n // 2],
+        rows[name] = {"rollouts_per_s": n / latencies[-1], "cpu_us": cpu_s / n * 1e6,
+                      "p50_s": latencies[n // 2],
                       "p99_s": latencies[min(n - 1, int(n * 0.99))], **common}
     print(json.dumps(rows))
     return 0
@@ -245,6 +260,7 @@ def measure_mode(mode: str, args, deadline: float) -> dict[str, list[dict]]:
                         results[f"{client}/{run}"].append(row)
                         print(f"  round {round_index} {ROWS[f'{client}/{run}']:20s} "
                               f"{row['rollouts_per_s']:5.0f} rollouts/s "
+                              f"CPU {row['cpu_us']:.0f} us/rollout "
                               f"p50 {row['p50_s']:5.2f} s p99 {row['p99_s']:5.2f} s "
                               f"peak RSS {row['peak_rss_mib']:.0f} MiB "
                               f"({row['rss_per_rollout_kib']:.1f} KiB/rollout) "
@@ -261,17 +277,18 @@ def report(mode: str, results: dict[str, list[dict]], rollouts: int) -> None:
            for key, rows in results.items()}
     print(f"\n{mode}: {rollouts} rollouts in flight at once, medians of "
           f"{len(results['driver/cold'])} run(s)")
-    print(f"  {'client':22s} {'rollouts/s':>10s} {'p50 s':>6s} {'p99 s':>6s} {'peak RSS MiB':>12s} "
+    print(f"  {'client':22s} {'rollouts/s':>10s} {'CPU us':>7s} {'p50 s':>6s} {'p99 s':>6s} {'peak RSS MiB':>12s} "
           f"{'KiB/rollout':>11s} {'sockets peak':>12s} {'after':>5s}")
     for key, m in med.items():
-        print(f"  {ROWS[key]:22s} {m['rollouts_per_s']:10.0f} {m['p50_s']:6.2f} {m['p99_s']:6.2f} "
+        print(f"  {ROWS[key]:22s} {m['rollouts_per_s']:10.0f} {m['cpu_us']:7.0f} {m['p50_s']:6.2f} {m['p99_s']:6.2f} "
               f"{m['peak_rss_mib']:12.0f} {m['rss_per_rollout_kib']:11.1f} "
               f"{m['peak_sockets']:12.0f} {m['sockets_after']:5.0f}")
     u = med["upstream/cold"]
     for key in [k for k in ("driver/cold", "driver/warm") if k in med]:
         d = med[key]
         print(f"  {ROWS[key]} / session per request: rollouts/s "
-              f"{d['rollouts_per_s'] / u['rollouts_per_s']:.2f}x, p99 {d['p99_s'] / u['p99_s']:.2f}x")
+              f"{d['rollouts_per_s'] / u['rollouts_per_s']:.2f}x, client CPU per rollout "
+              f"{d['cpu_us'] / u['cpu_us']:.2f}x, p99 {d['p99_s'] / u['p99_s']:.2f}x")
 
 
 def main(argv=None) -> int:
@@ -281,7 +298,7 @@ def main(argv=None) -> int:
     parser.add_argument("--token-delay-s", type=float, default=0.005)
     parser.add_argument("--modes", nargs="+", default=["round-robin", "kv"],
                         choices=["round-robin", "kv", "least-loaded", "random"])
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warm", action="store_true",
                         help="the driver also runs a second batch on its warm pool")
     parser.add_argument("--time-budget-s", type=float, default=290.0)

@@ -4,13 +4,12 @@ plain child processes) per test, real processes killed or paused, a real proxy i
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
 from rollout_fleet.wiring.simfleet import SimFleet
 from tests.driver.conftest import check_sample, engine_answers, mixed_batch
-from tests.support import leftover_processes, non_loopback_listeners
+from tests.support import leftover_processes
 
 SEED = 0
 
@@ -63,5 +62,4 @@ def run(coro):
     return asyncio.run(coro)
 
 
-__all__ = ["check_batch_exactly_once", "collect_until_error", "mixed_batch", "run",
-           "non_loopback_listeners", "os"]
+__all__ = ["check_batch_exactly_once", "collect_until_error", "mixed_batch", "run"]

@@ -125,6 +125,10 @@ class FaultProxy:
             self._server.close()
             for writer in list(self._clients):
                 writer.close()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:  # connections still being served
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
             await self._server.wait_closed()
 
         asyncio.run_coroutine_threadsafe(close(), loop).result(10)
@@ -160,8 +164,8 @@ class FaultProxy:
                 keep_open = await self._handle(request, writer)
                 if not keep_open:
                     return
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            return  # the client went away, or the proxy is stopping
         finally:
             self._clients.discard(writer)
             if not writer.is_closing():

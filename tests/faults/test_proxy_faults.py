@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_fleet.adapters.http import HttpSettings
 from rollout_fleet.core.errors import RetriesExhausted, UnreadableBody
 from rollout_fleet.core.retry import RetryPolicy
 from tests.driver.conftest import check_sample, engine_answers
