@@ -109,9 +109,8 @@ def _push(generation, fleet, state: dict[str, Any], host: str,
     port = free_port(host)
     world_size = 1 + generation.get_inference_world_size()
     joining = generation.init_collective(host, port, world_size, train_world_size=1)
-    backend = "nccl" if fleet.device == "gpu" else "gloo"
-    session = TrainerRefitSession(host, port, 0, world_size, backend=backend, timeout_s=timeout_s,
-                                  spec=generation.get_collective_sender_spec())
+    session = TrainerRefitSession(host, port, 0, world_size, backend=fleet.collective_backend,
+                                  timeout_s=timeout_s, spec=generation.get_collective_sender_spec())
     try:
         _wait_all(joining, timeout_s, "init_collective")
         updating = generation.update_weights_from_collective()

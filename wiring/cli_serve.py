@@ -8,8 +8,6 @@ import sys
 import threading
 from pathlib import Path
 
-from rollout_fleet.wiring.config import load_config
-
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
@@ -25,6 +23,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from rollout_fleet.wiring.config import load_config
+
     config = load_config(args.config)  # a bad config fails here, before anything starts
     if config.ray_address is None:
         from rollout_fleet.wiring.netns import reexec_in_private_netns

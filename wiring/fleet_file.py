@@ -36,6 +36,9 @@ class FleetFile:
     num_buffers: int = 2
     ranks_per_worker: int = 1
     device: str = "cpu"
+    # What the workers' receivers use: Fleet leaves the worker's collective_backend at its
+    # default (gloo), on GPU fleets too; the trainer side must match it.
+    collective_backend: str = "gloo"
     processes: dict[str, int] = attrs.field(factory=dict)  # name -> pid (frontend, workers)
 
     @classmethod

@@ -1,0 +1,89 @@
+"""End to end with a real vLLM worker: `serve` a 1-worker vLLM fleet (the tiny model, seed 0),
+`refit` it with the seed-1 checkpoint, and `generate` shows the new model's greedy answers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from rollout_fleet.wiring.netns import in_private_netns
+from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env, run_cli
+from tests.support.processes import leftover_processes, stop_child
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.dynamo]
+PROMPTS = [[5, 17, 80], [200, 31], [44, 45, 46, 47], [300]]
+
+
+def _greedy(tmp_path, fleet_file, name):
+    prompts = tmp_path / f"{name}.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / f"{name}-out.jsonl"
+    result = run_cli("generate", "--fleet-file", fleet_file, "--prompts", prompts, "--out", out,
+                     "--greedy", "--max-new-tokens", "8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_refit_a_vllm_fleet_from_a_checkpoint(tmp_path):
+    if not in_private_netns():
+        pytest.fail("this test starts a local Ray cluster: run it inside `unshare -n`")
+    from rollout_fleet.adapters.tiny_model import build_tiny_model
+
+    config = tmp_path / "fleet.json"
+    config.write_text(json.dumps({
+        "engine": {"kind": "vllm"}, "model": "tiny", "num_workers": 1, "max_model_len": 512,
+        "max_new_tokens": 8, "run_dir": str(tmp_path / "run"),
+        "refit": {"buffer_bytes": 1 << 20, "num_buffers": 2}, "timeouts": {"start_s": 400}}))
+    fleet_file = tmp_path / "fleet-file.json"
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [*COMMAND, "serve", "--config", str(config), "--fleet-file", str(fleet_file)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+            env=cli_env(), start_new_session=True)
+    try:
+        seed_1 = build_tiny_model(tmp_path / "seed-1", seed=1)  # while the fleet starts
+        deadline = time.monotonic() + 420
+        while "serving;" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        served = json.loads(fleet_file.read_text())
+        before = _greedy(tmp_path, fleet_file, "before")
+        assert all(r["weight_version"] == 0 and r["token_ids"] for r in before)
+
+        # a checkpoint of the wrong model is refused before any transfer
+        (tmp_path / "wrong").mkdir()
+        _truncated_copy(seed_1 / "model.safetensors", tmp_path / "wrong" / "model.safetensors")
+        assert_one_line_error(run_cli("refit", "--fleet-file", fleet_file,
+                                      "--checkpoint", tmp_path / "wrong"), "prepare_refit_info")
+        assert _greedy(tmp_path, fleet_file, "still")  == before
+
+        result = run_cli("refit", "--fleet-file", fleet_file, "--checkpoint", seed_1,
+                         timeout_s=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "worker-0: weight version 1" in result.stdout
+        after = _greedy(tmp_path, fleet_file, "after")
+        assert all(r["weight_version"] == 1 for r in after)
+        assert [r["token_ids"] for r in after] != [r["token_ids"] for r in before]
+        assert _greedy(tmp_path, fleet_file, "again") == after  # greedy: repeatable
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(120) == 0, log.read_text()[-3000:]
+        assert "Traceback" not in log.read_text()
+        assert leftover_processes([process.pid, *served["processes"].values()], wait_s=20) == []
+    finally:
+        stop_child(process, sig=signal.SIGINT, timeout_s=60)
+
+
+def _truncated_copy(source, target):
+    """The same tensor names, one of them a row short."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(source))
+    name = sorted(state)[0]
+    state[name] = state[name][:-1].contiguous()
+    save_file(state, str(target))
