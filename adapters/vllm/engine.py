@@ -174,10 +174,10 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         if engine is None:
             return
         handler = engine.output_handler
-        await _in_thread(engine.shutdown)  # waits (up to ~5 s) for the engine core to exit
-        if handler is not None:
+        if handler is not None:  # first, or it reports the engine core's exit as an error
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
+        await _in_thread(engine.shutdown)  # waits (up to ~5 s) for the engine core to exit
         del engine
         gc.collect()  # collect it now: a late __del__ at interpreter exit would shut down twice
 
