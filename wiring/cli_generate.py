@@ -47,6 +47,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           help="a model folder with tokenizer.json: encodes text prompts and "
                                "adds the generated text to each result")
     generate.add_argument("--concurrency", type=int, default=64, help="rollouts in flight (64)")
+    generate.add_argument("--quiet", action="store_true",
+                          help="no progress bar (there is none when stderr is not a terminal)")
     generate.set_defaults(run=run_generate)
 
 
@@ -80,7 +82,12 @@ def run_generate(args: argparse.Namespace) -> int:
         "max_model_len": args.max_model_len or (fleet.max_model_len if fleet else 512),
     }
     sampling = SamplingSpec(greedy=args.greedy, seed=args.seed)
-    results = asyncio.run(_rollouts(url, prompts, sampling, args.concurrency, **settings))
+    progress = _progress_bar(len(prompts), quiet=args.quiet)
+    try:
+        results = asyncio.run(_rollouts(url, prompts, sampling, args.concurrency,
+                                        done=progress.update, **settings))
+    finally:
+        progress.close()
     lines = [json.dumps(_result_line(p, r, tokenizer)) + "\n" for p, r in zip(prompts, results)]
     if args.out:
         try:
@@ -157,8 +164,25 @@ def _parse_line(line: str, where: str, index: int, tokenizer: Any) -> Prompt:
                   request.stop_strings if "stop_strings" in data else None, budget)
 
 
+class _NoProgress:
+    def update(self, _n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, *, quiet: bool):
+    """A tqdm bar on a terminal; nothing in CI logs or pipes."""
+    if quiet or not sys.stderr.isatty():
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="rollout", desc="generate", file=sys.stderr)
+
+
 async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, concurrency: int, *,
-                    model: str, max_new_tokens: int, max_model_len: int) -> list:
+                    model: str, max_new_tokens: int, max_model_len: int, done=None) -> list:
     from rollout_fleet.adapters.http import HttpCompletionsTransport, HttpSettings
     from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
 
@@ -176,7 +200,10 @@ async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, con
         except InvalidValue as exc:
             raise InvalidValue(f"prompt {prompt.id!r}: {exc.field}", exc.value, exc.rule) from None
         async with gate:
-            return await client.rollout(request)
+            result = await client.rollout(request)
+        if done is not None:
+            done(1)
+        return result
 
     try:
         tasks = [asyncio.ensure_future(one(p)) for p in prompts]

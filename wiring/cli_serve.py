@@ -27,30 +27,59 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)  # a bad config fails here, before anything starts
     if config.ray_address is None:
-        from rollout_fleet.wiring.netns import reexec_in_private_netns
+        from rollout_fleet.core.errors import RolloutFleetError
+        from rollout_fleet.wiring.netns import in_private_netns, reexec_in_private_netns
 
         reexec_in_private_netns()  # a local Ray binds every interface: keep it on loopback
+        if not in_private_netns():
+            raise RolloutFleetError("could not enter a private network namespace (unshare -n); "
+                                    "a local Ray would bind every interface")
     from rollout_fleet.wiring.fleet import Fleet
     from rollout_fleet.wiring.fleet_file import FleetFile
 
     stop = threading.Event()
-    _stop_on_signals(stop)
-    fleet = Fleet.start(config)  # stops what it started if it fails or is interrupted
-    _stop_on_signals(stop)  # again: starting a local Ray may have replaced the handlers
-    fleet_file = Path(args.fleet_file or fleet.run_dir / "fleet.json").resolve()
+    ray_started = _start_ray(config)  # before our handlers: ray.init replaces SIGTERM's
     try:
-        FleetFile.of_fleet(fleet).write(fleet_file)
-        print(f"frontend: {fleet.frontend_url}")
-        for name, url in fleet.control_urls.items():
-            print(f"control {name}: {url}/engine/control/<name>")
-        print(f"fleet file: {fleet_file}")
-        print("serving; Ctrl-C or SIGTERM stops the fleet", flush=True)
-        _serve_until(stop, fleet)
+        _stop_on_signals(stop)
+        fleet = Fleet.start(config)  # stops what it started if it fails or is interrupted
+        fleet_file = Path(args.fleet_file or fleet.run_dir / "fleet.json").resolve()
+        try:
+            FleetFile.of_fleet(fleet).write(fleet_file)
+            print(f"frontend: {fleet.frontend_url}")
+            for name, url in fleet.control_urls.items():
+                print(f"control {name}: {url}/engine/control/<name>")
+            print(f"fleet file: {fleet_file}")
+            print("serving; Ctrl-C or SIGTERM stops the fleet", flush=True)
+            _serve_until(stop, fleet)
+        finally:
+            fleet_file.unlink(missing_ok=True)
+            fleet.shutdown()
     finally:
-        fleet_file.unlink(missing_ok=True)
-        fleet.shutdown()
+        if ray_started:
+            import ray
+
+            ray.shutdown()
     print("fleet stopped", flush=True)
     return 0
+
+
+def _start_ray(config) -> bool:
+    """Start (or join) Ray here, as the placement would, so that the signal handlers installed
+    next are ours: a SIGTERM while the fleet starts then unwinds the start (which stops what it
+    started) instead of hitting Ray's handler, which ends the process and leaves workers."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return False
+    options = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    if config.ray_address:
+        ray.init(address=config.ray_address, **options)
+    else:
+        cpus = max(os.cpu_count() or 1, int(config.num_workers * config.cpus_per_worker))
+        ray.init(num_cpus=cpus, _node_ip_address=config.bind_host, **options)
+    return True
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
