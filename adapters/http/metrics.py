@@ -24,7 +24,8 @@ class MetricNames:
 
     inflight_requests: tuple[str, ...] = ("dynamo_component_inflight_requests",
                                           "vllm:num_requests_running")
-    kv_cache_usage: tuple[str, ...] = ("dynamo_component_gpu_cache_usage_percent",
+    kv_cache_usage: tuple[str, ...] = ("rollout_fleet_kv_cache_usage_perc",
+                                       "dynamo_component_gpu_cache_usage_percent",
                                        "vllm:kv_cache_usage_perc")
     generated_tokens: tuple[str, ...] = ("rollout_fleet_generated_tokens_total",
                                          "vllm:generation_tokens_total")

@@ -140,6 +140,7 @@ class MemoryEngine(EnginePort, WeightLoader):
         self._version = 0
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.in_flight: set[str] = set()
+        self._live_tokens: dict[str, int] = {}  # request id -> tokens it holds (prompt + generated)
         self.served_count = 0
         self.aborted_ids: list[str] = []  # ids whose abort reached the engine (tests read it)
         self.started_as: int | str | None = None
@@ -160,6 +161,7 @@ class MemoryEngine(EnginePort, WeightLoader):
                                         tuple(stop_strings), rng)
         finally:
             self.in_flight.discard(request_id)
+            self._live_tokens.pop(request_id, None)
             self._aborted.pop(request_id, None)
             self.served_count += 1
 
@@ -171,6 +173,12 @@ class MemoryEngine(EnginePort, WeightLoader):
 
     def kv_event_sources(self) -> Sequence[KvEventSource]:
         return ()
+
+    def kv_cache_usage(self) -> float:
+        """Blocks the in-flight requests would hold, over the engine's KV capacity (0..1)."""
+        size = self._facts.kv_block_size
+        blocks = sum(-(-tokens // size) for tokens in self._live_tokens.values())
+        return min(1.0, blocks / self._facts.total_kv_blocks)
 
     # -- weight-loading port ------------------------------------------------------------------
     def weight_metas(self) -> Mapping[str, TensorMeta]:
@@ -230,6 +238,7 @@ class MemoryEngine(EnginePort, WeightLoader):
             token = _pick(row, sampling, rng)
             tokens.append(token)
             logprobs.append(row[token])
+            self._live_tokens[request_id] = len(prompt) + len(tokens)
             prev = token
             if token == EOS_TOKEN_ID:
                 finish = FinishReason.STOP

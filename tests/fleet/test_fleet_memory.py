@@ -42,8 +42,13 @@ def test_a_fleet_serves_rollouts_equal_to_the_engine_and_stops_clean(discovery):
             check_sample(sample, prompts[index], answers[index])
         served = [generation_stats["served"] for generation_stats in _stats(fleet)]
         assert sum(served) >= 128 and all(s > 0 for s in served), f"one worker got nothing: {served}"
+        generation.sample_worker_metrics()  # one sample after the batch
         metrics = generation.get_logger_metrics()
-        assert set(metrics) >= {"generated_tokens"}
+        for worker in sorted(fleet.control_urls):
+            timeline = metrics["generated_tokens"][worker]
+            assert timeline and timeline[-1][1] > 0, f"{worker}: no generated tokens in {metrics}"
+            assert metrics["kv_cache_usage"][worker], f"{worker}: no KV usage sampled"
+            assert metrics["inflight_requests"][worker], f"{worker}: no in-flight sampled"
         generation.shutdown()
     finally:
         fleet.shutdown()
