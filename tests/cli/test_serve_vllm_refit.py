@@ -31,8 +31,6 @@ def _greedy(tmp_path, fleet_file, name):
 def test_refit_a_vllm_fleet_from_a_checkpoint(tmp_path):
     if not in_private_netns():
         pytest.fail("this test starts a local Ray cluster: run it inside `unshare -n`")
-    from rollout_fleet.adapters.tiny_model import build_tiny_model
-
     config = tmp_path / "fleet.json"
     config.write_text(json.dumps({
         "engine": {"kind": "vllm"}, "model": "tiny", "num_workers": 1, "max_model_len": 512,
@@ -46,7 +44,9 @@ def test_refit_a_vllm_fleet_from_a_checkpoint(tmp_path):
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
             env=cli_env(), start_new_session=True)
     try:
-        seed_1 = build_tiny_model(tmp_path / "seed-1", seed=1)  # while the fleet starts
+        seed_1 = tmp_path / "seed-1"  # built while the fleet starts
+        built = run_cli("build-tiny-model", seed_1, "--seed", "1", timeout_s=300)
+        assert built.returncode == 0, built.stderr[-3000:]
         deadline = time.monotonic() + 420
         while "serving;" not in log.read_text():
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
