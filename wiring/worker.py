@@ -145,10 +145,15 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
                                   controls={**built.controls, **refit_controls(built.engine, config)})
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
-    await start_dynamo_endpoint(
-        adapter, model_path=built.model_path,
-        served_model_name=_required(config, "served_model_name"),
-        namespace=config.get("namespace", "fleet"), engine_env=env)
+    try:
+        await start_dynamo_endpoint(
+            adapter, model_path=built.model_path,
+            served_model_name=_required(config, "served_model_name"),
+            namespace=config.get("namespace", "fleet"), engine_env=env)
+    finally:
+        close = getattr(built.engine, "close", None)  # vLLM: stop its engine-core processes now
+        if close is not None:
+            await close()
 
 
 def load_config(text_or_path: str) -> dict[str, Any]:
