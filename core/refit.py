@@ -6,8 +6,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
-
 from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch, shown
+from rollout_fleet.core.validate import non_empty_str, positive_int
 
 # Bytes per element of each dtype a refit may carry (names as torch prints them, without "torch.").
 DTYPE_BYTES: Mapping[str, int] = {
@@ -134,27 +134,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _positive_int(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidValue(field, value, "must be an int >= 1")
-    return check
-
-
-def _non_empty_str(field: str):
-    def check(_i, _a, value):
-        if not isinstance(value, str) or not value:
-            raise InvalidValue(field, value, "must be a non-empty string")
-    return check
-
-
 @attrs.frozen
 class CollectiveSenderSpec:
     """The packed-buffer geometry both ends of a refit must share."""
 
-    protocol: str = attrs.field(default=PACKED_PROTOCOL, validator=_non_empty_str("protocol"))
-    buffer_bytes: int = attrs.field(default=1 << 30, validator=_positive_int("buffer_bytes"))
-    num_buffers: int = attrs.field(default=2, validator=_positive_int("num_buffers"))
+    protocol: str = attrs.field(default=PACKED_PROTOCOL, validator=non_empty_str("protocol"))
+    buffer_bytes: int = attrs.field(default=1 << 30, validator=positive_int("buffer_bytes"))
+    num_buffers: int = attrs.field(default=2, validator=positive_int("num_buffers"))
 
     def to_wire(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -217,9 +203,9 @@ def max_bucket_bytes(buckets: Iterable[Bucket]) -> int:
 class RankLayout:
     """Trainer ranks first (0..T-1); worker i's ranks start at ``T + i * E`` (E = ranks per worker)."""
 
-    train_world_size: int = attrs.field(validator=_positive_int("train_world_size"))
-    num_workers: int = attrs.field(validator=_positive_int("num_workers"))
-    ranks_per_worker: int = attrs.field(default=1, validator=_positive_int("ranks_per_worker"))
+    train_world_size: int = attrs.field(validator=positive_int("train_world_size"))
+    num_workers: int = attrs.field(validator=positive_int("num_workers"))
+    ranks_per_worker: int = attrs.field(default=1, validator=positive_int("ranks_per_worker"))
 
     @property
     def world_size(self) -> int:

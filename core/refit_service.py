@@ -14,9 +14,13 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
-
 from rollout_fleet.core.errors import InvalidValue, RefitError, WorkerFailures
-from rollout_fleet.core.refit import CollectiveSenderSpec, RankLayout, RefitInfo, TensorMeta
+from rollout_fleet.core.refit import (
+    CollectiveSenderSpec,
+    RankLayout,
+    RefitInfo,
+    TensorMeta,
+)
 
 
 class WorkerControlLike(Protocol):

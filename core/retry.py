@@ -5,17 +5,14 @@ Nothing here sleeps; the rollout client sleeps through an injected clock.
 
 from __future__ import annotations
 
-import math
-
 import attrs
-
 from rollout_fleet.core.errors import (
     HttpStatusError,
     InvalidValue,
     TransportError,
     UnreadableBody,
 )
-from rollout_fleet.core.rollout import is_finite_number
+from rollout_fleet.core.validate import finite_at_least, positive_int
 
 # 408 timeout, 429 load shed; 5xx are matched by range below.
 _TRANSIENT_4XX = frozenset({408, 429})
@@ -34,20 +31,6 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
-def _positive_int(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidValue(field, value, "must be an int >= 1")
-    return check
-
-
-def _non_negative(field: str):
-    def check(_i, _a, value):
-        if not is_finite_number(value) or value < 0:
-            raise InvalidValue(field, value, "must be a finite number >= 0")
-    return check
-
-
 @attrs.frozen
 class RetryPolicy:
     """Exponential backoff with proportional jitter.
@@ -56,11 +39,11 @@ class RetryPolicy:
     scaled by a factor drawn in ``[1 - jitter, 1 + jitter]``, never more than ``max_delay_s``.
     """
 
-    max_attempts: int = attrs.field(default=5, validator=_positive_int("retry.max_attempts"))
-    base_delay_s: float = attrs.field(default=0.1, validator=_non_negative("retry.base_delay_s"))
-    backoff: float = attrs.field(default=2.0, validator=_non_negative("retry.backoff"))
-    max_delay_s: float = attrs.field(default=5.0, validator=_non_negative("retry.max_delay_s"))
-    jitter: float = attrs.field(default=0.2, validator=_non_negative("retry.jitter"))
+    max_attempts: int = attrs.field(default=5, validator=positive_int("retry.max_attempts"))
+    base_delay_s: float = attrs.field(default=0.1, validator=finite_at_least("retry.base_delay_s"))
+    backoff: float = attrs.field(default=2.0, validator=finite_at_least("retry.backoff"))
+    max_delay_s: float = attrs.field(default=5.0, validator=finite_at_least("retry.max_delay_s"))
+    jitter: float = attrs.field(default=0.2, validator=finite_at_least("retry.jitter"))
 
     def __attrs_post_init__(self) -> None:
         if self.backoff < 1:

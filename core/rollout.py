@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.validate import int_at_least, is_finite_number, non_empty_str
 
 
 class FinishReason(str, enum.Enum):
@@ -24,16 +24,6 @@ class FinishReason(str, enum.Enum):
         except ValueError:
             allowed = ", ".join(r.value for r in cls)
             raise InvalidValue(field, value, f"must be one of {allowed}") from None
-
-
-def is_finite_number(value: Any) -> bool:
-    """A non-bool int or float that is finite as a float (huge ints overflow: not finite)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 _PLAIN_SEQUENCES = (list, tuple)
@@ -87,22 +77,6 @@ def logprobs_tuple(field: str):
     return convert
 
 
-def _non_empty_str(field: str):
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if not isinstance(value, str) or not value:
-            raise InvalidValue(field, value, "must be a non-empty string")
-
-    return check
-
-
-def _int_at_least(field: str, low: int):
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InvalidValue(field, value, f"must be an int >= {low}")
-
-    return check
-
-
 def _stop_strings(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise InvalidValue("stop_strings", value, "must be a list of strings")
@@ -145,9 +119,9 @@ GREEDY = SamplingSpec()
 class RolloutRequest:
     """One prompt to complete. ``max_new_tokens`` is the budget already fitted to the context."""
 
-    request_id: str = attrs.field(validator=_non_empty_str("request_id"))
+    request_id: str = attrs.field(validator=non_empty_str("request_id"))
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("prompt_token_ids"))
-    max_new_tokens: int = attrs.field(validator=_int_at_least("max_new_tokens", 0))
+    max_new_tokens: int = attrs.field(validator=int_at_least("max_new_tokens", 0))
     sampling: SamplingSpec = GREEDY
     stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
 
@@ -160,8 +134,8 @@ class RolloutRequest:
 
 @attrs.frozen
 class Usage:
-    prompt_tokens: int = attrs.field(validator=_int_at_least("usage.prompt_tokens", 0))
-    completion_tokens: int = attrs.field(validator=_int_at_least("usage.completion_tokens", 0))
+    prompt_tokens: int = attrs.field(validator=int_at_least("usage.prompt_tokens", 0))
+    completion_tokens: int = attrs.field(validator=int_at_least("usage.completion_tokens", 0))
 
 
 def _check_generation(token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> None:
@@ -186,7 +160,7 @@ class ServedRollout:
     def __attrs_post_init__(self) -> None:
         _check_generation(self.token_ids, self.logprobs)
         if self.weight_version is not None:
-            _int_at_least("weight_version", 0)(self, None, self.weight_version)
+            int_at_least("weight_version", 0)(self, None, self.weight_version)
         if self.usage.completion_tokens != len(self.token_ids):
             raise InvalidValue("usage.completion_tokens", self.usage.completion_tokens,
                                f"must equal the number of generated tokens ({len(self.token_ids)})")

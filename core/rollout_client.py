@@ -7,12 +7,20 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
-
-from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.budget import ContextLimitPolicy, token_budget
-from rollout_fleet.core.errors import HttpStatusError, RetriesExhausted, RolloutFleetError
+from rollout_fleet.core.clock import Clock, SystemClock
+from rollout_fleet.core.errors import (
+    HttpStatusError,
+    RetriesExhausted,
+    RolloutFleetError,
+)
 from rollout_fleet.core.retry import RetryPolicy, is_transient
-from rollout_fleet.core.rollout import FinishReason, RolloutRequest, RolloutResult, SamplingSpec
+from rollout_fleet.core.rollout import (
+    FinishReason,
+    RolloutRequest,
+    RolloutResult,
+    SamplingSpec,
+)
 from rollout_fleet.core.stop_strings import merge_stop_strings
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-
 from rollout_fleet.core.errors import (
     AnnotationError,
     ErrorInBody,
@@ -25,7 +24,12 @@ from rollout_fleet.core.errors import (
     WireError,
     shown,
 )
-from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.core.rollout import (
+    RolloutRequest,
+    SamplingSpec,
+    ServedRollout,
+    Usage,
+)
 
 # An annotation "rollout:<json spec>" in nvext.annotations marks a rollout request.
 ROLLOUT_ANNOTATION_PREFIX = "rollout:"

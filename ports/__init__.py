@@ -5,10 +5,15 @@ Each port is one small abstract class. An adapter implements it; the contract su
 """
 
 from rollout_fleet.ports.clock import Clock, SystemClock
+from rollout_fleet.ports.collective import WeightReceiver, WeightSender
 from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse
 from rollout_fleet.ports.control import WorkerControl
-from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
-from rollout_fleet.ports.collective import WeightReceiver, WeightSender
+from rollout_fleet.ports.engine import (
+    EngineFacts,
+    EnginePort,
+    KvEventSource,
+    WeightLoader,
+)
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 from rollout_fleet.ports.serving import Serving
 

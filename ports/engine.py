@@ -10,7 +10,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
-
 from rollout_fleet.core.refit import TensorMeta
 from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
 

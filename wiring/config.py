@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy

@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
-
 from rollout_fleet.adapters.http import (
-    HttpCompletionsTransport, HttpSettings, HttpWorkerControl, HttpWorkerMetrics, LoopClients,
+    HttpCompletionsTransport,
+    HttpSettings,
+    HttpWorkerControl,
+    HttpWorkerMetrics,
+    LoopClients,
 )
 from rollout_fleet.adapters.http.transport import check_base_url
 from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
-
 from rollout_fleet.adapters.dynamo.env import dynamo_env
 from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend

@@ -10,8 +10,13 @@ import asyncio
 import time
 
 from rollout_fleet.adapters.memory import (
-    EngineCompletionsTransport, LocalWorkerControl, MemoryCollective, MemoryEngine,
-    MemoryWeightReceiver, MemoryWeightSender, TinyBigramModel,
+    EngineCompletionsTransport,
+    LocalWorkerControl,
+    MemoryCollective,
+    MemoryEngine,
+    MemoryWeightReceiver,
+    MemoryWeightSender,
+    TinyBigramModel,
 )
 from rollout_fleet.adapters.memory.engine import VOCAB, decode
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo

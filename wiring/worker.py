@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-
 from rollout_fleet.core.errors import InvalidValue
 
 logger = logging.getLogger("rollout_fleet.worker")

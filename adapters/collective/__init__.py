@@ -6,10 +6,15 @@ Importing this package imports torch.
 """
 
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
-from rollout_fleet.adapters.collective.transfer import (
-    TorchWeightReceiver, TorchWeightSender, make_receiver,
+from rollout_fleet.adapters.collective.trainer import (
+    TrainerRefitSession,
+    send_state_dict,
 )
-from rollout_fleet.adapters.collective.trainer import TrainerRefitSession, send_state_dict
+from rollout_fleet.adapters.collective.transfer import (
+    TorchWeightReceiver,
+    TorchWeightSender,
+    make_receiver,
+)
 
 __all__ = [
     "CollectiveGroup", "init_group", "TorchWeightSender", "TorchWeightReceiver",

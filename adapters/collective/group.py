@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from rollout_fleet.core.errors import InvalidValue, RefitError, WorldSizeMismatch
 
 BACKENDS = ("gloo", "nccl")

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import BUFFER_ALIGN, Bucket, TensorMeta
 

@@ -23,13 +23,20 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-
 from rollout_fleet.adapters.collective.blocks import BlockPool, fresh_block
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
-from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket, unpack_bucket
+from rollout_fleet.adapters.collective.packing import (
+    check_tensor,
+    pack_bucket,
+    unpack_bucket,
+)
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import (
-    Bucket, CollectiveSenderSpec, RefitInfo, max_bucket_bytes, plan_buckets,
+    Bucket,
+    CollectiveSenderSpec,
+    RefitInfo,
+    max_bucket_bytes,
+    plan_buckets,
 )
 from rollout_fleet.ports.collective import WeightReceiver, WeightSender
 

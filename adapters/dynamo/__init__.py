@@ -10,7 +10,11 @@ import importlib
 from typing import Any
 
 from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
-from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend, FrontendError, stop_process_group
+from rollout_fleet.adapters.dynamo.frontend import (
+    DynamoFrontend,
+    FrontendError,
+    stop_process_group,
+)
 
 _LAZY = {
     "CONTROL_SECRET_FIELD": "rollout_fleet.adapters.dynamo.adapter",

@@ -19,10 +19,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from dynamo.common.backend import EngineConfig, GenerateChunk, LLMEngine, LlmRegistration
+from dynamo.common.backend import (
+    EngineConfig,
+    GenerateChunk,
+    LLMEngine,
+    LlmRegistration,
+)
 from dynamo.common.backend.publisher import ZmqSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
-
 from rollout_fleet.core.errors import AnnotationError, InvalidValue
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.wire import (
@@ -31,7 +35,12 @@ from rollout_fleet.core.wire import (
     find_annotation,
 )
 from rollout_fleet.core.worker_service import serve_annotated_rollout
-from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+from rollout_fleet.ports.engine import (
+    EngineFacts,
+    EnginePort,
+    KvEventSource,
+    WeightLoader,
+)
 
 logger = logging.getLogger(__name__)
 

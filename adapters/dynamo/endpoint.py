@@ -14,7 +14,6 @@ from typing import Any
 
 import dynamo.common.backend.worker as dynamo_worker
 from dynamo.common.backend import Worker, WorkerConfig
-
 from rollout_fleet.adapters.dynamo.adapter import DynamoEngineAdapter
 
 logger = logging.getLogger(__name__)

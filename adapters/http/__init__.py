@@ -6,10 +6,17 @@ under it (a pooled aiohttp session by default, or httpx) is chosen by measuremen
 """
 
 from rollout_fleet.adapters.http.control import HttpWorkerControl
-from rollout_fleet.adapters.http.metrics import HttpWorkerMetrics, MetricNames, parse_prometheus_text
+from rollout_fleet.adapters.http.metrics import (
+    HttpWorkerMetrics,
+    MetricNames,
+    parse_prometheus_text,
+)
 from rollout_fleet.adapters.http.pool import LoopClients
 from rollout_fleet.adapters.http.settings import CLIENT_KINDS, HttpSettings
-from rollout_fleet.adapters.http.transport import HttpCompletionsTransport, parse_retry_after
+from rollout_fleet.adapters.http.transport import (
+    HttpCompletionsTransport,
+    parse_retry_after,
+)
 
 __all__ = [
     "CLIENT_KINDS", "HttpSettings", "LoopClients", "HttpCompletionsTransport", "HttpWorkerControl",

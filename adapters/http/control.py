@@ -11,7 +11,11 @@ from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.http.transport import check_base_url, dumps
 from rollout_fleet.core.errors import (
-    ControlRefused, HttpStatusError, InvalidValue, UnreadableBody, WireError,
+    ControlRefused,
+    HttpStatusError,
+    InvalidValue,
+    UnreadableBody,
+    WireError,
 )
 from rollout_fleet.ports.control import WorkerControl
 

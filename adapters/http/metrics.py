@@ -6,7 +6,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
-
 from rollout_fleet.adapters.http.pool import LoopClients
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.http.transport import check_base_url

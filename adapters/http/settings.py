@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import attrs
-
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.validate import finite_at_least, int_at_least, positive_int
 
 # Client stacks the adapter can run on. "aiohttp" (one pooled aiohttp session, no httpx objects
 # on the hot path) is the default because it measured fastest: see bench/bench_driver.py.
 CLIENT_KINDS = ("aiohttp", "httpx-aiohttp", "httpx")
-
-
-def _positive_int(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidValue(field, value, "must be an int >= 1")
-    return check
-
-
-def _non_negative_int(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidValue(field, value, "must be an int >= 0")
-    return check
-
-
-def _positive_seconds(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value <= 0:
-            raise InvalidValue(field, value, "must be a finite number of seconds > 0")
-    return check
 
 
 def _client_kind(_i, _a, value):
@@ -49,15 +25,15 @@ class HttpSettings:
     control and metrics calls to the workers, so those never queue behind rollouts.
     """
 
-    max_in_flight: int = attrs.field(default=256, validator=_positive_int("http.max_in_flight"))
+    max_in_flight: int = attrs.field(default=256, validator=positive_int("http.max_in_flight"))
     extra_connections: int = attrs.field(default=16,
-                                         validator=_non_negative_int("http.extra_connections"))
+                                         validator=int_at_least("http.extra_connections", 0))
     connect_timeout_s: float = attrs.field(default=10.0,
-                                           validator=_positive_seconds("http.connect_timeout_s"))
+                                           validator=finite_at_least("http.connect_timeout_s", strictly=True))
     # A rollout answers only when its whole generation is done: minutes, not seconds.
     read_timeout_s: float = attrs.field(default=900.0,
-                                        validator=_positive_seconds("http.read_timeout_s"))
-    keepalive_s: float = attrs.field(default=120.0, validator=_positive_seconds("http.keepalive_s"))
+                                        validator=finite_at_least("http.read_timeout_s", strictly=True))
+    keepalive_s: float = attrs.field(default=120.0, validator=finite_at_least("http.keepalive_s", strictly=True))
     client: str = attrs.field(default="aiohttp", validator=_client_kind)
 
     @property

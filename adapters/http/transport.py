@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-
 from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.core.errors import InvalidValue, TransportError

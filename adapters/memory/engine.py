@@ -18,7 +18,12 @@ from typing import Any
 from rollout_fleet.core.errors import EngineError, InvalidValue, WeightMismatch
 from rollout_fleet.core.refit import TensorMeta, dtype_name
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
-from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+from rollout_fleet.ports.engine import (
+    EngineFacts,
+    EnginePort,
+    KvEventSource,
+    WeightLoader,
+)
 
 EOS_TOKEN_ID = 0
 _SYLLABLES = ("th", "er", "on", "an", "re", "he", "in", "ed", "nd", "ha",

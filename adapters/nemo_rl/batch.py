@@ -8,7 +8,6 @@ from typing import Any
 
 import attrs
 import torch
-
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import RolloutResult
 

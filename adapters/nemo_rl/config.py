@@ -3,50 +3,21 @@
 from __future__ import annotations
 
 import attrs
-
 from rollout_fleet.core.budget import ContextLimitPolicy
-from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout import SamplingSpec
 from rollout_fleet.core.stop_strings import merge_stop_strings
-
-
-def _positive_int(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidValue(field, value, "must be an int >= 1")
-    return check
-
-
-def _positive(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise InvalidValue(field, value, "must be a number > 0")
-    return check
-
-
-def _non_negative(field: str):
-    def check(_i, _a, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise InvalidValue(field, value, "must be a number >= 0")
-    return check
-
-
-def _non_empty_str(field: str):
-    def check(_i, _a, value):
-        if not isinstance(value, str) or not value:
-            raise InvalidValue(field, value, "must be a non-empty string")
-    return check
+from rollout_fleet.core.validate import finite_at_least, non_empty_str, positive_int
 
 
 @attrs.frozen
 class GenerationConfig:
     """The generation side of a driver: model, budgets, sampling, concurrency, refit geometry."""
 
-    model: str = attrs.field(validator=_non_empty_str("model"))  # the served model name
-    max_model_len: int = attrs.field(validator=_positive_int("max_model_len"))
-    max_new_tokens: int = attrs.field(validator=_positive_int("max_new_tokens"))
+    model: str = attrs.field(validator=non_empty_str("model"))  # the served model name
+    max_model_len: int = attrs.field(validator=positive_int("max_model_len"))
+    max_new_tokens: int = attrs.field(validator=positive_int("max_new_tokens"))
     stop_strings: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     context_limit_policy: ContextLimitPolicy = attrs.field(default=ContextLimitPolicy.REJECT,
                                                            converter=ContextLimitPolicy)
@@ -55,13 +26,13 @@ class GenerationConfig:
     top_k: int = -1
     seed: int | None = None  # a base seed: each rollout samples with seed + its number
     # Rollouts in flight at once, across every generate_async call on one event loop.
-    max_concurrency: int = attrs.field(default=256, validator=_positive_int("max_concurrency"))
+    max_concurrency: int = attrs.field(default=256, validator=positive_int("max_concurrency"))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
-    ranks_per_worker: int = attrs.field(default=1, validator=_positive_int("ranks_per_worker"))
+    ranks_per_worker: int = attrs.field(default=1, validator=positive_int("ranks_per_worker"))
     sender_spec: CollectiveSenderSpec = attrs.field(factory=CollectiveSenderSpec)
-    control_timeout_s: float = attrs.field(default=600.0, validator=_positive("control_timeout_s"))
+    control_timeout_s: float = attrs.field(default=600.0, validator=finite_at_least("control_timeout_s", strictly=True))
     # > 0: sample every worker's metrics this often while the driver lives; 0: only on demand.
-    metrics_interval_s: float = attrs.field(default=0.0, validator=_non_negative("metrics_interval_s"))
+    metrics_interval_s: float = attrs.field(default=0.0, validator=finite_at_least("metrics_interval_s"))
 
     def __attrs_post_init__(self) -> None:
         merge_stop_strings(self.stop_strings, None)  # refuses bad or too many stop strings

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
-
 from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
@@ -25,7 +24,12 @@ from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.refit_service import RefitCoordinator
-from rollout_fleet.core.rollout import GREEDY, RolloutRequest, RolloutResult, SamplingSpec
+from rollout_fleet.core.rollout import (
+    GREEDY,
+    RolloutRequest,
+    RolloutResult,
+    SamplingSpec,
+)
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
 from rollout_fleet.ports.completions import CompletionsTransport
 from rollout_fleet.ports.control import WorkerControl

@@ -17,7 +17,11 @@ from typing import Any
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
-from rollout_fleet.core.refit_service import ControlCall, RefitCoordinator, run_control_call
+from rollout_fleet.core.refit_service import (
+    ControlCall,
+    RefitCoordinator,
+    run_control_call,
+)
 
 
 class FleetRefit:

@@ -7,9 +7,9 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollout_fleet.adapters.ray.supervisor import ProcessSupervisor
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
-from rollout_fleet.adapters.ray.supervisor import ProcessSupervisor
 
 
 class PlacementError(RolloutFleetError):

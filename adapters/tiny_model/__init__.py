@@ -5,6 +5,10 @@ package, and the weights are drawn from a seeded generator. The same seed gives 
 files, so tests can build two models and compare outputs against a plain transformers decode.
 """
 
-from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model, tiny_state_dict
+from rollout_fleet.adapters.tiny_model.build import (
+    TinyModelSpec,
+    build_tiny_model,
+    tiny_state_dict,
+)
 
 __all__ = ["TinyModelSpec", "build_tiny_model", "tiny_state_dict"]

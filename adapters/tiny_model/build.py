@@ -8,7 +8,6 @@ from importlib import resources
 from pathlib import Path
 
 import attrs
-
 from rollout_fleet.core.errors import InvalidValue
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"  # trained first, so their IDs are 0, 1, 2

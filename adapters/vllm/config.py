@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-
 from rollout_fleet.core.errors import InvalidValue
 
 WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"

@@ -17,13 +17,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
-
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 from rollout_fleet.adapters.vllm.weights import check_weights, checkpoint_metas
 from rollout_fleet.core.errors import EngineError, WeightMismatch
 from rollout_fleet.core.refit import RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
-from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+from rollout_fleet.ports.engine import (
+    EngineFacts,
+    EnginePort,
+    KvEventSource,
+    WeightLoader,
+)
 
 log = logging.getLogger(__name__)
 

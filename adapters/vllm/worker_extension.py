@@ -7,7 +7,6 @@ prefix: vLLM refuses an extension whose attribute clashes with the worker's own.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 
 class RolloutFleetWorkerExtension:
@@ -28,7 +27,9 @@ class RolloutFleetWorkerExtension:
         The caller has already checked every name, shape and dtype.
         """
         from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload, initialize_layerwise_reload)
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
         model = self.get_model()
         count = 0

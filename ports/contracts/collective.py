@@ -13,7 +13,6 @@ from typing import Any
 
 import attrs
 import pytest
-
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
 from rollout_fleet.ports.collective import WeightReceiver, WeightSender

@@ -7,7 +7,6 @@ reaches a fleet serving ``model`` (any engine), run through its own loop.
 from __future__ import annotations
 
 import attrs
-
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import pytest
-
-from rollout_fleet.core.errors import EngineError, RolloutFleetError, WeightMismatch
+from rollout_fleet.core.errors import RolloutFleetError, WeightMismatch
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.ports.contracts.loop import LoopThread
-from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, WeightLoader
+from rollout_fleet.ports.engine import (
+    EngineFacts,
+    EnginePort,
+    KvEventSource,
+    WeightLoader,
+)
 
 GREEDY = SamplingSpec()
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-
 from rollout_fleet.core.errors import RolloutFleetError
 
 
@@ -36,12 +35,14 @@ class DemoFailed(RolloutFleetError):
 def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     import ray
     import torch
-
     from rollout_fleet.adapters.collective import TrainerRefitSession
     from rollout_fleet.adapters.ray.supervisor import free_port
     from rollout_fleet.wiring.config import parse_config
     from rollout_fleet.wiring.demo.report import header, row, write_outputs
-    from rollout_fleet.wiring.demo.trainer import PolicyTrainer, Scored, TargetTokenReward
+    from rollout_fleet.wiring.demo.trainer import (
+        PolicyTrainer,
+        TargetTokenReward,
+    )
     from rollout_fleet.wiring.fleet import Fleet
 
     torch.set_num_threads(1)  # the workers need the cores more than the tiny trainer does
@@ -116,7 +117,6 @@ def _prompts(settings: DemoSettings, vocab_size: int) -> list[list[int]]:
 def _rollouts(generation, prompts, settings: DemoSettings, reward):
     """One batch: every prompt ``group_size`` times, sampled; scored as they finish."""
     import torch
-
     from rollout_fleet.wiring.demo.trainer import Scored
 
     batch = [p for p in prompts for _ in range(settings.group_size)]
