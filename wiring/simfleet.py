@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,8 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_fleet.adapters.dynamo.env import LOOPBACK, MAX_SYSTEM_PORT
+from rollout_fleet.adapters.dynamo.env import LOOPBACK
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend, stop_process_group
+from rollout_fleet.adapters.ray.supervisor import free_port
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.wiring.netns import in_private_netns
 
@@ -49,17 +48,9 @@ class SimFleetError(RolloutFleetError):
     """The simulated fleet did not come up; names the process and carries its log's tail."""
 
 
-def free_loopback_port(below: int = MAX_SYSTEM_PORT + 1, low: int = 10000) -> int:
-    """A port in [low, below) free on 127.0.0.1 now (Dynamo's system port must be < 32768)."""
-    for _ in range(500):
-        port = random.randrange(low, below)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    raise SimFleetError(f"no free port on {LOOPBACK} in [{low}, {below})")
+def free_loopback_port() -> int:
+    """A port free on 127.0.0.1 now, below 32768 (Dynamo's system port must fit an i16)."""
+    return free_port(LOOPBACK)
 
 
 class SimWorker:

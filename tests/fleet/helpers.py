@@ -6,7 +6,7 @@ import os
 import socket
 
 from tests.support.net import listening_sockets
-from tests.support.processes import leftover_processes
+from tests.support.processes import _all_processes, leftover_processes
 
 
 def own_children_before() -> set[int]:
@@ -14,18 +14,7 @@ def own_children_before() -> set[int]:
 
 
 def _children(parent: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[1]) == parent and fields[0] != "Z":
-                out.append(int(entry))
-    return out
+    return [pid for pid, state, ppid, _group in _all_processes() if ppid == parent and state != "Z"]
 
 
 def assert_nothing_left(fleet_pgids: list[int], ports: list[int], children_before: set[int]) -> None:
