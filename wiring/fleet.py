@@ -114,8 +114,12 @@ class Fleet:
 
     def _launch(self, index: int, discovery_env: dict[str, str]) -> WorkerLaunch:
         name = f"worker-{index}"
+        engine = dict(self.config.engine)
+        if self.config.device == "gpu" and engine.get("kind") == "vllm":
+            engine.setdefault("device", "cuda")
         worker_config = {
-            "engine": dict(self.config.engine), "run_dir": str(self.run_dir),
+            "engine": engine, "run_dir": str(self.run_dir),
+            "collective_backend": self.collective_backend,
             "namespace": "fleet", "served_model_name": self.config.served_model_name,
             "model_path": self.model_path or None, "control_secret": self.secret,
             "worker_id": name, "env": discovery_env,
@@ -147,6 +151,11 @@ class Fleet:
     @property
     def frontend_url(self) -> str:
         return self.frontend.url
+
+    @property
+    def collective_backend(self) -> str:
+        """What the refit group runs on: NCCL between GPUs, gloo between CPUs."""
+        return "nccl" if self.config.device == "gpu" else "gloo"
 
     def control_url(self, worker: WorkerHandle) -> str:
         return f"http://{worker.node_ip}:{worker.ports['DYN_SYSTEM_PORT']}"

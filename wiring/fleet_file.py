@@ -36,8 +36,7 @@ class FleetFile:
     num_buffers: int = 2
     ranks_per_worker: int = 1
     device: str = "cpu"
-    # What the workers' receivers use: Fleet leaves the worker's collective_backend at its
-    # default (gloo), on GPU fleets too; the trainer side must match it.
+    # What the workers' receivers use (NCCL on GPU fleets); the trainer side must match it.
     collective_backend: str = "gloo"
     processes: dict[str, int] = attrs.field(factory=dict)  # name -> pid (frontend, workers)
 
@@ -52,7 +51,8 @@ class FleetFile:
                    served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                    max_new_tokens=config.max_new_tokens, buffer_bytes=config.refit.buffer_bytes,
                    num_buffers=config.refit.num_buffers, ranks_per_worker=config.ranks_per_worker,
-                   device=config.device, processes=processes)
+                   device=config.device, collective_backend=fleet.collective_backend,
+                   processes=processes)
 
     def write(self, path: str | Path) -> Path:
         """Write the file readable by its owner only (it carries the control secret)."""
