@@ -112,11 +112,13 @@ def main() -> None:
             started = time.perf_counter()
             updating = generation.update_weights_from_collective()
             session.send_state_dict(states[(rep + 1) % 2], info)
-            ray.get(updating, timeout=600)
+            answers = ray.get(updating, timeout=600)
             generation.invalidate_kv_cache()
             refit_s.append(time.perf_counter() - started)
-            print(f"rep {rep + 1}: flat {floor_s[-1]:.3f} s, end-to-end refit {refit_s[-1]:.3f} s",
-                  flush=True)
+            parts = ", ".join(f"receive {a['receive_s']:.3f} s + load {a['load_s']:.3f} s"
+                              for a in answers)
+            print(f"rep {rep + 1}: flat {floor_s[-1]:.3f} s, end-to-end refit {refit_s[-1]:.3f} s"
+                  f" (workers: {parts})", flush=True)
         versions = generation.get_weight_versions()
     finally:
         if session is not None:

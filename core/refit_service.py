@@ -10,6 +10,7 @@ that dies half way leaves the engine on its old weights.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -174,9 +175,13 @@ class WorkerRefit:
             raise RefitError("update_weights before prepare_refit_info on this worker")
         async with self._lock:
             receiver, info = self._receiver, self._info
+            started = time.perf_counter()
             staged = await asyncio.to_thread(lambda: list(receiver.receive(info)))
+            received = time.perf_counter()
             version = await self._loader.load_weights(staged)
-        return {"weight_version": version}
+            loaded = time.perf_counter()
+        return {"weight_version": version, "receive_s": round(received - started, 6),
+                "load_s": round(loaded - received, 6)}
 
     async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:
         await self._loader.reset_cache()

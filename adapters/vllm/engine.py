@@ -121,10 +121,12 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         engine = self._require_engine()
         offered = check_weights(named_tensors, self._metas)
         async with self._weight_lock:
-            packed = [_pack(name, tensor) for name, tensor in offered]
-            async with _paused(engine):
-                await engine.collective_rpc("rollout_fleet_load_weights", args=(packed,))
-                return await self._commit_new_weights()
+            # One copy into shared memory; only a manifest crosses vLLM's RPC, and the
+            # engine-core process maps the same pages (no pickling of the weights).
+            with _in_shared_memory(offered) as manifest:
+                async with _paused(engine):
+                    await engine.collective_rpc("rollout_fleet_load_weights", args=(manifest,))
+                    return await self._commit_new_weights()
 
     async def receive_weights(self, refit_info: RefitInfo) -> int:
         """GPU path: the trainer broadcasts packed buffers over NCCL into vLLM's native
@@ -286,16 +288,37 @@ def _build_engine(config: VllmEngineConfig) -> Any:
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
 
-def _pack(name: str, tensor: Any) -> tuple[str, str, list[int], bytes]:
-    cpu = tensor.detach().contiguous().cpu()
-    raw = cpu.reshape(-1).view(torch_uint8()).numpy().tobytes()
-    return name, str(cpu.dtype).removeprefix("torch."), list(cpu.shape), raw
+_SHARED_ALIGN = 64
 
 
-def torch_uint8() -> Any:
+@contextlib.contextmanager
+def _in_shared_memory(named_tensors: Sequence[tuple[str, Any]]):
+    """Write the tensors into one file in /dev/shm; yield ``(path, nbytes, entries)`` with
+    ``entries = [(name, dtype, shape, offset), ...]``; remove the file afterwards."""
+    import os
+    import tempfile
+
     import torch
 
-    return torch.uint8
+    entries, offset = [], 0
+    for name, tensor in named_tensors:
+        offset = -(-offset // _SHARED_ALIGN) * _SHARED_ALIGN
+        entries.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset))
+        offset += tensor.numel() * tensor.element_size()
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    handle, path = tempfile.mkstemp(prefix="rollout-fleet-weights-", dir=folder)
+    os.close(handle)
+    try:
+        total = max(offset, 1)
+        block = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        for (_name, _dtype, _shape, start), (_n, tensor) in zip(entries, named_tensors):
+            flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+            block[start:start + flat.numel()].copy_(flat)
+        del block
+        yield path, total, entries
+    finally:
+        os.unlink(path)
+
 
 
 def _read_facts(engine: Any) -> EngineFacts:

@@ -6,8 +6,6 @@ prefix: vLLM refuses an extension whose attribute clashes with the worker's own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 
 class RolloutFleetWorkerExtension:
     def rollout_fleet_parameters(self) -> dict[str, tuple[list[int], str]]:
@@ -16,38 +14,37 @@ class RolloutFleetWorkerExtension:
         return {name: (list(p.shape), str(p.dtype).removeprefix("torch."))
                 for name, p in model.named_parameters()}
 
-    def rollout_fleet_load_weights(self, packed: Iterable[tuple[str, str, list[int], bytes]]) -> int:
+    def rollout_fleet_load_weights(self, manifest: tuple[str, int, list]) -> int:
         """Load checkpoint-format tensors in place, layer by layer.
 
-        Tensors arrive as ``(name, dtype, shape, raw bytes)``: plain values that cross vLLM's
-        RPC serialisation unchanged (a tensor nested in a list does not).
+        ``manifest = (path, nbytes, [(name, dtype, shape, offset), ...])``: the tensors lie in
+        one shared-memory file written by the adapter; they are mapped here, not copied, and
+        ``load_weights`` copies each into its parameter.
 
         A bare ``model.load_weights`` is not enough on the CPU backend: weights are repacked
         after loading, and the layerwise reload redoes that processing for each layer.
         The caller has already checked every name, shape and dtype.
         """
+        import torch
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
+        path, nbytes, entries = manifest
+        block = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         model = self.get_model()
-        count = 0
 
-        def counted():
-            nonlocal count
-            for name, dtype, shape, data in packed:
-                count += 1
-                yield name, _unpack(dtype, shape, data)
+        def tensors():
+            for name, dtype, shape, offset in entries:
+                size = getattr(torch, dtype).itemsize
+                count = 1
+                for dim in shape:
+                    count *= dim
+                raw = block[offset:offset + count * size]
+                yield name, raw.view(getattr(torch, dtype)).reshape(shape)
 
         initialize_layerwise_reload(model)
-        model.load_weights(counted())
+        model.load_weights(tensors())
         finalize_layerwise_reload(model, self.model_config)
-        return count
-
-
-def _unpack(dtype: str, shape: list[int], data: bytes):
-    import torch
-
-    flat = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype))
-    return flat.reshape(shape)
+        return len(entries)
