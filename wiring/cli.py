@@ -23,7 +23,8 @@ def _demo(args: argparse.Namespace) -> int:
     from rollout_fleet.wiring.netns import reexec_in_private_netns
 
     reexec_in_private_netns()  # a local Ray binds every interface: keep it on loopback
-    settings = DemoSettings(workers=args.workers, out_dir=args.out, progress=not args.quiet)
+    settings = DemoSettings(workers=args.workers, out_dir=args.out,
+                            progress=not args.quiet and sys.stderr.isatty())  # quiet in CI logs
     if args.ci:
         settings = attrs.evolve(settings, steps=2, prompts=4, group_size=4)
     if args.steps is not None:
@@ -36,12 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-fleet", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="rollouts and a refit on an embedded fleet",
-                               description="Run rollouts, refit every worker, run rollouts again.")
+                               description="A short GRPO loop on an embedded fleet (the tiny model, 2 vLLM workers on "
+                               "Ray, Dynamo frontend): rollouts, a policy-gradient step, a refit of "
+                               "every worker, per step; writes demo.json and demo.png.")
     demo.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default 6)")
     demo.add_argument("--out", default="out/demo", help="folder for demo.json and demo.png")
     demo.add_argument("--ci", action="store_true", help="the short form CI runs (2 steps)")
-    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal)")
     demo.add_argument("--in-memory", action="store_true",
                       help="the in-memory demo: core services only, no Ray, Dynamo or vLLM")
     demo.set_defaults(run=_demo)
