@@ -48,6 +48,7 @@ import_package()
 from rollout_fleet.adapters.collective import packing  # noqa: E402
 from rollout_fleet.core.refit import BUFFER_ALIGN, plan_buckets  # noqa: E402
 from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
+from llama_shapes import layer_shapes  # noqa: E402  (bench/, the script's own folder)
 
 MODELS = {
     0: ("tiny (a dry run)", 256, 1024, 64, 2, 1000),
@@ -63,18 +64,7 @@ def state_dict(size_gib: int, device: torch.device) -> dict[str, torch.Tensor]:
     if vocab:
         shapes["model.embed_tokens.weight"] = (vocab, hidden)
     for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(layer_shapes(i, hidden, inter, kv))
     shapes["model.norm.weight"] = (hidden,)
     gen = torch.Generator(device=device).manual_seed(0)
     return {n: torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16)

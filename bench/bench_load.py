@@ -42,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.support.processes import own_open_sockets, own_rss_bytes  # noqa: E402
+
 MAX_NEW_TOKENS = 16
 MAX_MODEL_LEN = 128
 CLIENTS = ("driver", "upstream")
@@ -53,34 +55,18 @@ def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 # -- what a child measures about itself ---------------------------------------------------------
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def open_sockets() -> int:
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                count += 1
-        except OSError:
-            pass
-    return count
-
-
 class Sampler:
     """Peak RSS and peak open sockets of this process while a batch runs (every 20 ms)."""
 
     def __init__(self) -> None:
-        self.peak_rss = rss_bytes()
-        self.peak_sockets = open_sockets()
+        self.peak_rss = own_rss_bytes()
+        self.peak_sockets = own_open_sockets()
         self._task = None
 
     async def _run(self) -> None:
         while True:
-            self.peak_rss = max(self.peak_rss, rss_bytes())
-            self.peak_sockets = max(self.peak_sockets, open_sockets())
+            self.peak_rss = max(self.peak_rss, own_rss_bytes())
+            self.peak_sockets = max(self.peak_sockets, own_open_sockets())
             await asyncio.sleep(0.02)
 
     def start(self) -> None:
@@ -88,8 +74,8 @@ class Sampler:
 
     def stop(self) -> None:
         self._task.cancel()
-        self.peak_rss = max(self.peak_rss, rss_bytes())
-        self.peak_sockets = max(self.peak_sockets, open_sockets())
+        self.peak_rss = max(self.peak_rss, own_rss_bytes())
+        self.peak_sockets = max(self.peak_sockets, own_open_sockets())
 
 
 async def batch_with_driver(spec: dict, prompts: list[list[int]]) -> dict:
@@ -113,7 +99,7 @@ async def batch_with_driver(spec: dict, prompts: list[list[int]]) -> dict:
     for row, p in enumerate(prompts):
         ids[row, :len(p)] = torch.tensor(p)
     data = {"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts])}
-    before = rss_bytes()
+    before = own_rss_bytes()
     sampler = Sampler()
     sampler.start()
     runs = {}
@@ -155,7 +141,7 @@ async def batch_session_per_request(spec: dict, prompts: list[list[int]]
                 parse_completion_answer(payload)
         latencies.append(time.perf_counter() - t0)
 
-    before = rss_bytes()
+    before = own_rss_bytes()
     sampler = Sampler()
     sampler.start()
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -186,7 +172,7 @@ def child_main(spec_text: str) -> int:
     common = {
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_per_rollout_kib": (sampler.peak_rss - measured["before"]) / n / 1024,
-        "peak_sockets": sampler.peak_sockets, "sockets_after": open_sockets(),
+        "peak_sockets": sampler.peak_sockets, "sockets_after": own_open_sockets(),
     }
     rows = {}
     for name, (latencies, cpu_s) in measured["runs"].items():

@@ -32,6 +32,7 @@ from rollout_fleet.adapters.collective import (  # noqa: E402
     TorchWeightReceiver, TorchWeightSender, init_group,
 )
 from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
+from llama_shapes import layer_shapes  # noqa: E402  (bench/, the script's own folder)
 from rollout_fleet.core.refit import CollectiveSenderSpec  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -43,18 +44,7 @@ def state_dict(layers: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shapes = {}
     for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(layer_shapes(i, hidden, inter, kv))
     return {n: torch.randn(s, generator=gen, dtype=torch.bfloat16) for n, s in shapes.items()}
 
 

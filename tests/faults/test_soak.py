@@ -4,13 +4,13 @@ with no growth in the driver's memory or open sockets, and every rollout served 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
 
 from tests.faults.conftest import check_batch_exactly_once, mixed_batch
 from tests.faults.test_trust import post_control
+from tests.support.processes import own_open_sockets, own_rss_bytes
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
 MAX_NEW, MAX_LEN = 16, 64
@@ -21,28 +21,13 @@ CONCURRENCY = 64
 RSS_GROWTH_LIMIT = 20 * 2**20  # generous: allocator noise, never a per-rollout leak
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def open_sockets() -> int:
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return count
-
-
 def test_two_minutes_of_steady_load_grow_neither_memory_nor_sockets(start_fleet):
     fleet = start_fleet(workers=4, token_delay_s=0.002)
     prompts, data = mixed_batch(BATCH, seed=41, max_len=20)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
                                   max_concurrency=CONCURRENCY)
     samples: list[tuple[int, int, int]] = []  # (batch, rss, sockets) after each batch
-    sockets_before = open_sockets()
+    sockets_before = own_open_sockets()
 
     async def soak() -> list[list]:
         checked = []
@@ -55,7 +40,7 @@ def test_two_minutes_of_steady_load_grow_neither_memory_nor_sockets(start_fleet)
                 checked.append(pairs)  # checked after the soak, off the clock
             else:
                 assert sorted(i for i, _ in pairs) == list(range(BATCH)), f"batch {batch}"
-            samples.append((batch, rss_bytes(), open_sockets()))
+            samples.append((batch, own_rss_bytes(), own_open_sockets()))
         return checked
 
     try:

@@ -79,3 +79,20 @@ def _all_processes():
         # the command name may hold spaces and parentheses: fields start after the last ")"
         fields = stat[stat.rindex(")") + 2:].split()
         yield int(entry), fields[0], int(fields[1]), int(fields[2])
+
+
+def own_rss_bytes() -> int:
+    """This process's resident memory, from /proc (no psutil needed)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def own_open_sockets() -> int:
+    """How many sockets this process holds open."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count
