@@ -11,11 +11,19 @@ from rollout_fleet.core.errors import InvalidValue
 WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
 DEVICES = ("cpu", "cuda")
 CPU_KV_CACHE_BYTES = 64 * 2**20  # room for 256 blocks of the tiny model; a laptop-sized cache
+CPU_WORKER_NICE = 10  # see VllmEngineConfig.cpu_worker_nice
+MAX_NICE = 19
 
 
 def _device(_inst: Any, _attr: Any, value: Any) -> None:
     if value not in DEVICES:
         raise InvalidValue("device", value, f"must be one of {', '.join(DEVICES)}")
+
+
+def _nice(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= MAX_NICE):
+        raise InvalidValue("cpu_worker_nice", value, f"must be None or an int in 0..{MAX_NICE}")
 
 
 def _optional_positive_int(field: str):
@@ -29,7 +37,11 @@ def _optional_positive_int(field: str):
 class VllmEngineConfig:
     """What the adapter asks vLLM for. ``None`` means the device's default (see ``engine_kwargs``).
 
-    CPU defaults: float32, eager mode, a 64 MiB KV cache, 512-token context.
+    CPU defaults: float32, eager mode, a 64 MiB KV cache, 512-token context, and vLLM's model
+    worker process lowered to ``cpu_worker_nice`` (on a CPU it busy-polls for a second after every
+    step, pinned to a core, and on a small host that starves the Dynamo runtime, the frontend and
+    the driver: requests then wait seconds to be admitted; niced, it still gets any core nothing
+    else wants). None leaves its priority alone.
     GPU defaults: the model's dtype and context, CUDA graphs, 90% of GPU memory, and vLLM's
     native NCCL weight-transfer engine for refit.
     """
@@ -47,6 +59,7 @@ class VllmEngineConfig:
     tensor_parallel_size: int = attrs.field(default=1, validator=_optional_positive_int("tensor_parallel_size"))
     seed: int = 0
     enable_prefix_caching: bool = True
+    cpu_worker_nice: int | None = attrs.field(default=CPU_WORKER_NICE, validator=_nice)
     kv_events_port: int | None = attrs.field(
         default=None, validator=_optional_positive_int("kv_events_port"))  # None: no KV events
     extra_engine_args: Mapping[str, Any] = attrs.field(factory=dict)

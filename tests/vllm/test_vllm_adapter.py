@@ -47,6 +47,21 @@ def test_kv_event_sources_are_empty_when_kv_events_are_off(vllm_engine):
     assert vllm_engine.engine.kv_event_sources() == ()
 
 
+def test_on_the_cpu_vllms_processes_run_niced_and_this_one_does_not(vllm_engine):
+    import os
+
+    import psutil
+
+    vllm, others = {}, {}
+    for process in psutil.Process().children(recursive=True):
+        nices = {os.getpriority(os.PRIO_PROCESS, t.id) for t in process.threads()}
+        (vllm if process.name().startswith("VLLM::") else others)[process.name()] = nices
+    assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(vllm), vllm  # engine core and model worker
+    assert all(n == {10} for n in vllm.values()), vllm
+    assert all(n == {0} for n in others.values()), others
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the serving glue keeps its priority
+
+
 def test_native_weight_transfer_is_refused_on_the_cpu_with_a_clear_error(vllm_engine):
     info = RefitInfo.from_state_dict_info({"model.norm.weight": ((128,), "float32")})
     with pytest.raises(EngineError, match="needs GPUs"):
@@ -69,6 +84,9 @@ def test_config_defaults_per_device():
     ({"model": "/m", "device": "tpu"}, "device"),
     ({"model": "/m", "no_such_key": 1}, "vllm config"),
     ({"model": ""}, "model"),
+    ({"model": "/m", "cpu_worker_nice": -5}, "cpu_worker_nice"),
+    ({"model": "/m", "cpu_worker_nice": 20}, "cpu_worker_nice"),
+    ({"model": "/m", "cpu_worker_nice": True}, "cpu_worker_nice"),
 ])
 def test_bad_config_is_refused_by_field(config, field):
     with pytest.raises(InvalidValue) as refused:
