@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import sys
 import tempfile
@@ -117,6 +118,12 @@ class Fleet:
         engine = dict(self.config.engine)
         if self.config.device == "gpu" and engine.get("kind") == "vllm":
             engine.setdefault("device", "cuda")
+        if self.config.device == "cpu" and engine.get("kind") == "vllm" \
+                and self.config.ray_address is None:
+            # Left alone, every vLLM engine on this host binds its model threads to the same
+            # core and the workers take turns; each gets cores of its own instead.
+            engine.setdefault("cpu_cores", cores_for_worker(
+                sorted(os.sched_getaffinity(0)), self.config.num_workers, index))
         worker_config = {
             "engine": engine, "run_dir": str(self.run_dir),
             "collective_backend": self.collective_backend,
@@ -223,6 +230,15 @@ class Fleet:
 
     def __exit__(self, *_exc: object) -> None:
         self.shutdown()
+
+
+def cores_for_worker(cores: list[int], num_workers: int, index: int) -> list[int]:
+    """Worker ``index``'s share of ``cores``: an equal contiguous slice, or one core (shared
+    round-robin) when there are more workers than cores."""
+    share = len(cores) // num_workers
+    if share == 0:
+        return [cores[index % len(cores)]]
+    return cores[index * share:(index + 1) * share]
 
 
 def call_control(control_url: str, name: str, secret: str, body: dict | None = None,

@@ -231,7 +231,7 @@ class TorchWeightReceiver(WeightReceiver):
     whose views have all been dropped (blocks.BlockPool). So the tensors stay valid however
     long the consumer keeps them (a staged list, an engine holding references) and no copy
     is made out of the buffer; a consumer that loads and drops them lets the blocks recycle.
-    At most ``num_buffers`` blocks are in flight.
+    At most ``num_buffers`` blocks are in flight; up to one per bucket is kept for reuse.
     """
 
     def __init__(self, group: CollectiveGroup, spec: CollectiveSenderSpec | None = None) -> None:
@@ -256,6 +256,10 @@ class TorchWeightReceiver(WeightReceiver):
 
     def _receive_buckets(self, plan: tuple[Bucket, ...]) -> Iterator[tuple[str, Any]]:
         moving = [index for index, bucket in enumerate(plan) if bucket.nbytes]
+        # A consumer that stages the whole refit before loading it (a worker does) keeps every
+        # block busy; keeping that many lets the next refit receive into warm pages instead of
+        # faulting in fresh ones. The price: the model's bytes stay allocated between refits.
+        self._blocks.capacity = max(self._blocks.capacity, len(moving) + 2)
         posted: collections.deque = collections.deque()
         block_bytes = max_bucket_bytes(plan)
         for index in moving[:self.spec.num_buffers]:

@@ -26,6 +26,17 @@ def _nice(_inst: Any, _attr: Any, value: Any) -> None:
         raise InvalidValue("cpu_worker_nice", value, f"must be None or an int in 0..{MAX_NICE}")
 
 
+def _cores(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is None:
+        return
+    if not value or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in value):
+        raise InvalidValue("cpu_cores", list(value), "must be None or a non-empty list of core IDs >= 0")
+
+
+def _optional_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
 def _optional_positive_int(field: str):
     def check(_inst: Any, _attr: Any, value: Any) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -37,11 +48,13 @@ def _optional_positive_int(field: str):
 class VllmEngineConfig:
     """What the adapter asks vLLM for. ``None`` means the device's default (see ``engine_kwargs``).
 
-    CPU defaults: float32, eager mode, a 64 MiB KV cache, 512-token context, and vLLM's model
-    worker process lowered to ``cpu_worker_nice`` (on a CPU it busy-polls for a second after every
-    step, pinned to a core, and on a small host that starves the Dynamo runtime, the frontend and
-    the driver: requests then wait seconds to be admitted; niced, it still gets any core nothing
-    else wants). None leaves its priority alone.
+    CPU defaults: float32, eager mode, a 64 MiB KV cache, 512-token context, and vLLM's
+    engine-core and model worker processes lowered to ``cpu_worker_nice`` (on a CPU they
+    busy-poll for a second after every step, and on a small host that starves the Dynamo
+    runtime, the frontend and the driver: requests then wait seconds to be admitted; niced, they
+    still get any core nothing else wants; None leaves their priority alone). ``cpu_cores``: the
+    cores vLLM binds its model threads to; None lets vLLM pick, and every engine on one host
+    then picks the same cores (a fleet gives each local worker its own).
     GPU defaults: the model's dtype and context, CUDA graphs, 90% of GPU memory, and vLLM's
     native NCCL weight-transfer engine for refit.
     """
@@ -60,6 +73,8 @@ class VllmEngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     cpu_worker_nice: int | None = attrs.field(default=CPU_WORKER_NICE, validator=_nice)
+    cpu_cores: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple,
+                                                    validator=_cores)
     kv_events_port: int | None = attrs.field(
         default=None, validator=_optional_positive_int("kv_events_port"))  # None: no KV events
     extra_engine_args: Mapping[str, Any] = attrs.field(factory=dict)

@@ -12,7 +12,9 @@ import collections
 import contextlib
 import gc
 import logging
+import os
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +59,7 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         self._live: dict[str, _Live] = {}
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._version = 0
+        self._staging = _SharedStaging()
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -64,6 +67,9 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
             if self._engine is None:
                 # Building the engine blocks for ~20 s on a CPU (it spawns and waits for the
                 # engine core); a thread keeps this loop answering meanwhile.
+                if self.config.device == "cpu" and self.config.cpu_cores is not None:
+                    # Read by vLLM's engine-core process, which inherits this environment.
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.config.cpu_cores))
                 self._engine = await _in_thread(_build_engine, self.config)
                 if self.config.device == "cpu" and self.config.cpu_worker_nice is not None:
                     _lower_worker_priority(self.config.cpu_worker_nice)
@@ -74,6 +80,8 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
                 # every full collection scans them (0.2-0.5 s with the loop and GIL held, here).
                 gc.collect()
                 gc.freeze()
+                # Fault the staging file's pages in now, not during the first refit.
+                self._staging.reserve(_staged_bytes(m.nbytes for m in self._metas.values()))
                 log.info("vLLM engine up for worker %s: %s", worker_id, self._facts)
         return self._facts
 
@@ -130,10 +138,19 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         async with self._weight_lock:
             # One copy into shared memory; only a manifest crosses vLLM's RPC, and the
             # engine-core process maps the same pages (no pickling of the weights).
-            with _in_shared_memory(offered) as manifest:
+            marks = [("start", time.perf_counter())]
+            with self._staging.holding(offered) as manifest:
+                marks.append(("copy", time.perf_counter()))
                 async with _paused(engine):
+                    marks.append(("pause", time.perf_counter()))
                     await engine.collective_rpc("rollout_fleet_load_weights", args=(manifest,))
-                    return await self._commit_new_weights()
+                    marks.append(("engine load", time.perf_counter()))
+                    version = await self._commit_new_weights()
+                    marks.append(("cache reset", time.perf_counter()))
+            log.info("weights v%d loaded: %d tensors, %.0f MiB; %s", version, len(offered),
+                     manifest[1] / 2**20, ", ".join(
+                         f"{name} {end - begin:.3f} s" for (_, begin), (name, end) in zip(marks, marks[1:])))
+            return version
 
     async def receive_weights(self, refit_info: RefitInfo) -> int:
         """GPU path: the trainer broadcasts packed buffers over NCCL into vLLM's native
@@ -183,6 +200,7 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
     # -- lifecycle ----------------------------------------------------------------------------
     async def close(self) -> None:
         """Stop vLLM's engine-core and worker processes; safe to call twice."""
+        self._staging.close()
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -301,8 +319,6 @@ def _lower_worker_priority(nice: int) -> int:
     of this process named ``VLLM::*``); threads they start later inherit it. Both busy-poll
     their shared-memory queues: lowering only one lets the other's polling take its core.
     Returns the threads changed."""
-    import os
-
     import psutil
 
     changed = 0
@@ -320,36 +336,75 @@ def _lower_worker_priority(nice: int) -> int:
 
 
 _SHARED_ALIGN = 64
+_PAGE_BYTES = 4096
 
 
-@contextlib.contextmanager
-def _in_shared_memory(named_tensors: Sequence[tuple[str, Any]]):
-    """Write the tensors into one file in /dev/shm; yield ``(path, nbytes, entries)`` with
-    ``entries = [(name, dtype, shape, offset), ...]``; remove the file afterwards."""
-    import os
-    import tempfile
+def _staged_offsets(sizes: Iterable[int]) -> list[int]:
+    """Where each tensor starts in the staging file: packed in order, 64-byte aligned."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // _SHARED_ALIGN) * _SHARED_ALIGN
+        offsets.append(start)
+        end = start + size
+    return offsets
 
-    import torch
 
-    entries, offset = [], 0
-    for name, tensor in named_tensors:
-        offset = -(-offset // _SHARED_ALIGN) * _SHARED_ALIGN
-        entries.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset))
-        offset += tensor.numel() * tensor.element_size()
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    handle, path = tempfile.mkstemp(prefix="rollout-fleet-weights-", dir=folder)
-    os.close(handle)
-    try:
-        total = max(offset, 1)
-        block = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+def _staged_bytes(sizes: Iterable[int]) -> int:
+    """Room for tensors of these sizes in any order (each may need up to 63 bytes of padding)."""
+    sizes = list(sizes)
+    return max(sum(sizes) + _SHARED_ALIGN * len(sizes), 1)
+
+
+class _SharedStaging:
+    """One file in /dev/shm that weights are copied into for the engine-core process to map.
+
+    Kept and reused from load to load: a fresh file's pages fault in on first touch, which made
+    the copy 3-4x slower than into warm pages (bench/bench_refit_fleet.py). It grows when a
+    load needs more; ``close`` removes it. Loads are serialised by the adapter's weight lock.
+    """
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._size = 0
+        self._block: Any = None
+
+    @contextlib.contextmanager
+    def holding(self, named_tensors: Sequence[tuple[str, Any]]):
+        """Copy the tensors in; yield ``(path, nbytes, [(name, dtype, shape, offset), ...])``."""
+        import torch
+
+        offsets = _staged_offsets(t.numel() * t.element_size() for _, t in named_tensors)
+        entries = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), start)
+                   for (name, tensor), start in zip(named_tensors, offsets)]
+        nbytes = _staged_bytes(t.numel() * t.element_size() for _, t in named_tensors)
+        block = self.reserve(nbytes)
         for (_name, _dtype, _shape, start), (_n, tensor) in zip(entries, named_tensors):
             flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
             block[start:start + flat.numel()].copy_(flat)
-        del block
-        yield path, total, entries
-    finally:
-        os.unlink(path)
+        yield self._path, nbytes, entries
 
+    def reserve(self, nbytes: int) -> Any:
+        """The staging block, at least ``nbytes`` long (a new file, pages faulted in, if not)."""
+        import tempfile
+
+        import torch
+
+        if nbytes > self._size:
+            self.close()
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            handle, self._path = tempfile.mkstemp(prefix="rollout-fleet-weights-", dir=folder)
+            os.close(handle)
+            self._block = torch.from_file(self._path, shared=True, size=nbytes, dtype=torch.uint8)
+            self._block[::_PAGE_BYTES].zero_()
+            self._size = nbytes
+        return self._block
+
+    def close(self) -> None:
+        self._block, self._size = None, 0
+        path, self._path = self._path, None
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _read_facts(engine: Any) -> EngineFacts:

@@ -87,6 +87,9 @@ def test_config_defaults_per_device():
     ({"model": "/m", "cpu_worker_nice": -5}, "cpu_worker_nice"),
     ({"model": "/m", "cpu_worker_nice": 20}, "cpu_worker_nice"),
     ({"model": "/m", "cpu_worker_nice": True}, "cpu_worker_nice"),
+    ({"model": "/m", "cpu_cores": []}, "cpu_cores"),
+    ({"model": "/m", "cpu_cores": [0, -1]}, "cpu_cores"),
+    ({"model": "/m", "cpu_cores": ["0"]}, "cpu_cores"),
 ])
 def test_bad_config_is_refused_by_field(config, field):
     with pytest.raises(InvalidValue) as refused:
