@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
                    "abort": FinishReason.ABORT}
 _EARLY_ABORTS_KEPT = 4096
+_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @attrs.define
@@ -208,7 +209,9 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         if handler is not None:  # first, or it reports the engine core's exit as an error
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
-        await _in_thread(engine.shutdown)  # waits (up to ~5 s) for the engine core to exit
+        # Room for the engine core to finish its teardown: killed at vLLM's default 5 s (on a
+        # busy host), it leaves its shared-memory queues behind in /dev/shm.
+        await _in_thread(engine.shutdown, _SHUTDOWN_TIMEOUT_S)
         del engine
         gc.unfreeze()  # start() froze the engine's objects; a frozen cycle is never collected
         gc.collect()  # collect it now: a late __del__ at interpreter exit would shut down twice
