@@ -37,6 +37,7 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
                    "abort": FinishReason.ABORT}
 _EARLY_ABORTS_KEPT = 4096
 _SHUTDOWN_TIMEOUT_S = 30.0
+_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @attrs.define
@@ -68,10 +69,8 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
             if self._engine is None:
                 # Building the engine blocks for ~20 s on a CPU (it spawns and waits for the
                 # engine core); a thread keeps this loop answering meanwhile.
-                if self.config.device == "cpu" and self.config.cpu_cores is not None:
-                    # Read by vLLM's engine-core process, which inherits this environment.
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.config.cpu_cores))
-                self._engine = await _in_thread(_build_engine, self.config)
+                with _cpu_binding(self.config):
+                    self._engine = await _in_thread(_build_engine, self.config)
                 if self.config.device == "cpu" and self.config.cpu_worker_nice is not None:
                     _lower_worker_priority(self.config.cpu_worker_nice)
                 self._facts = _read_facts(self._engine)
@@ -81,8 +80,8 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
                 # every full collection scans them (0.2-0.5 s with the loop and GIL held, here).
                 gc.collect()
                 gc.freeze()
-                # Fault the staging file's pages in now, not during the first refit.
-                self._staging.reserve(_staged_bytes(m.nbytes for m in self._metas.values()))
+                if self.config.device == "cpu":  # fault its pages in now, not in the first refit
+                    self._staging.reserve(_staged_bytes(m.nbytes for m in self._metas.values()))
                 log.info("vLLM engine up for worker %s: %s", worker_id, self._facts)
         return self._facts
 
@@ -315,6 +314,24 @@ def _build_engine(config: VllmEngineConfig) -> Any:
 
         kwargs["weight_transfer_config"] = WeightTransferConfig(**kwargs["weight_transfer_config"])
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+@contextlib.contextmanager
+def _cpu_binding(config: VllmEngineConfig):
+    """While the engine starts, tell vLLM which cores to bind its model threads to: its
+    engine-core process reads the variable from the environment it inherits."""
+    if config.device != "cpu" or config.cpu_cores is None:
+        yield
+        return
+    before = os.environ.get(_OMP_BIND)
+    os.environ[_OMP_BIND] = ",".join(map(str, config.cpu_cores))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_OMP_BIND, None)
+        else:
+            os.environ[_OMP_BIND] = before
 
 
 def _lower_worker_priority(nice: int) -> int:

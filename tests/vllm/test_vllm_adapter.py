@@ -2,6 +2,7 @@
 refused by name and the engine keeps serving, settings come from config with device defaults."""
 
 import asyncio
+import os
 
 import pytest
 
@@ -48,8 +49,6 @@ def test_kv_event_sources_are_empty_when_kv_events_are_off(vllm_engine):
 
 
 def test_on_the_cpu_vllms_processes_run_niced_and_this_one_does_not(vllm_engine):
-    import os
-
     import psutil
 
     vllm, others = {}, {}
@@ -95,3 +94,15 @@ def test_bad_config_is_refused_by_field(config, field):
     with pytest.raises(InvalidValue) as refused:
         engine_from_config(config)
     assert refused.value.field == field
+
+
+def test_cpu_cores_reach_vllm_only_while_its_engine_starts(monkeypatch):
+    from rollout_fleet.adapters.vllm.engine import _cpu_binding
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    with _cpu_binding(VllmEngineConfig(model="/m", cpu_cores=[2, 3])):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    with _cpu_binding(VllmEngineConfig(model="/m", device="cuda", cpu_cores=[2])):
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # only the CPU backend binds
