@@ -13,7 +13,9 @@ child process, and times the same batch of rollouts both ways, in alternating ro
 Shapes: 64 prompts x 32 new tokens, and 256 prompts x 64 new tokens (16-token prompts, seeded
 sampling so both ways generate the very same tokens, checked). Prints tokens/s per round, and
 frontend/direct on the medians and on each way's best round (on a shared machine other
-processes only take throughput away). Target: >= 0.85.
+processes only take throughput away). Target: >= 0.85. Each frontend round also prints its
+admission: when, after the client started the batch, the engine saw the first, the median and
+the last rollout arrive (every request is written to its socket within a few milliseconds).
 
     .venv/bin/python bench/bench_vllm_frontend.py [--rounds 5] [--shapes 64x32 256x64]
 """
@@ -85,10 +87,12 @@ async def client_main(url: str, count: int, new_tokens: int, tag: str) -> None:
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         await post_all(session, url, make_requests(count, 1, f"pool-{tag}"))
         requests = make_requests(count, new_tokens, tag)
+        started_at = time.time()  # wall clock: the engine's process stamps arrivals with it
         start = time.perf_counter()
         served = await post_all(session, url, requests)
         elapsed = time.perf_counter() - start
-    print(json.dumps({"elapsed": elapsed, "tokens": [list(s.token_ids) for s in served]}))
+    print(json.dumps({"elapsed": elapsed, "started_at": started_at,
+                      "tokens": [list(s.token_ids) for s in served]}))
 
 
 async def run_frontend(url: str, count: int, new_tokens: int, tag: str) -> tuple[float, int, list]:
@@ -100,10 +104,31 @@ async def run_frontend(url: str, count: int, new_tokens: int, tag: str) -> tuple
         raise RuntimeError(f"the client process failed with code {child.returncode}")
     answer = json.loads(out.decode().strip().splitlines()[-1])
     tokens = [tuple(t) for t in answer["tokens"]]
-    return answer["elapsed"], sum(len(t) for t in tokens), tokens
+    return answer["elapsed"], sum(len(t) for t in tokens), tokens, answer["started_at"]
+
+
+class ArrivalClock:
+    """Wall-clock time at which each rollout reached the engine, by request id."""
+
+    def __init__(self, engine) -> None:
+        self.arrived: dict[str, float] = {}
+        serve = engine.serve_rollout
+
+        async def stamped(*args, **kwargs):
+            self.arrived[kwargs["request_id"]] = time.time()
+            return await serve(*args, **kwargs)
+
+        engine.serve_rollout = stamped
+
+    def admission(self, tag: str, started_at: float) -> str:
+        delays = sorted(t - started_at for rid, t in self.arrived.items()
+                        if rid.startswith(f"{tag}-"))
+        return (f"engine saw the first after {delays[0]:.3f} s, the median after "
+                f"{delays[len(delays) // 2]:.3f} s, the last after {delays[-1]:.3f} s")
 
 
 async def measure(engine, url: str, shapes, rounds: int) -> list[str]:
+    clock = ArrivalClock(engine)
     lines = []
     for count, new_tokens in shapes:
         await run_direct(engine, make_requests(count, new_tokens, f"warm-{count}"))
@@ -117,11 +142,14 @@ async def measure(engine, url: str, shapes, rounds: int) -> list[str]:
                     elapsed, tokens, served = await run_direct(
                         engine, make_requests(count, new_tokens, tag))
                     answers[way] = [s.token_ids for s in served]
+                    admission = ""
                 else:
-                    elapsed, tokens, answers[way] = await run_frontend(url, count, new_tokens, tag)
+                    elapsed, tokens, answers[way], started_at = await run_frontend(
+                        url, count, new_tokens, tag)
+                    admission = f"; {clock.admission(tag, started_at)}"
                 rates[way].append(tokens / elapsed)
                 print(f"  {count}x{new_tokens} round {round_index} {way:8s}: {tokens} tokens "
-                      f"in {elapsed:.2f} s = {tokens / elapsed:,.0f} tokens/s", flush=True)
+                      f"in {elapsed:.2f} s = {tokens / elapsed:,.0f} tokens/s{admission}", flush=True)
             if answers["direct"] != answers["frontend"]:
                 raise AssertionError(f"{count}x{new_tokens}: the two ways generated different tokens")
         direct, front = statistics.median(rates["direct"]), statistics.median(rates["frontend"])
