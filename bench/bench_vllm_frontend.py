@@ -96,9 +96,9 @@ async def client_main(url: str, count: int, new_tokens: int, tag: str) -> None:
 
 
 async def run_frontend(url: str, count: int, new_tokens: int, tag: str) -> tuple[float, int, list]:
-    child = await asyncio.create_subprocess_exec(
+    child = await asyncio.create_subprocess_exec(  # this session: see adapters/dynamo/frontend.py
         sys.executable, __file__, "--client", url, str(count), str(new_tokens), tag,
-        stdout=asyncio.subprocess.PIPE, start_new_session=True)
+        stdout=asyncio.subprocess.PIPE, process_group=0)
     out, _ = await child.communicate()
     if child.returncode != 0:
         raise RuntimeError(f"the client process failed with code {child.returncode}")

@@ -1,7 +1,10 @@
 """Start and stop Dynamo's OpenAI frontend (``python -m dynamo.frontend``) as a child process.
 
-The child runs in its own session (process group) on 127.0.0.1 with file discovery, so it finds
+The child runs in a process group of its own on 127.0.0.1 with file discovery, so it finds
 every worker whose ``DYN_FILE_KV`` is the same folder, and is stopped by its process group.
+It stays in its parent's session on purpose: Linux's autogroup scheduler gives each session a
+share of its own, and a frontend in a new session waited 0.3-4.5 s for the CPU at times while
+busy-polling vLLM processes ran in the parent's (bench/bench_vllm_frontend.py prints it).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class DynamoFrontend:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, cwd=self.run_dir)
+                                            process_group=0, cwd=self.run_dir)
         return self
 
     def wait_for_model(self, model: str, timeout_s: float = 60.0,
@@ -112,8 +115,9 @@ class DynamoFrontend:
 
 
 def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
-    """Stop a child started with ``start_new_session=True``, and everything in its group."""
-    pgid = process.pid  # a session leader's group id is its pid
+    """Stop a child that leads its own process group (``process_group=0`` or
+    ``start_new_session=True``), and everything in its group."""
+    pgid = process.pid  # a group leader's group id is its pid
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
