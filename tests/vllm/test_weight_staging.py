@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from rollout_fleet.adapters.vllm.engine import _SharedStaging, _staged_bytes
@@ -17,8 +18,14 @@ def _read_back(path, nbytes, entries):
     return tensors
 
 
-def test_loads_reuse_one_file_hold_the_exact_bytes_and_close_removes_it():
+@pytest.fixture
+def staging():
     staging = _SharedStaging()
+    yield staging
+    staging.close()  # also when a check failed: no file is left in /dev/shm
+
+
+def test_loads_reuse_one_file_hold_the_exact_bytes_and_close_removes_it(staging):
     first = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
              ("c", torch.randn(4, dtype=torch.float64))]
     second = [("b", torch.arange(7, 14, dtype=torch.int64)), ("a", torch.randn(3, 5)),
@@ -38,8 +45,7 @@ def test_loads_reuse_one_file_hold_the_exact_bytes_and_close_removes_it():
     staging.close()  # twice is fine
 
 
-def test_a_bigger_load_replaces_the_file_and_removes_the_old_one():
-    staging = _SharedStaging()
+def test_a_bigger_load_replaces_the_file_and_removes_the_old_one(staging):
     with staging.holding([("x", torch.zeros(8))]) as (small, *_):
         pass
     big = torch.randn(1 << 16)
