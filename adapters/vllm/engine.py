@@ -81,7 +81,7 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
                 gc.collect()
                 gc.freeze()
                 if self.config.device == "cpu":  # fault its pages in now, not in the first refit
-                    self._staging.reserve(_staged_bytes(m.nbytes for m in self._metas.values()))
+                    self._staging.reserve(_staged_bytes([m.nbytes for m in self._metas.values()]))
                 log.info("vLLM engine up for worker %s: %s", worker_id, self._facts)
         return self._facts
 
@@ -359,7 +359,7 @@ _SHARED_ALIGN = 64
 _PAGE_BYTES = 4096
 
 
-def _staged_offsets(sizes: Iterable[int]) -> list[int]:
+def _staged_offsets(sizes: Sequence[int]) -> list[int]:
     """Where each tensor starts in the staging file: packed in order, 64-byte aligned."""
     offsets, end = [], 0
     for size in sizes:
@@ -369,9 +369,8 @@ def _staged_offsets(sizes: Iterable[int]) -> list[int]:
     return offsets
 
 
-def _staged_bytes(sizes: Iterable[int]) -> int:
+def _staged_bytes(sizes: Sequence[int]) -> int:
     """Room for tensors of these sizes in any order (each may need up to 63 bytes of padding)."""
-    sizes = list(sizes)
     return max(sum(sizes) + _SHARED_ALIGN * len(sizes), 1)
 
 
@@ -393,10 +392,10 @@ class _SharedStaging:
         """Copy the tensors in; yield ``(path, nbytes, [(name, dtype, shape, offset), ...])``."""
         import torch
 
-        offsets = _staged_offsets(t.numel() * t.element_size() for _, t in named_tensors)
+        sizes = [tensor.numel() * tensor.element_size() for _, tensor in named_tensors]
         entries = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), start)
-                   for (name, tensor), start in zip(named_tensors, offsets)]
-        nbytes = _staged_bytes(t.numel() * t.element_size() for _, t in named_tensors)
+                   for (name, tensor), start in zip(named_tensors, _staged_offsets(sizes))]
+        nbytes = _staged_bytes(sizes)
         block = self.reserve(nbytes)
         for (_name, _dtype, _shape, start), (_n, tensor) in zip(entries, named_tensors):
             flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)

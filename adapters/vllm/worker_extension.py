@@ -6,6 +6,8 @@ prefix: vLLM refuses an extension whose attribute clashes with the worker's own.
 
 from __future__ import annotations
 
+import math
+
 
 class RolloutFleetWorkerExtension:
     def rollout_fleet_parameters(self) -> dict[str, tuple[list[int], str]]:
@@ -36,13 +38,10 @@ class RolloutFleetWorkerExtension:
         model = self.get_model()
 
         def tensors():
-            for name, dtype, shape, offset in entries:
-                size = getattr(torch, dtype).itemsize
-                count = 1
-                for dim in shape:
-                    count *= dim
-                raw = block[offset:offset + count * size]
-                yield name, raw.view(getattr(torch, dtype)).reshape(shape)
+            for name, dtype_name, shape, offset in entries:
+                dtype = getattr(torch, dtype_name)
+                raw = block[offset:offset + math.prod(shape) * dtype.itemsize]
+                yield name, raw.view(dtype).reshape(shape)
 
         initialize_layerwise_reload(model)
         model.load_weights(tensors())

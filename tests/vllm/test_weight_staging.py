@@ -30,7 +30,7 @@ def test_loads_reuse_one_file_hold_the_exact_bytes_and_close_removes_it(staging)
              ("c", torch.randn(4, dtype=torch.float64))]
     second = [("b", torch.arange(7, 14, dtype=torch.int64)), ("a", torch.randn(3, 5)),
               ("c", torch.randn(4, dtype=torch.float64))]  # same sizes, another order
-    staging.reserve(_staged_bytes(t.numel() * t.element_size() for _, t in first))
+    staging.reserve(_staged_bytes([t.numel() * t.element_size() for _, t in first]))
     paths = []
     for tensors in (first, second):
         with staging.holding(tensors) as (path, nbytes, entries):
