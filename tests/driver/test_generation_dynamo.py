@@ -173,6 +173,6 @@ def test_1000_concurrent_rollouts_through_the_real_frontend_stay_within_the_sock
     try:
         pairs = asyncio.run(run())
         assert sorted(i for i, _ in pairs) == list(range(1000))
-        assert 1 <= peak <= 32
+        assert peak == 32, f"the pool never filled its 32 connections (peak {peak})"
     finally:
         generation.shutdown()
