@@ -90,11 +90,11 @@ def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing():
         generation = fleet.generation()
         prompts, data = mixed_batch(48, seed=5)
         answers = engine_answers(prompts, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN)
-        results, errors = {}, []
+        results, errors, in_flight_at_kill = {}, [], []
 
         async def run_batch():
             async def killer():
-                await asyncio.sleep(0.3)  # rollouts are in flight on both workers by now
+                in_flight_at_kill.append(await asyncio.to_thread(_wait_for_in_flight, fleet, "worker-0"))
                 await asyncio.to_thread(fleet.kill_worker, "worker-0")
             kill = asyncio.ensure_future(killer())
             try:
@@ -106,6 +106,7 @@ def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing():
             await kill
 
         asyncio.run(run_batch())
+        assert in_flight_at_kill[0] > 0, "worker-0 held no rollout when it was killed"
         assert fleet.dead_workers() == ["worker-0"]
         for index, sample in results.items():
             check_sample(sample, prompts[index], answers[index])
@@ -116,3 +117,17 @@ def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing():
         generation.shutdown()
     finally:
         fleet.shutdown()
+
+
+def _wait_for_in_flight(fleet, name: str, timeout_s: float = 30.0) -> int:
+    """How many rollouts worker ``name`` itself holds, once it holds one."""
+    import time
+
+    from rollout_fleet.wiring.fleet import call_control
+
+    url, deadline = fleet.control_urls[name], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        in_flight = call_control(url, "stats", fleet.secret)["in_flight"]
+        if in_flight > 0:
+            return in_flight
+    raise AssertionError(f"{name} held no rollout within {timeout_s:.0f} s")
