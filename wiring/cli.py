@@ -15,7 +15,12 @@ def _demo(args: argparse.Namespace) -> int:
     if args.in_memory:
         from rollout_fleet.wiring.memory_demo import run_memory_demo
 
+        from pathlib import Path
+
+        from rollout_fleet.wiring.demo.report import write_json
+
         figures = asyncio.run(run_memory_demo(num_workers=args.workers))
+        print(f"figures: {write_json(figures, Path(args.out))}")
         if set(figures["weight_versions"].values()) != {1}:
             raise RolloutFleetError(f"the refit did not reach every worker: {figures['weight_versions']}")
         return 0
@@ -42,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "every worker, per step; writes demo.json and demo.png.")
     demo.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default 6)")
-    demo.add_argument("--out", default="out/demo", help="folder for demo.json and demo.png")
+    demo.add_argument("--out", default="out/demo", help="folder for demo.json (and demo.png)")
     demo.add_argument("--ci", action="store_true", help="the short form CI runs (2 steps)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal)")
     demo.add_argument("--in-memory", action="store_true",

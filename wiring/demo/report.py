@@ -31,10 +31,15 @@ def row(figures: dict[str, Any]) -> str:
     return " ".join(cells)
 
 
-def write_outputs(steps: Sequence[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> tuple[Path, Path]:
+def write_json(figures: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "demo.json"
-    json_path.write_text(json.dumps({"meta": meta, "steps": list(steps)}, indent=2) + "\n")
+    json_path.write_text(json.dumps(figures, indent=2) + "\n")
+    return json_path
+
+
+def write_outputs(steps: Sequence[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> tuple[Path, Path]:
+    json_path = write_json({"meta": meta, "steps": list(steps)}, out_dir)
     png_path = out_dir / "demo.png"
     _plot(steps, png_path)
     return json_path, png_path
