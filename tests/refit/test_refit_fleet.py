@@ -136,6 +136,10 @@ def test_a_wrong_world_size_is_refused_before_any_worker_is_asked(generation, re
 
 def test_a_refit_while_rollouts_are_in_flight_loses_nothing_and_tags_each(fleet, generation,
                                                                           models, reference):
+    """Rollouts stream through the fleet from before the refit until after it: the workers hold
+    rollouts when it starts, both weight versions serve some, and each answer is its model's."""
+    import time
+
     from rollout_fleet.adapters.http import HttpCompletionsTransport
     from rollout_fleet.core.rollout import GREEDY
     from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
@@ -148,26 +152,61 @@ def test_a_refit_while_rollouts_are_in_flight_loses_nothing_and_tags_each(fleet,
         assert len(version_a) == 1
         (version_a,) = version_a
         limits = RolloutLimits(max_model_len=512, max_new_tokens=STEPS)
+        served = []  # (prompt index, sent at, finished at, result)
+        refit_window = {}
 
-        async def rollouts_during_refit():
+        async def lane(client, lanes, lane_index, refit_done):
+            count = 0
+            while not refit_done.is_set() or count < 2:  # runs on past the refit's end
+                index = (lane_index + count * lanes) % len(prompts)
+                sent = time.monotonic()
+                result = await client.rollout(limits.request(
+                    f"inflight-{lane_index}-{count}", prompts[index], sampling=GREEDY))
+                served.append((index, sent, time.monotonic(), result))
+                count += 1
+
+        async def rollouts_during_refit(lanes=16):
             client = RolloutClient(HttpCompletionsTransport(fleet.frontend_url), model="tiny")
-            tasks = [asyncio.ensure_future(client.rollout(limits.request(f"inflight-{i}", p, sampling=GREEDY)))
-                     for i, p in enumerate(prompts[:64])]
-            await asyncio.sleep(0.2)
+            refit_done = asyncio.Event()
+            streams = [asyncio.ensure_future(lane(client, lanes, i, refit_done)) for i in range(lanes)]
+            # The refit starts only once the workers themselves hold rollouts.
+            refit_window["in_flight"] = await asyncio.to_thread(_wait_for_worker_in_flight, fleet)
+            refit_window["start"] = time.monotonic()
             await asyncio.to_thread(refit, generation, trainer, models[1])
-            return await asyncio.gather(*tasks)
+            refit_window["end"] = time.monotonic()
+            refit_done.set()
+            await asyncio.gather(*streams)
 
-        results = asyncio.run(rollouts_during_refit())
-        assert len(results) == 64
-        served_by = {r.weight_version for r in results}
-        assert served_by <= {version_a, version_a + 1}
-        for index, result in enumerate(results):
+        asyncio.run(rollouts_during_refit())
+        assert refit_window["in_flight"] > 0
+        versions = {result.weight_version for _, _, _, result in served}
+        assert versions == {version_a, version_a + 1}, f"not both versions served: {versions}"
+        assert any(sent < refit_window["start"] for _, sent, _, _ in served)
+        assert any(finished > refit_window["end"] for _, _, finished, _ in served)
+        assert any(result.weight_version == version_a + 1 and sent < refit_window["end"]
+                   for _, sent, _, result in served), "no rollout sent during the refit was served after it"
+        for index, _, _, result in served:
             seed = 0 if result.weight_version == version_a else 1
             assert list(result.token_ids) == answers[seed][index][0], \
-                f"rollout {index} tagged v{result.weight_version} is not model {seed}'s answer"
+                f"prompt {index} tagged v{result.weight_version} is not model {seed}'s answer"
         refit(generation, trainer, models[0])  # back to A for the next tests
     finally:
         trainer.close()
+
+
+def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0) -> int:
+    """The rollouts the workers report in flight, once that is above 0."""
+    import time
+
+    from rollout_fleet.wiring.fleet import call_control
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        in_flight = sum(call_control(url, "stats", fleet.secret)["in_flight"]
+                        for url in fleet.control_urls.values())
+        if in_flight > 0:
+            return in_flight
+    raise AssertionError(f"no worker held a rollout within {timeout_s:.0f} s")
 
 
 def test_a_trainer_dying_mid_transfer_fails_clearly_and_the_old_weights_stay(generation, models,
