@@ -15,10 +15,9 @@ from rollout_fleet.ports.engine import (
     WeightLoader,
 )
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
-from rollout_fleet.ports.serving import Serving
 
 __all__ = [
     "Clock", "SystemClock", "CompletionsTransport", "TransportResponse", "WorkerControl",
     "EngineFacts", "EnginePort", "KvEventSource", "WeightLoader", "WeightReceiver",
-    "WeightSender", "Placement", "WorkerHandle", "WorkerLaunch", "Serving",
+    "WeightSender", "Placement", "WorkerHandle", "WorkerLaunch",
 ]
