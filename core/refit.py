@@ -7,7 +7,12 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch, shown
-from rollout_fleet.core.validate import non_empty_str, positive_int
+from rollout_fleet.core.validate import (
+    finite_at_least,
+    int_at_least,
+    non_empty_str,
+    positive_int,
+)
 
 # Bytes per element of each dtype a refit may carry (names as torch prints them, without "torch.").
 DTYPE_BYTES: Mapping[str, int] = {
@@ -16,6 +21,9 @@ DTYPE_BYTES: Mapping[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 PACKED_PROTOCOL = "rollout-fleet-packed-v1"
+VLLM_PROTOCOL = "vllm"  # vLLM's own NCCL weight-transfer engine (NeMo-RL's trainers speak it)
+PROTOCOLS = (PACKED_PROTOCOL, VLLM_PROTOCOL)
+TRANSFER_BACKENDS = ("gloo", "nccl")
 BUFFER_ALIGN = 256  # every tensor starts on a 256-byte boundary: any dtype view is legal, GPU copies coalesce
 
 
@@ -43,7 +51,7 @@ def _shape(value: Any, field: str) -> tuple[int, ...]:
     return dims
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class TensorMeta:
     name: str
     shape: tuple[int, ...]
@@ -67,7 +75,7 @@ class TensorMeta:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # cached: a transfer looks up its plan by the info
 class RefitInfo:
     """The ordered tensors of one refit. The order is the wire order on both sides."""
 
@@ -225,3 +233,69 @@ class RankLayout:
                 f"must be train_world_size ({self.train_world_size}) + workers ({self.num_workers})"
                 f" x ranks per worker ({self.ranks_per_worker}) = {self.world_size}",
             )
+
+
+def _one_of(field: str, allowed: Sequence[str]):
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if value not in allowed:
+            raise InvalidValue(field, value, f"must be one of {', '.join(allowed)}")
+    return check
+
+
+@attrs.frozen
+class GroupJoin:
+    """What one worker needs to join a refit group: where it is, how big, and its ranks.
+
+    The worker's engine ranks (E = ``ranks_per_worker``: tensor x pipeline parallel) join at
+    ``first_rank + j``, j = the engine rank; every one of them receives every bucket.
+    """
+
+    host: str = attrs.field(validator=non_empty_str("host"))
+    port: int = attrs.field(validator=positive_int("port"))
+    world_size: int = attrs.field(validator=int_at_least("world_size", 2))
+    train_world_size: int = attrs.field(validator=positive_int("train_world_size"))
+    first_rank: int = attrs.field(validator=positive_int("first_rank"))
+    ranks_per_worker: int = attrs.field(validator=positive_int("ranks_per_worker"))
+    sender_spec: CollectiveSenderSpec = attrs.field(factory=lambda: CollectiveSenderSpec())
+    timeout_s: float = attrs.field(default=600.0, validator=finite_at_least("timeout_s", 0, strictly=True))
+    backend: str = attrs.field(default="gloo", validator=_one_of("backend", TRANSFER_BACKENDS))
+
+    def __attrs_post_init__(self) -> None:
+        if self.first_rank < self.train_world_size:
+            raise InvalidValue("first_rank", self.first_rank,
+                               f"worker ranks start after the trainer's {self.train_world_size}")
+        if self.first_rank + self.ranks_per_worker > self.world_size:
+            raise InvalidValue("first_rank", self.first_rank,
+                               f"+ ranks_per_worker ({self.ranks_per_worker}) exceeds world_size"
+                               f" ({self.world_size})")
+
+    def rank(self, engine_rank: int) -> int:
+        """The group rank of engine rank ``engine_rank`` of this worker."""
+        if not _is_int(engine_rank) or not 0 <= engine_rank < self.ranks_per_worker:
+            raise InvalidValue("engine_rank", engine_rank,
+                               f"must be in [0, {self.ranks_per_worker})")
+        return self.first_rank + engine_rank
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = attrs.asdict(self, recurse=False)
+        wire["sender_spec"] = self.sender_spec.to_wire()
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: Any, **defaults: Any) -> "GroupJoin":
+        """A control body (or an init-info dict); ``defaults`` fill keys it does not carry."""
+        if not isinstance(data, Mapping):
+            raise InvalidValue("group join", data, "must be an object")
+        fields = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise InvalidValue("group join", unknown, f"unknown keys; known: {sorted(fields)}")
+        values = {**defaults, **data}
+        missing = sorted(f for f in ("host", "port", "world_size", "train_world_size",
+                                     "first_rank", "ranks_per_worker") if f not in values)
+        if missing:
+            raise InvalidValue("group join", missing, "missing keys")
+        spec = values.get("sender_spec")
+        if spec is not None and not isinstance(spec, CollectiveSenderSpec):
+            values["sender_spec"] = CollectiveSenderSpec.from_wire(spec)
+        return cls(**values)

@@ -13,10 +13,10 @@ from rollout_fleet.adapters.collective.trainer import (
 from rollout_fleet.adapters.collective.transfer import (
     TorchWeightReceiver,
     TorchWeightSender,
-    make_receiver,
+    join_receiver,
 )
 
 __all__ = [
     "CollectiveGroup", "init_group", "TorchWeightSender", "TorchWeightReceiver",
-    "TrainerRefitSession", "send_state_dict", "make_receiver",
+    "TrainerRefitSession", "send_state_dict", "join_receiver",
 ]

@@ -24,6 +24,7 @@ from rollout_fleet.core.errors import InvalidValue, RefitError, WorldSizeMismatc
 
 BACKENDS = ("gloo", "nccl")
 _POLL_S = 0.02
+_DEVICE_POLL_S = 20e-6
 _PREFIX = "rollout-fleet-refit/"
 _LINGER_S = 5.0  # how long rank 0 keeps a failed rendezvous's store up for the others
 
@@ -88,9 +89,26 @@ class CollectiveGroup:
     def wait(self, work: Any, what: str) -> None:
         """Wait for one collective, bounded by the group's timeout; a failure breaks the group."""
         try:
-            work.wait(self.timeout)
+            if self.backend == "nccl":
+                self._wait_on_device(work, what)
+            else:
+                work.wait(self.timeout)
+        except RefitError:
+            raise
         except Exception as exc:  # torch raises RuntimeError / DistError subclasses
             raise self.fail(what, exc) from exc
+
+    def _wait_on_device(self, work: Any, what: str) -> None:
+        """NCCL: poll the work's completion (a CUDA event query, microseconds) against the
+        deadline, then order this stream after it. ``work.wait(timeout)`` polls in steps of a
+        millisecond: a bucket that takes less than that idled the pipeline (measured on H200s:
+        64 MiB buckets, 2 in flight, reached 0.46 of a flat broadcast)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise self.fail(what, f"not complete after {self.timeout_s:g}s")
+            time.sleep(_DEVICE_POLL_S)
+        work.wait()
 
     def fail(self, what: str, exc: BaseException | str) -> RefitError:
         detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {_first_line(exc)}"

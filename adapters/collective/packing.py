@@ -10,6 +10,7 @@ everywhere (0.36-0.70). On the CPU the copies are plain memory copies: a loop of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import BUFFER_ALIGN, Bucket, TensorMeta
 
 
+@functools.lru_cache(maxsize=None)
 def torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from rollout_fleet.adapters.collective import (
-    TorchWeightReceiver, TorchWeightSender, init_group, make_receiver,
+    TorchWeightReceiver, TorchWeightSender, init_group, join_receiver,
 )
 from rollout_fleet.adapters.collective.blocks import BlockPool
 from rollout_fleet.adapters.collective.packing import as_bytes, pack_bucket, unpack_bucket
 from rollout_fleet.adapters.collective.trainer import refit_info_of
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import CollectiveSenderSpec, plan_buckets
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, plan_buckets
 from tests.collective import peers
 from tests.collective.harness import free_port
 
@@ -45,7 +45,9 @@ def pair():
     port = free_port()
     sender_group, receiver = in_threads(
         lambda: init_group("127.0.0.1", port, 0, 2, "gloo", 15.0),
-        lambda: make_receiver("127.0.0.1", port, 1, 2, SPEC, 15.0))
+        lambda: join_receiver(GroupJoin(host="127.0.0.1", port=port, world_size=2, train_world_size=1,
+                                        first_rank=1, ranks_per_worker=1, sender_spec=SPEC,
+                                        timeout_s=15.0)))
     yield TorchWeightSender(sender_group, SPEC), receiver
     sender_group.close()
     receiver.close()

@@ -1,0 +1,251 @@
+"""The project's packed refit protocol as a vLLM weight-transfer engine, run inside vLLM's worker.
+
+vLLM builds one weight-transfer engine per engine rank (``WeightTransferEngineFactory``, keyed by
+``WeightTransferConfig.backend``) and drives it with init -> start -> update -> finish. This one
+joins the refit group at ``first_rank + engine rank``, receives the packed buckets over gloo (CPU)
+or NCCL (GPU) with the collective adapter's receiver, and hands each tensor to the model's
+``load_weights`` as it arrives: vLLM's layerwise reload copies a layer into the live parameters
+once all its tensors are in, so nothing model-sized is staged anywhere and loading overlaps the
+transfer. The same code runs on both backends.
+
+A transfer can die half way (a trainer gone, a timeout): some layers then hold new weights and
+some old. ``rollback="last_good"`` restores the last complete set (the previous refit's received
+tensors, kept; before the first refit, the model folder's checkpoint), so the worker keeps
+serving consistent weights; ``"none"`` keeps no copy and reports the weights as torn (the worker
+then refuses rollouts until a refit succeeds). CPU engines default to the first, GPU engines to
+the second (a second model-sized copy in GPU memory is what a GPU fleet cannot spare).
+
+vLLM is imported lazily: the class runs without it (``standalone``, with ``InPlaceReload``), which
+is how bench/bench_gpu_refit.py proves this very receiver on GPUs where vLLM is not installed.
+The composition root registers it with vLLM under ``BACKEND_NAME`` and sets ``join_receiver``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rollout_fleet.core.errors import RefitError
+from rollout_fleet.core.refit import GroupJoin, RefitInfo
+from rollout_fleet.ports.collective import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "rollout_fleet_packed"
+ROLLBACKS = ("last_good", "none")
+
+
+@dataclasses.dataclass
+class PackedInitInfo:
+    """``init_weight_transfer_engine``'s dict for this backend: a ``GroupJoin`` plus the rollback."""
+
+    join: dict[str, Any]
+    rollback: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.rollback not in ROLLBACKS:
+            raise ValueError(f"rollback={self.rollback!r}: must be one of {', '.join(ROLLBACKS)}")
+        self.join = GroupJoin.from_wire(self.join).to_wire()  # refuse a bad join before joining
+
+
+@dataclasses.dataclass
+class PackedUpdateInfo:
+    """``update_weights``'s dict for this backend: the refit info, as ``RefitInfo.to_wire``."""
+
+    refit_info: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        RefitInfo.from_wire(self.refit_info)
+
+
+class LayerwiseReload:
+    """vLLM's in-place reload: layers are rebuilt and re-processed as their tensors arrive."""
+
+    def begin(self, model: Any) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+
+    def end(self, model: Any, model_config: Any) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(model, model_config)
+
+
+class InPlaceReload:
+    """A plain torch model whose ``load_weights`` copies each tensor into its parameter."""
+
+    def begin(self, model: Any) -> None:
+        pass
+
+    def end(self, model: Any, model_config: Any) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class RefitStats:
+    """What the last update did (read by the host through a worker extension)."""
+
+    tensors: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    rolled_back: bool = False
+    torn: bool = False
+
+
+class PackedTransferEngine:
+    """A weight-transfer engine with vLLM's interface (init / start / update / finish)."""
+
+    init_info_cls = PackedInitInfo
+    update_info_cls = PackedUpdateInfo
+    supports_draft_weight_update = False
+    defers_processing = False
+    # (join, engine rank) -> a receiver in the group; set by the composition root.
+    join_receiver: Callable[[GroupJoin, int], WeightReceiver] | None = None
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.model_config = getattr(vllm_config, "model_config", None)
+        self.parallel_config = getattr(vllm_config, "parallel_config", None)
+        self.device = device
+        self.model = model
+        self.reload: LayerwiseReload | InPlaceReload = LayerwiseReload()
+        self.engine_rank = _engine_rank(self.parallel_config)
+        self.receiver: WeightReceiver | None = None
+        self.rollback = "none"
+        self.stats = RefitStats()
+        self._last_good: list[tuple[str, Any]] | None = None  # the previous refit's tensors
+        self._updating = False
+
+    @classmethod
+    def standalone(cls, model: Any, device: Any, *, engine_rank: int = 0,
+                   join_receiver: Callable[[GroupJoin, int], WeightReceiver]) -> "PackedTransferEngine":
+        """This engine outside vLLM: a plain torch model that loads in place."""
+        engine = cls(None, None, device, model)
+        engine.reload, engine.engine_rank, engine.join_receiver = InPlaceReload(), engine_rank, join_receiver
+        return engine
+
+    # -- vLLM's interface ---------------------------------------------------------------------
+    def parse_init_info(self, init_dict: dict[str, Any]) -> PackedInitInfo:
+        try:
+            return PackedInitInfo(**init_dict)
+        except TypeError as error:
+            raise ValueError(f"invalid init_info for {BACKEND_NAME}: {error}") from error
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> PackedUpdateInfo:
+        try:
+            return PackedUpdateInfo(**update_dict)
+        except TypeError as error:
+            raise ValueError(f"invalid update_info for {BACKEND_NAME}: {error}") from error
+
+    def init_transfer_engine(self, init_info: PackedInitInfo) -> None:
+        """Join the refit group (blocks until every rank came, bounded by the join's timeout)."""
+        if self.join_receiver is None:
+            raise RefitError(f"{type(self).__name__}.join_receiver is not set: register the engine"
+                             " through the composition root")
+        self.shutdown()
+        join = GroupJoin.from_wire(init_info.join)
+        self.rollback = init_info.rollback
+        self.receiver = self.join_receiver(join, self.engine_rank)
+        if self.rollback == "last_good" and hasattr(self.receiver, "hold_previous"):
+            self.receiver.hold_previous = True  # the kept set stays warm beside the next one
+
+    def start_weight_update(self) -> None:
+        self.reload.begin(self.model)
+        self._updating = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        _synchronize(self.device)
+
+    def receive_weights(self, update_info: PackedUpdateInfo) -> None:
+        """Receive every bucket and load each tensor as it comes; on failure, end the reload
+        and restore the last complete weights (or report them torn), then raise."""
+        if self.receiver is None:
+            raise RefitError("update_weights before init_transfer_engine")
+        info = RefitInfo.from_wire(update_info.refit_info)
+        started = time.perf_counter()
+        received: list[tuple[str, Any]] = []
+        try:
+            self.model.load_weights(_recording(self.receiver.receive(info), received))
+            if len(received) != len(info.tensors):
+                raise RefitError(f"the model's load_weights stopped after {len(received)} of"
+                                 f" {len(info.tensors)} tensors")
+        except BaseException as error:
+            self._recover(error)
+            raise
+        self.stats = RefitStats(len(received), info.total_bytes, time.perf_counter() - started)
+        if self.rollback == "last_good":
+            self._last_good = received
+
+    def finish_weight_update(self) -> None:
+        if self._updating:
+            self._updating = False
+            self.reload.end(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()
+
+    # vLLM retargets engines at a draft model; this one serves the main model only.
+    def set_weight_update_target(self, model: Any, model_config: Any) -> None:
+        raise RefitError(f"{BACKEND_NAME} does not update draft models")
+
+    def reset_weight_update_target(self) -> None:
+        pass
+
+    def drain_pending(self) -> None:
+        pass
+
+    # -- failure ------------------------------------------------------------------------------
+    def _recover(self, error: BaseException) -> None:
+        self.finish_weight_update()  # leave the reload: every layer back on its kernel tensors
+        if self.rollback == "none":
+            self.stats = RefitStats(torn=True)
+            log.error("refit failed (%s); weights are torn until a refit succeeds", error)
+            return
+        source = self._last_good if self._last_good is not None else self._checkpoint()
+        self.start_weight_update()
+        self.model.load_weights(iter(source))
+        self.finish_weight_update()
+        self.stats = RefitStats(rolled_back=True)
+        log.warning("refit failed (%s); the last complete weights are back", error)
+
+    def _checkpoint(self) -> list[tuple[str, Any]]:
+        """The weights the engine started with, read from its model folder."""
+        from safetensors.torch import load_file
+
+        folder = Path(self.model_config.model)
+        tensors: list[tuple[str, Any]] = []
+        for path in sorted(folder.glob("*.safetensors")):
+            tensors += load_file(str(path)).items()
+        if not tensors:
+            raise RefitError(f"cannot roll back: no *.safetensors in {folder}")
+        return tensors
+
+
+def _recording(stream: Iterator[tuple[str, Any]], into: list) -> Iterator[tuple[str, Any]]:
+    for item in stream:
+        into.append(item)
+        yield item
+
+
+def _engine_rank(parallel_config: Any) -> int:
+    """This worker's rank among its engine's ranks (tensor x pipeline; data-parallel replicas
+    after each other), as vLLM numbers them."""
+    if parallel_config is None:
+        return 0
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+def _synchronize(device: Any) -> None:
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
