@@ -1,6 +1,6 @@
 """Rollout tokens/s through the Dynamo frontend vs the same vLLM engine called directly.
 
-One run, one engine: this process hosts a DynamoVllmAdapter on the tiny model, serves it through
+One run, one engine: this process hosts a VllmEngine on the tiny model, serves it through
 Dynamo (``start_dynamo_endpoint``, in this process's loop) behind a real ``dynamo.frontend``
 child process, and times the same batch of rollouts both ways, in alternating rounds:
 
@@ -165,11 +165,11 @@ async def bench(run_dir: Path, shapes, rounds: int) -> list[str]:
     from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, DynamoFrontend, start_dynamo_endpoint
     from rollout_fleet.adapters.dynamo.env import dynamo_env
     from rollout_fleet.adapters.tiny_model import build_tiny_model
-    from rollout_fleet.adapters.vllm import DynamoVllmAdapter, VllmEngineConfig
+    from rollout_fleet.adapters.vllm import VllmEngine, VllmEngineConfig
     from tests.support import free_port
 
     model = build_tiny_model(run_dir / "model", seed=0)
-    engine = DynamoVllmAdapter(VllmEngineConfig(model=str(model)))
+    engine = VllmEngine(VllmEngineConfig(model=str(model)))
     frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
     serving = None
     try:

@@ -235,10 +235,10 @@ class RankLayout:
             )
 
 
-def _one_of(field: str, allowed: Sequence[str]):
+def _one_of(field: str, allowed: Sequence[Any]):
     def check(_inst: Any, _attr: Any, value: Any) -> None:
         if value not in allowed:
-            raise InvalidValue(field, value, f"must be one of {', '.join(allowed)}")
+            raise InvalidValue(field, value, f"must be one of {', '.join(map(str, allowed))}")
     return check
 
 
@@ -258,7 +258,8 @@ class GroupJoin:
     ranks_per_worker: int = attrs.field(validator=positive_int("ranks_per_worker"))
     sender_spec: CollectiveSenderSpec = attrs.field(factory=lambda: CollectiveSenderSpec())
     timeout_s: float = attrs.field(default=600.0, validator=finite_at_least("timeout_s", 0, strictly=True))
-    backend: str = attrs.field(default="gloo", validator=_one_of("backend", TRANSFER_BACKENDS))
+    # gloo or nccl; None: the worker's own (a driver does not know what its workers run on)
+    backend: str | None = attrs.field(default=None, validator=_one_of("backend", (*TRANSFER_BACKENDS, None)))
 
     def __attrs_post_init__(self) -> None:
         if self.first_rank < self.train_world_size:

@@ -1,41 +1,42 @@
 """Refit, as services over ports: the driver's coordinator and each worker's side.
 
-Driver: ``RefitCoordinator`` fans every step out to all workers' control channels, bounded by a
-timeout, and aggregates failures (naming each worker). Worker: ``WorkerRefit`` answers those
-controls: it builds its collective receiver, checks the refit info against the engine's
-parameters before any byte moves, stages a whole transfer, and only then loads it, so a transfer
-that dies half way leaves the engine on its old weights.
+One walk, one name per step, from the driver down to the engine:
+
+    init_collective      RefitCoordinator -> control "init_collective" -> WorkerRefit
+                         -> RefitTarget.init_collective(GroupJoin): every engine rank joins
+    prepare_refit_info   ... -> RefitInfo checked against the engine's parameters (no byte moved)
+    update_weights       ... -> RefitTarget.update_weights(info): receive every bucket and load
+                         it where the weights live, reset the prefix cache, version + 1
+    flush_cache, weight_version
+
+Driver: ``RefitCoordinator`` fans every step out to all workers' control channels (each a
+``ports.control.WorkerControl``), bounded by a timeout, and aggregates failures (naming each
+worker). Worker: ``WorkerRefit`` answers those controls for an engine implementing
+``ports.engine.RefitTarget``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue, RefitError, WorkerFailures
 from rollout_fleet.core.refit import (
     CollectiveSenderSpec,
+    GroupJoin,
     RankLayout,
     RefitInfo,
-    TensorMeta,
 )
-
-
-class WorkerControlLike(Protocol):
-    worker_id: str
-
-    async def call(self, name: str, body: Mapping[str, Any], *, timeout_s: float | None = None
-                   ) -> Mapping[str, Any]: ...
 
 
 @attrs.frozen
 class ControlCall:
     """One control request to one worker, not yet sent (a driver may run it where it likes)."""
 
-    control: Any  # WorkerControlLike
+    control: Any  # a ports.control.WorkerControl
     name: str
     body: Mapping[str, Any]
 
@@ -51,46 +52,53 @@ async def run_control_call(call: ControlCall, timeout_s: float) -> Mapping[str, 
                                       timeout_s)
     except (asyncio.TimeoutError, TimeoutError):
         raise RefitError(f"{call.name} on worker {call.worker_id} timed out after "
-                         f"{timeout_s:.0f} s") from None
+                         f"{timeout_s:g} s") from None
 
 
 class RefitCoordinator:
     """Driver side of a refit, across every worker."""
 
-    def __init__(self, controls: Sequence[WorkerControlLike], *, ranks_per_worker: int = 1,
+    def __init__(self, controls: Sequence[Any], *, ranks_per_worker: int = 1,
                  timeout_s: float = 600.0) -> None:
         self._controls = list(controls)
         self._ranks_per_worker = ranks_per_worker
         self.timeout_s = timeout_s
+
+    @property
+    def control_timeout_s(self) -> float:
+        """A control waits a little longer than the transfer it drives, so a worker's own
+        reason (who did not join, which bucket stalled) arrives before the driver gives up."""
+        return self.timeout_s + max(1.0, 0.1 * self.timeout_s)
 
     def layout(self, train_world_size: int) -> RankLayout:
         return RankLayout(train_world_size, len(self._controls), self._ranks_per_worker)
 
     def init_collective_plan(self, host: str, port: int, world_size: int, train_world_size: int,
                              spec: CollectiveSenderSpec) -> list[ControlCall]:
-        """One call per worker; the world size is checked before any worker is asked."""
+        """One call per worker; the world size is checked before any worker is asked. Worker i's
+        engine ranks join at ``T + i*E + j``; the worker picks the backend (gloo or NCCL)."""
         layout = self.layout(train_world_size)
         layout.check_world_size(world_size)
-        return [ControlCall(control, "init_collective", {
-            "host": host, "port": port, "world_size": world_size,
-            "rank": layout.worker_rank(index), "train_world_size": train_world_size,
-            "sender_spec": spec.to_wire(), "timeout_s": self.timeout_s,
-        }) for index, control in enumerate(self._controls)]
+        calls = []
+        for index, control in enumerate(self._controls):
+            join = GroupJoin(host=host, port=port, world_size=world_size,
+                             train_world_size=train_world_size,
+                             first_rank=layout.worker_rank(index),
+                             ranks_per_worker=self._ranks_per_worker, sender_spec=spec,
+                             timeout_s=self.timeout_s, backend=None)
+            calls.append(ControlCall(control, "init_collective", join.to_wire()))
+        return calls
 
     def update_weights_plan(self) -> list[ControlCall]:
         return [ControlCall(control, "update_weights", {}) for control in self._controls]
 
     def init_collective_calls(self, *args: Any) -> list[Awaitable[Mapping[str, Any]]]:
-        return [run_control_call(c, self.timeout_s) for c in self.init_collective_plan(*args)]
-
-    def update_weights_calls(self) -> list[Awaitable[Mapping[str, Any]]]:
-        """One awaitable per worker (a trainer sends while these wait)."""
-        return [run_control_call(c, self.timeout_s) for c in self.update_weights_plan()]
+        return [run_control_call(c, self.control_timeout_s) for c in self.init_collective_plan(*args)]
 
     async def update_weights(self) -> dict[str, int]:
         """Every worker receives and loads; WorkerFailures names each one that did not."""
         answers = await gather_workers("update_weights", {
-            c.worker_id: run_control_call(c, self.timeout_s) for c in self.update_weights_plan()})
+            c.worker_id: run_control_call(c, self.control_timeout_s) for c in self.update_weights_plan()})
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
 
     async def prepare_refit_info(self, info: RefitInfo) -> None:
@@ -105,7 +113,7 @@ class RefitCoordinator:
 
     async def _everywhere(self, step: str, body: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
         return await gather_workers(step, {
-            c.worker_id: run_control_call(ControlCall(c, step, body), self.timeout_s)
+            c.worker_id: run_control_call(ControlCall(c, step, body), self.control_timeout_s)
             for c in self._controls})
 
 
@@ -119,30 +127,15 @@ async def gather_workers(step: str, calls: Mapping[str, Awaitable[Any]]) -> dict
     return dict(zip(names, results))
 
 
-class ReceiverLike(Protocol):
-    def receive(self, info: RefitInfo) -> Iterable[tuple[str, Any]]: ...
-    def close(self) -> None: ...
-
-
-class LoaderLike(Protocol):
-    def weight_metas(self) -> Mapping[str, TensorMeta]: ...
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int: ...
-    def weight_version(self) -> int: ...
-    async def reset_cache(self) -> None: ...
-
-
-# (host, port, rank, world_size, train_world_size, sender spec, timeout_s) -> receiver
-ReceiverFactory = Callable[[str, int, int, int, int, CollectiveSenderSpec, float], ReceiverLike]
-
-
 class WorkerRefit:
-    """A worker's refit controls: init_collective, prepare_refit_info, update_weights, flush_cache,
-    weight_version. Blocking collective work runs in a thread so the worker keeps serving."""
+    """A worker's refit controls over its engine (a ``ports.engine.RefitTarget``): the engine
+    receives inside itself, where its weights live; ``backend`` is this worker's transfer
+    backend (gloo on CPUs, NCCL on GPUs) for joins that do not name one."""
 
-    def __init__(self, loader: LoaderLike, make_receiver: ReceiverFactory) -> None:
-        self._loader = loader
-        self._make_receiver = make_receiver
-        self._receiver: ReceiverLike | None = None
+    def __init__(self, target: Any, backend: str = "gloo") -> None:
+        self._target = target
+        self._backend = backend
+        self._joined: GroupJoin | None = None
         self._info: RefitInfo | None = None
         self._lock = asyncio.Lock()
 
@@ -152,51 +145,41 @@ class WorkerRefit:
                 "weight_version": self.weight_version}
 
     async def init_collective(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        host, port, world_size, rank, train_world_size = (_field(body, k) for k in (
-            "host", "port", "world_size", "rank", "train_world_size"))
-        spec = CollectiveSenderSpec.from_wire(_field(body, "sender_spec"))
-        timeout_s = float(body.get("timeout_s", 600.0))
+        join = GroupJoin.from_wire({k: v for k, v in body.items() if v is not None},
+                                   backend=self._backend)
+        ranks = self._target.refit_ranks()
+        if join.ranks_per_worker != ranks:
+            raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
+                               f"this worker's engine has {ranks} rank(s) (tensor x pipeline"
+                               " parallel); the driver's layout must say the same")
         async with self._lock:
-            self._close_receiver()
-            self._receiver = await asyncio.to_thread(
-                self._make_receiver, host, port, rank, world_size, train_world_size, spec, timeout_s)
-        return {"rank": rank}
+            self._joined = None
+            await self._target.init_collective(join)
+            self._joined = join
+        return {"ranks": [join.rank(j) for j in range(ranks)]}
 
     async def prepare_refit_info(self, body: Mapping[str, Any]) -> dict[str, Any]:
         info = RefitInfo.from_wire(_field(body, "refit_info"))
-        info.check_against(self._loader.weight_metas())  # refuse before any transfer
+        info.check_against(self._target.weight_metas())  # refuse before any transfer
         self._info = info
         return {"tensors": len(info.tensors), "bytes": info.total_bytes}
 
     async def update_weights(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        if self._receiver is None:
+        if self._joined is None:
             raise RefitError("update_weights before init_collective on this worker")
         if self._info is None:
             raise RefitError("update_weights before prepare_refit_info on this worker")
         async with self._lock:
-            receiver, info = self._receiver, self._info
             started = time.perf_counter()
-            staged = await asyncio.to_thread(lambda: list(receiver.receive(info)))
-            received = time.perf_counter()
-            version = await self._loader.load_weights(staged)
-            loaded = time.perf_counter()
-        return {"weight_version": version, "receive_s": round(received - started, 6),
-                "load_s": round(loaded - received, 6)}
+            version = await self._target.update_weights(self._info)
+        return {"weight_version": version, "seconds": round(time.perf_counter() - started, 6)}
 
     async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        await self._loader.reset_cache()
-        return {"weight_version": self._loader.weight_version()}
+        await self._target.reset_cache()
+        return {"weight_version": self._target.weight_version()}
 
     async def weight_version(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return {"weight_version": self._loader.weight_version()}
-
-    def close(self) -> None:
-        self._close_receiver()
-
-    def _close_receiver(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
+        return {"weight_version": self._target.weight_version()}
 
 
 def _field(body: Mapping[str, Any], key: str) -> Any:

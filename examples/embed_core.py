@@ -16,7 +16,7 @@ import statistics
 
 from rollout_fleet.adapters.memory import (
     EngineCompletionsTransport, LocalWorkerControl, MemoryCollective, MemoryEngine,
-    MemoryWeightReceiver, MemoryWeightSender, TinyBigramModel,
+    MemoryWeightSender, TinyBigramModel,
 )
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
 from rollout_fleet.core.refit_service import RefitCoordinator, WorkerRefit
@@ -34,7 +34,8 @@ async def main() -> int:
 
     # 2. A worker (here in memory) and a transport whose first answer is a 503, as a loaded
     #    router would give: the client retries it with backoff, under the same request id.
-    engine = MemoryEngine(seed=0)
+    collective = MemoryCollective()  # the refit group, in memory (torch.distributed in a fleet)
+    engine = MemoryEngine(seed=0, join_receiver=collective.join_receiver)
     transport = EngineCompletionsTransport(engine, faults=[TransportResponse(503, b"busy")])
     client = RolloutClient(transport, model="memory", retry=RetryPolicy(max_attempts=3))
 
@@ -55,14 +56,12 @@ async def main() -> int:
 
     # 5. A refit: the coordinator checks the world size and refit info on every worker before
     #    any byte moves, then every worker receives, loads and flushes its cache.
-    collective = MemoryCollective()
-    worker = WorkerRefit(engine, lambda host, port, rank, world, train_world, spec, timeout:
-                         MemoryWeightReceiver(collective, rank, spec, timeout))
+    worker = WorkerRefit(engine)
     coordinator = RefitCoordinator([LocalWorkerControl("worker-0", worker.controls())], timeout_s=10)
     spec = CollectiveSenderSpec(buffer_bytes=1 << 20)
     new_weights = TinyBigramModel.from_seed(1).state_dict()
     info = RefitInfo.from_state_dict_info({name: ((48, 8), "float32") for name in new_weights})
-    await asyncio.gather(*coordinator.init_collective_calls("127.0.0.1", 0, 2, 1, spec))
+    await asyncio.gather(*coordinator.init_collective_calls("127.0.0.1", 1, 2, 1, spec))
     await coordinator.prepare_refit_info(info)
     updating = asyncio.ensure_future(coordinator.update_weights())
     await asyncio.to_thread(MemoryWeightSender(collective, spec).send, info, new_weights.items())

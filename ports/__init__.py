@@ -12,12 +12,12 @@ from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
     KvEventSource,
-    WeightLoader,
+    RefitTarget,
 )
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 
 __all__ = [
     "Clock", "SystemClock", "CompletionsTransport", "TransportResponse", "WorkerControl",
-    "EngineFacts", "EnginePort", "KvEventSource", "WeightLoader", "WeightReceiver",
+    "EngineFacts", "EnginePort", "KvEventSource", "RefitTarget", "WeightReceiver",
     "WeightSender", "Placement", "WorkerHandle", "WorkerLaunch",
 ]

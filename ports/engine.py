@@ -6,11 +6,10 @@ A backend never imports Dynamo or HTTP code: the Dynamo adapter serves any Engin
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import attrs
-from rollout_fleet.core.refit import TensorMeta
+from rollout_fleet.core.refit import GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
 
 
@@ -69,21 +68,35 @@ class EnginePort(ABC):
         """Where this engine publishes KV events; empty when it does not."""
 
 
-class WeightLoader(ABC):
-    """Optional port: an engine whose weights can be replaced while it serves (refit)."""
+class RefitTarget(ABC):
+    """Optional port: an engine whose weights a trainer replaces, over the refit group, while
+    it serves. The engine receives the transfer itself, where its weights live (for vLLM,
+    inside its worker processes, one receiver per engine rank)."""
 
     @abstractmethod
     def weight_metas(self) -> Mapping[str, TensorMeta]:
-        """Every parameter a refit may replace: name -> shape and dtype."""
+        """Every parameter a refit may replace: name -> shape and dtype (checkpoint names)."""
 
     @abstractmethod
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
-        """Check every name, shape and dtype first (``WeightMismatch``, nothing changed),
-        then load, reset the prefix cache, and return the new weight version."""
+    def refit_ranks(self) -> int:
+        """How many ranks of the refit group this engine holds (tensor x pipeline parallel)."""
+
+    @abstractmethod
+    async def init_collective(self, join: GroupJoin) -> None:
+        """Every engine rank j joins the group at ``join.rank(j)``; returns once all joined.
+        A wrong world size or a trainer that never comes is a ``RefitError`` within the
+        join's timeout."""
+
+    @abstractmethod
+    async def update_weights(self, info: RefitInfo) -> int:
+        """Receive every tensor of ``info`` from the trainer and load it, reset the prefix
+        cache, and return the new weight version. A transfer that fails leaves the engine on
+        consistent weights (its previous ones) or refusing rollouts until a refit succeeds,
+        and raises ``RefitError``; a later refit works."""
 
     @abstractmethod
     def weight_version(self) -> int:
-        """0 for the weights the engine started with; +1 per successful load."""
+        """0 for the weights the engine started with; +1 per successful refit."""
 
     @abstractmethod
     async def reset_cache(self) -> None:

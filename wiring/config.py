@@ -83,8 +83,12 @@ class FleetConfig(_Strict):
     def _consistent(self) -> "FleetConfig":
         if "kind" not in self.engine:
             raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
-        if self.device == "cpu" and self.ranks_per_worker != 1:
-            raise ValueError(f"ranks_per_worker={_shown(self.ranks_per_worker)}: CPU workers have one rank")
+        engine_ranks = _engine_ranks(self.engine)
+        if engine_ranks != self.ranks_per_worker:
+            raise ValueError(
+                f"ranks_per_worker={_shown(self.ranks_per_worker)} disagrees with the engine's"
+                f" {engine_ranks} rank(s) (engine {_ranks_source(self.engine)}): every engine rank"
+                " joins the refit group, so the two must be equal")
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self
@@ -94,6 +98,21 @@ class FleetConfig(_Strict):
         if self.device == "gpu":
             return {"GPU": float(self.ranks_per_worker), "CPU": self.cpus_per_worker}
         return {"CPU": self.cpus_per_worker}
+
+
+def _engine_ranks(engine: dict[str, Any]) -> Any:
+    """The ranks one engine holds in the refit group: vLLM's tensor x pipeline parallel size,
+    the memory engine's ``refit_ranks``."""
+    if engine.get("kind") == "memory":
+        return engine.get("refit_ranks", 1)
+    return engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+
+
+def _ranks_source(engine: dict[str, Any]) -> str:
+    if engine.get("kind") == "memory":
+        return f"refit_ranks={_shown(engine.get('refit_ranks', 1))}"
+    return (f"tensor_parallel_size={_shown(engine.get('tensor_parallel_size', 1))} x"
+            f" pipeline_parallel_size={_shown(engine.get('pipeline_parallel_size', 1))}")
 
 
 def port_in_use(host: str, port: int) -> bool:

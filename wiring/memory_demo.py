@@ -14,7 +14,6 @@ from rollout_fleet.adapters.memory import (
     LocalWorkerControl,
     MemoryCollective,
     MemoryEngine,
-    MemoryWeightReceiver,
     MemoryWeightSender,
     TinyBigramModel,
 )
@@ -33,7 +32,8 @@ def reward(token_ids) -> float:
 
 
 async def run_memory_demo(num_workers: int = 2, prompts: int = 8, group: int = 4) -> dict:
-    engines = [MemoryEngine(seed=0) for _ in range(num_workers)]
+    group_ = MemoryCollective()  # the refit group's in-memory stand-in
+    engines = [MemoryEngine(seed=0, join_receiver=group_.join_receiver) for _ in range(num_workers)]
     clients = [RolloutClient(EngineCompletionsTransport(e), model="memory") for e in engines]
     limits = RolloutLimits(max_model_len=128, max_new_tokens=24)
     prompt_ids = [[1 + (i * 5) % 40, 2 + (i * 3) % 40] for i in range(prompts)]
@@ -50,9 +50,7 @@ async def run_memory_demo(num_workers: int = 2, prompts: int = 8, group: int = 4
         seconds = time.perf_counter() - started
         return results, seconds
 
-    group_ = MemoryCollective()
-    workers = [WorkerRefit(e, lambda h, p, rank, w, tw, spec, t: MemoryWeightReceiver(group_, rank, spec, t))
-               for e in engines]
+    workers = [WorkerRefit(e) for e in engines]
     coordinator = RefitCoordinator([LocalWorkerControl(f"worker-{i}", w.controls())
                                     for i, w in enumerate(workers)], timeout_s=30)
     spec = CollectiveSenderSpec(buffer_bytes=1 << 20, num_buffers=2)
@@ -65,7 +63,7 @@ async def run_memory_demo(num_workers: int = 2, prompts: int = 8, group: int = 4
     new_weights = TinyBigramModel.from_seed(1).state_dict()
     info = RefitInfo.from_state_dict_info({n: ((len(VOCAB), 8), "float32") for n in new_weights})
     started = time.perf_counter()
-    await asyncio.gather(*coordinator.init_collective_calls("127.0.0.1", 0, 1 + num_workers, 1, spec))
+    await asyncio.gather(*coordinator.init_collective_calls("127.0.0.1", 1, 1 + num_workers, 1, spec))
     await coordinator.prepare_refit_info(info)
     updating = asyncio.ensure_future(coordinator.update_weights())
     await asyncio.to_thread(MemoryWeightSender(group_, spec).send, info, new_weights.items())

@@ -51,14 +51,16 @@ class BuiltEngine:
 
 
 def _memory_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | None) -> BuiltEngine:
+    from rollout_fleet.adapters.collective import join_receiver
     from rollout_fleet.adapters.memory.engine import MemoryEngine
     from rollout_fleet.adapters.memory.model_folder import write_model_folder
 
-    known = {"seed", "context_length", "token_delay_s", "max_num_seqs", "kv_block_size"}
+    known = {"seed", "context_length", "token_delay_s", "max_num_seqs", "kv_block_size", "refit_ranks"}
     unknown = sorted(set(options) - known - {"kind"})
     if unknown:
         raise InvalidValue("engine", unknown, f"unknown option(s) of the memory engine; known: {sorted(known)}")
-    engine = MemoryEngine(**{k: v for k, v in options.items() if k in known})
+    engine = MemoryEngine(**{k: v for k, v in options.items() if k in known},
+                          join_receiver=join_receiver)
     if model_path is None:
         model_path = str(write_model_folder(run_dir / "model-memory",
                                             context_length=engine.context_length))
@@ -102,22 +104,13 @@ def build_engine(config: Mapping[str, Any]) -> BuiltEngine:
 
 def refit_controls(engine: Any, config: Mapping[str, Any]) -> dict[str, Control]:
     """The refit controls (init_collective, prepare_refit_info, update_weights) of an engine
-    that can load weights; the cache flush and weight version are the adapter's built-ins."""
+    that implements the refit port; the cache flush and weight version are the adapter's."""
     from rollout_fleet.core.refit_service import WorkerRefit
-    from rollout_fleet.ports.engine import WeightLoader
+    from rollout_fleet.ports.engine import RefitTarget
 
-    if not isinstance(engine, WeightLoader):
+    if not isinstance(engine, RefitTarget):
         return {}
-    backend = config.get("collective_backend", "gloo")
-
-    def make_receiver(host, port, rank, world_size, train_world_size, spec, timeout_s):
-        from rollout_fleet.adapters.collective import TorchWeightReceiver, init_group
-
-        group = init_group(host, port, rank, world_size, backend, timeout_s,
-                           train_world_size=train_world_size)
-        return TorchWeightReceiver(group, spec)
-
-    controls = WorkerRefit(engine, make_receiver).controls()
+    controls = WorkerRefit(engine, config.get("collective_backend", "gloo")).controls()
     return {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
 
 

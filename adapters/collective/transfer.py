@@ -304,6 +304,8 @@ class TorchWeightReceiver(WeightReceiver):
 
 def join_receiver(join: GroupJoin, engine_rank: int = 0) -> TorchWeightReceiver:
     """Join the refit group as engine rank ``engine_rank`` of a worker; return its receiver."""
+    if join.backend is None:
+        raise InvalidValue("backend", None, "a worker joins with gloo or nccl; fill it in first")
     group = init_group(join.host, join.port, join.rank(engine_rank), join.world_size, join.backend,
                        join.timeout_s, train_world_size=join.train_world_size)
     return TorchWeightReceiver(group, join.sender_spec)

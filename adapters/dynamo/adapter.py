@@ -39,7 +39,7 @@ from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
     KvEventSource,
-    WeightLoader,
+    RefitTarget,
 )
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class DynamoEngineAdapter(LLMEngine):
 
     def _builtin_controls(self) -> dict[str, ControlHandler]:
         controls: dict[str, ControlHandler] = {"stats": self._stats}
-        if isinstance(self.engine, WeightLoader):
+        if isinstance(self.engine, RefitTarget):
             controls["flush_cache"] = self._flush_cache
             controls["weight_version"] = self._weight_version
         return controls

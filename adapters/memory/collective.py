@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rollout_fleet.core.errors import RefitError
-from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo
 from rollout_fleet.ports.collective import WeightReceiver, WeightSender
 
 
@@ -24,6 +24,10 @@ class MemoryCollective:
 
     def inbox(self, rank: int) -> queue.Queue:
         return self.inboxes.setdefault(rank, queue.Queue())
+
+    def join_receiver(self, join: GroupJoin, engine_rank: int = 0) -> "MemoryWeightReceiver":
+        """The transfer backend of an engine in this group (a ``MemoryEngine``'s join_receiver)."""
+        return MemoryWeightReceiver(self, join.rank(engine_rank), join.sender_spec, join.timeout_s)
 
 
 class MemoryWeightSender(WeightSender):

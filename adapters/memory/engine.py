@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rollout_fleet.core.errors import EngineError, InvalidValue, WeightMismatch
-from rollout_fleet.core.refit import TensorMeta, dtype_name
+from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
+from rollout_fleet.core.refit import GroupJoin, RefitInfo, TensorMeta, dtype_name
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
     KvEventSource,
-    WeightLoader,
+    RefitTarget,
 )
+from rollout_fleet.ports.collective import WeightReceiver
 
 EOS_TOKEN_ID = 0
 _SYLLABLES = ("th", "er", "on", "an", "re", "he", "in", "ed", "nd", "ha",
@@ -129,11 +131,19 @@ def _shape_of(value: Any) -> list[int]:
     return shape
 
 
-class MemoryEngine(EnginePort, WeightLoader):
-    """The in-memory engine: implements the engine port and the weight-loading port."""
+class MemoryEngine(EnginePort, RefitTarget):
+    """The in-memory engine: implements the engine port and the refit port.
+
+    For refits it holds ``refit_ranks`` ranks of the group (as a tensor-parallel engine would),
+    each joined through ``join_receiver`` (the composition root's transfer backend: the
+    collective adapter's gloo receiver, or the in-memory one in unit tests). Every rank receives
+    every byte; rank 0's tensors are loaded once all ranks agree, so a failed transfer changes
+    nothing.
+    """
 
     def __init__(self, seed: int = 0, *, context_length: int = 256, token_delay_s: float = 0.0,
-                 max_num_seqs: int = 1024, kv_block_size: int = 16) -> None:
+                 max_num_seqs: int = 1024, kv_block_size: int = 16, refit_ranks: int = 1,
+                 join_receiver: Callable[[GroupJoin, int], WeightReceiver] | None = None) -> None:
         self.model = TinyBigramModel.from_seed(seed)
         self.context_length = context_length
         self.token_delay_s = token_delay_s
@@ -149,6 +159,9 @@ class MemoryEngine(EnginePort, WeightLoader):
         self.served_count = 0
         self.aborted_ids: list[str] = []  # ids whose abort reached the engine (tests read it)
         self.started_as: int | str | None = None
+        self._refit_ranks = refit_ranks
+        self._join_receiver = join_receiver
+        self._receivers: list[WeightReceiver] = []
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -185,24 +198,44 @@ class MemoryEngine(EnginePort, WeightLoader):
         blocks = sum(-(-tokens // size) for tokens in self._live_tokens.values())
         return min(1.0, blocks / self._facts.total_kv_blocks)
 
-    # -- weight-loading port ------------------------------------------------------------------
+    # -- refit port ---------------------------------------------------------------------------
     def weight_metas(self) -> Mapping[str, TensorMeta]:
         return {name: TensorMeta(name, (len(VOCAB), HIDDEN), "float32") for name in WEIGHT_NAMES}
 
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
+    def refit_ranks(self) -> int:
+        return self._refit_ranks
+
+    async def init_collective(self, join: GroupJoin) -> None:
+        if join.ranks_per_worker != self._refit_ranks:
+            raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
+                               f"this engine holds {self._refit_ranks} rank(s)")
+        if self._join_receiver is None:
+            raise RefitError("this memory engine was built without a transfer backend (join_receiver)")
+        self.close_receivers()
+        self._receivers = await _all_ranks(
+            [lambda j=j: self._join_receiver(join, j) for j in range(self._refit_ranks)],
+            on_partial=lambda joined: [r.close() for r in joined])
+
+    async def update_weights(self, info: RefitInfo) -> int:
+        if not self._receivers:
+            raise RefitError("update_weights before init_collective")
         metas = self.weight_metas()
-        staged: dict[str, list[list[float]]] = {}
-        for name, tensor in named_tensors:  # check everything before changing anything
-            if name not in metas:
-                raise WeightMismatch("tensor name", name, f"the engine has only {sorted(metas)}")
-            staged[name] = _as_matrix(name, tensor, metas[name])
-        if "embed.weight" in staged:
-            self.model.embed = staged["embed.weight"]
-        if "lm_head.weight" in staged:
-            self.model.lm_head = staged["lm_head.weight"]
+        info.check_against(metas)
+        received = await _all_ranks([lambda r=r: list(r.receive(info)) for r in self._receivers])
+        staged = {name: _as_matrix(name, tensor, metas[name]) for name, tensor in received[0]}
+        for rank, tensors in enumerate(received[1:], start=1):
+            if {name: _as_matrix(name, t, metas[name]) for name, t in tensors} != staged:
+                raise RefitError(f"engine rank {rank} received other bytes than rank 0")
+        self.model.embed = staged.get("embed.weight", self.model.embed)
+        self.model.lm_head = staged.get("lm_head.weight", self.model.lm_head)
         await self.reset_cache()
         self._version += 1
         return self._version
+
+    def close_receivers(self) -> None:
+        receivers, self._receivers = self._receivers, []
+        for receiver in receivers:
+            receiver.close()
 
     def weight_version(self) -> int:
         return self._version
@@ -254,3 +287,21 @@ class MemoryEngine(EnginePort, WeightLoader):
                 break
         return ServedRollout(tokens, logprobs, finish, Usage(len(prompt), len(tokens)),
                              weight_version=version)
+
+
+async def _all_ranks(calls: list[Callable[[], Any]], on_partial: Callable[[list], Any] | None = None
+                     ) -> list[Any]:
+    """Run one blocking call per rank in threads; every result, or the first error (after
+    handing the successful results to ``on_partial``)."""
+    loop = asyncio.get_running_loop()
+    # A thread per rank: ranks block until every rank of the group is there, so a shared pool
+    # smaller than the group would wait for itself.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        results = await asyncio.gather(*(loop.run_in_executor(pool, call) for call in calls),
+                                       return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        if on_partial is not None:
+            on_partial([r for r in results if not isinstance(r, BaseException)])
+        raise errors[0]
+    return results

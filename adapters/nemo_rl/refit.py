@@ -53,7 +53,7 @@ class FleetRefit:
         return self._helper.run(self._coordinator.weight_versions())
 
     def _launch(self, plan: list[ControlCall]) -> list:
-        timeout_s = self._coordinator.timeout_s
+        timeout_s = self._coordinator.control_timeout_s
         ray = _ray_if_running()
         if ray is not None:
             task = _remote_control_call(ray)

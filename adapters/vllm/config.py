@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME, ROLLBACKS
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.refit import PACKED_PROTOCOL, PROTOCOLS
 
 WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
 DEVICES = ("cpu", "cuda")
@@ -70,6 +72,14 @@ class VllmEngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = attrs.field(default=None, validator=_optional_positive_int("max_num_seqs"))
     tensor_parallel_size: int = attrs.field(default=1, validator=_optional_positive_int("tensor_parallel_size"))
+    pipeline_parallel_size: int = attrs.field(default=1, validator=_optional_positive_int("pipeline_parallel_size"))
+    # The refit protocol the workers' weight-transfer engines speak: the project's packed one
+    # (gloo or NCCL, CPU or GPU), or "vllm": vLLM's own NCCL engine (GPUs only).
+    refit_protocol: str = attrs.field(default=PACKED_PROTOCOL)
+    # After a refit that died half way: "last_good" restores the previous weights from a copy
+    # kept inside vLLM's workers; "none" keeps no copy and refuses rollouts until a refit
+    # succeeds. None: "last_good" on the CPU, "none" on GPUs (no room for a second model).
+    refit_rollback: str | None = attrs.field(default=None)
     seed: int = 0
     enable_prefix_caching: bool = True
     cpu_worker_nice: int | None = attrs.field(default=CPU_WORKER_NICE, validator=_nice)
@@ -83,6 +93,43 @@ class VllmEngineConfig:
     def _model(self, _attr: Any, value: Any) -> None:
         if not isinstance(value, str) or not value:
             raise InvalidValue("model", value, "must be a model folder or name")
+
+    @refit_protocol.validator
+    def _protocol(self, _attr: Any, value: Any) -> None:
+        if value not in PROTOCOLS:
+            raise InvalidValue("refit_protocol", value, f"must be one of {', '.join(PROTOCOLS)}")
+        if value != PACKED_PROTOCOL and self.device != "cuda":
+            raise InvalidValue("refit_protocol", value, "vLLM's own transfer engine needs GPUs"
+                               f" (device={self.device!r}); use {PACKED_PROTOCOL!r}")
+
+    @refit_rollback.validator
+    def _rollback(self, _attr: Any, value: Any) -> None:
+        if value is not None and value not in ROLLBACKS:
+            raise InvalidValue("refit_rollback", value, f"must be None or one of {', '.join(ROLLBACKS)}")
+
+    @property
+    def refit_ranks(self) -> int:
+        """Ranks of one engine in the refit group: every tensor and pipeline parallel rank."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def rollback(self) -> str:
+        return self.refit_rollback or ("last_good" if self.device == "cpu" else "none")
+
+    def cpu_binding(self, available: list[int]) -> str | None:
+        """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: the cores of each engine rank, ranks split by
+        ``|`` (vLLM refuses more than one rank on a CPU host without it)."""
+        cores = list(self.cpu_cores) if self.cpu_cores is not None else None
+        ranks = self.refit_ranks
+        if cores is None:
+            if ranks == 1:
+                return None
+            cores = available
+        if len(cores) < ranks:
+            raise InvalidValue("cpu_cores", cores, f"fewer cores than the engine's {ranks} ranks"
+                               " (tensor x pipeline parallel); vLLM binds each rank to its own")
+        per_rank = len(cores) // ranks
+        return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(ranks))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "VllmEngineConfig":
@@ -111,6 +158,9 @@ class VllmEngineConfig:
             enforce_eager=self.enforce_eager if self.enforce_eager is not None else on_cpu,
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            weight_transfer_config={
+                "backend": BACKEND_NAME if self.refit_protocol == PACKED_PROTOCOL else "nccl"},
             enable_prefix_caching=self.enable_prefix_caching,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
@@ -122,7 +172,6 @@ class VllmEngineConfig:
             if self.kv_cache_memory_bytes is not None:
                 kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
-            kwargs["weight_transfer_config"] = {"backend": "nccl"}
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
         if self.kv_events_endpoint is not None:

@@ -1,8 +1,14 @@
-"""DynamoVllmAdapter: the engine port (and the weight-loading port) over vLLM's AsyncLLM.
+"""VllmEngine: the engine port and the refit port over vLLM's AsyncLLM.
 
-One adapter owns one vLLM engine in this process's event loop; vLLM runs the model in its own
+One engine owns one vLLM engine in this process's event loop; vLLM runs the model in its own
 engine-core and worker processes. Rollouts are token-ID prompts in, every generated token with
 its logprob out, exactly as a native ``generate`` would answer them.
+
+Refits are received inside vLLM's worker processes, where the weights live: each engine rank's
+weight-transfer engine (the project's packed protocol, ``transfer_engine.py``, registered with
+vLLM by the composition root; or vLLM's own ``nccl`` engine for trainers that speak vLLM's
+protocol) joins the trainer's group and loads every bucket as it arrives. This process only
+sends the requests (join, refit info) and never holds a weight.
 """
 
 from __future__ import annotations
@@ -15,20 +21,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-from rollout_fleet.adapters.vllm.weights import check_weights, checkpoint_metas
-from rollout_fleet.core.errors import EngineError, WeightMismatch
-from rollout_fleet.core.refit import RefitInfo, TensorMeta
+from rollout_fleet.adapters.vllm.weights import checkpoint_metas
+from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
+from rollout_fleet.core.refit import PACKED_PROTOCOL, GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
     KvEventSource,
-    WeightLoader,
+    RefitTarget,
 )
 
 log = logging.getLogger(__name__)
@@ -48,7 +54,7 @@ class _Live:
     aborted: bool = False
 
 
-class DynamoVllmAdapter(EnginePort, WeightLoader):
+class VllmEngine(EnginePort, RefitTarget):
     """The vLLM backend of a rollout-fleet worker."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
@@ -61,7 +67,8 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
         self._live: dict[str, _Live] = {}
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._version = 0
-        self._staging = _SharedStaging()
+        self._joined = False
+        self._torn: str | None = None  # why rollouts are refused: a refit died half way
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -80,8 +87,6 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
                 # every full collection scans them (0.2-0.5 s with the loop and GIL held, here).
                 gc.collect()
                 gc.freeze()
-                if self.config.device == "cpu":  # fault its pages in now, not in the first refit
-                    self._staging.reserve(_staged_bytes([m.nbytes for m in self._metas.values()]))
                 log.info("vLLM engine up for worker %s: %s", worker_id, self._facts)
         return self._facts
 
@@ -89,6 +94,9 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str] = ()) -> ServedRollout:
         engine = self._require_engine()
+        if self._torn:
+            raise EngineError(f"this worker's weights are torn ({self._torn}); it serves again"
+                              " after a refit succeeds")
         prompt = list(prompt_token_ids)
         self._check_input(prompt, max_new_tokens)
         if self._early_aborts.pop(request_id, "absent") is None:
@@ -125,66 +133,62 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
                     topic=events.topic, replay_endpoint=events.replay_endpoint))
         return tuple(sources)
 
-    # -- weight-loading port ------------------------------------------------------------------
+    # -- refit port ---------------------------------------------------------------------------
     def weight_metas(self) -> Mapping[str, TensorMeta]:
         self._require_engine()
         return dict(self._metas)
 
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
-        """CPU path (and any device, for tensors held in this process): check everything,
-        then reload layer by layer inside the worker, then drop the prefix cache."""
+    def refit_ranks(self) -> int:
+        return self.config.refit_ranks
+
+    async def init_collective(self, join: GroupJoin) -> None:
+        """Every engine rank's weight-transfer engine joins the group (vLLM runs the call in
+        each of its workers; the engine core waits for them, bounded by the join's timeout)."""
         engine = self._require_engine()
-        offered = check_weights(named_tensors, self._metas)
-        async with self._weight_lock:
-            # One copy into shared memory; only a manifest crosses vLLM's RPC, and the
-            # engine-core process maps the same pages (no pickling of the weights).
-            marks = [("start", time.perf_counter())]
-            with self._staging.holding(offered) as manifest:
-                marks.append(("copy", time.perf_counter()))
-                async with _paused(engine):
-                    marks.append(("pause", time.perf_counter()))
-                    await engine.collective_rpc("rollout_fleet_load_weights", args=(manifest,))
-                    marks.append(("engine load", time.perf_counter()))
-                    version = await self._commit_new_weights()
-                    marks.append(("cache reset", time.perf_counter()))
-            log.info("weights v%d loaded: %d tensors, %.0f MiB; %s", version, len(offered),
-                     manifest[1] / 2**20, ", ".join(
-                         f"{name} {end - begin:.3f} s" for (_, begin), (name, end) in zip(marks, marks[1:])))
-            return version
-
-    async def receive_weights(self, refit_info: RefitInfo) -> int:
-        """GPU path: the trainer broadcasts packed buffers over NCCL into vLLM's native
-        weight-transfer engine (joined earlier with ``init_weight_transfer``).
-
-        Not exercised on this project's CPU machines: vLLM's transfer engines need an
-        accelerator (NCCL or CUDA IPC).
-        """
-        engine = self._require_engine()
-        self._check_native_transfer()
-        try:
-            refit_info.check_against(self._metas)
-        except WeightMismatch:
-            raise
-        except ValueError as error:
-            raise WeightMismatch(error.field, error.value, error.rule) from None
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        update = {"names": [t.name for t in refit_info.tensors],
-                  "dtype_names": [t.dtype for t in refit_info.tensors],
-                  "shapes": [list(t.shape) for t in refit_info.tensors]}
-        async with self._weight_lock, _paused(engine):
-            await engine.start_weight_update()
-            await engine.update_weights(WeightTransferUpdateRequest(update_info=update))
-            await engine.finish_weight_update()
-            return await self._commit_new_weights()
-
-    async def init_weight_transfer(self, init_info: Mapping[str, Any]) -> None:
-        """GPU path: join the trainer's NCCL group (vLLM's ``NCCLWeightTransferInitInfo`` keys)."""
-        engine = self._require_engine()
-        self._check_native_transfer()
+        if join.ranks_per_worker != self.refit_ranks():
+            raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
+                               f"this engine has tensor_parallel_size x pipeline_parallel_size ="
+                               f" {self.refit_ranks()} ranks")
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info)))
+        async with self._weight_lock:
+            self._joined = False
+            try:
+                await engine.init_weight_transfer_engine(
+                    WeightTransferInitRequest(init_info=self._init_info(join)))
+            except Exception as error:
+                raise RefitError(f"joining the refit group at {join.host}:{join.port} failed:"
+                                 f" {_first_line(error)}") from error
+            self._joined = True
+
+    async def update_weights(self, info: RefitInfo) -> int:
+        """Drain, receive and load inside vLLM's workers, reset the prefix cache, resume."""
+        engine = self._require_engine()
+        if not self._joined:
+            raise RefitError("update_weights before init_collective")
+        _check_complete(info, self._metas)
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async with self._weight_lock, _paused(engine):
+            started = time.perf_counter()
+            try:
+                await engine.start_weight_update()
+                await engine.update_weights(WeightTransferUpdateRequest(
+                    update_info=self._update_info(info)))
+                await engine.finish_weight_update()
+            except Exception as error:
+                self._joined = False  # the group broke: the next refit forms a new one
+                await self._note_failed_refit()
+                raise RefitError(f"the refit failed inside vLLM: {_first_line(error)}"
+                                 + ("; weights torn, rollouts refused until a refit succeeds"
+                                    if self._torn else "; the previous weights serve")) from error
+            loaded = time.perf_counter()
+            self._torn = None
+            version = await self._commit_new_weights()
+        log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s, cache reset"
+                 " %.3f s", version, len(info.tensors), info.total_bytes / 2**20, loaded - started,
+                 time.perf_counter() - loaded)
+        return version
 
     def weight_version(self) -> int:
         return self._version
@@ -200,7 +204,6 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
     # -- lifecycle ----------------------------------------------------------------------------
     async def close(self) -> None:
         """Stop vLLM's engine-core and worker processes; safe to call twice."""
-        self._staging.close()
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -221,10 +224,25 @@ class DynamoVllmAdapter(EnginePort, WeightLoader):
             raise EngineError("the vLLM engine is not started: call start() first")
         return self._engine
 
-    def _check_native_transfer(self) -> None:
-        if self.config.device != "cuda":
-            raise EngineError(f"device={self.config.device!r}: vLLM's native weight transfer needs "
-                              "GPUs; on the CPU load tensors with load_weights()")
+    def _init_info(self, join: GroupJoin) -> dict[str, Any]:
+        if self.config.refit_protocol == PACKED_PROTOCOL:
+            return {"join": join.to_wire(), "rollback": self.config.rollback}
+        return native_init_info(join)
+
+    def _update_info(self, info: RefitInfo) -> dict[str, Any]:
+        if self.config.refit_protocol == PACKED_PROTOCOL:
+            return {"refit_info": info.to_wire()}
+        return native_update_info(info)
+
+    async def _note_failed_refit(self) -> None:
+        """Ask every engine rank how its failed refit ended: rolled back, or torn."""
+        try:
+            stats = await self._engine.collective_rpc("rollout_fleet_refit_stats")
+        except Exception as error:  # the engine is in trouble; refuse rollouts to be safe
+            self._torn = f"its refit state is unknown: {_first_line(error)}"
+            return
+        if any(rank.get("torn", True) for rank in stats):
+            self._torn = "a refit failed half way and no copy of the previous weights was kept"
 
     def _check_input(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:
@@ -320,11 +338,12 @@ def _build_engine(config: VllmEngineConfig) -> Any:
 def _cpu_binding(config: VllmEngineConfig):
     """While the engine starts, tell vLLM which cores to bind its model threads to: its
     engine-core process reads the variable from the environment it inherits."""
-    if config.device != "cpu" or config.cpu_cores is None:
+    binding = config.cpu_binding(sorted(os.sched_getaffinity(0))) if config.device == "cpu" else None
+    if binding is None:
         yield
         return
     before = os.environ.get(_OMP_BIND)
-    os.environ[_OMP_BIND] = ",".join(map(str, config.cpu_cores))
+    os.environ[_OMP_BIND] = binding
     try:
         yield
     finally:
@@ -353,77 +372,6 @@ def _lower_worker_priority(nice: int) -> int:
     if not changed:
         log.warning("found no vLLM process to lower to nice %d", nice)
     return changed
-
-
-_SHARED_ALIGN = 64
-_PAGE_BYTES = 4096
-
-
-def _staged_offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each tensor starts in the staging file: packed in order, 64-byte aligned."""
-    offsets, end = [], 0
-    for size in sizes:
-        start = -(-end // _SHARED_ALIGN) * _SHARED_ALIGN
-        offsets.append(start)
-        end = start + size
-    return offsets
-
-
-def _staged_bytes(sizes: Sequence[int]) -> int:
-    """Room for tensors of these sizes in any order (each may need up to 63 bytes of padding)."""
-    return max(sum(sizes) + _SHARED_ALIGN * len(sizes), 1)
-
-
-class _SharedStaging:
-    """One file in /dev/shm that weights are copied into for the engine-core process to map.
-
-    Kept and reused from load to load: a fresh file's pages fault in on first touch, which made
-    the copy 3-4x slower than into warm pages (bench/bench_refit_fleet.py). It grows when a
-    load needs more; ``close`` removes it. Loads are serialised by the adapter's weight lock.
-    """
-
-    def __init__(self) -> None:
-        self._path: str | None = None
-        self._size = 0
-        self._block: Any = None
-
-    @contextlib.contextmanager
-    def holding(self, named_tensors: Sequence[tuple[str, Any]]):
-        """Copy the tensors in; yield ``(path, nbytes, [(name, dtype, shape, offset), ...])``."""
-        import torch
-
-        sizes = [tensor.numel() * tensor.element_size() for _, tensor in named_tensors]
-        entries = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), start)
-                   for (name, tensor), start in zip(named_tensors, _staged_offsets(sizes))]
-        nbytes = _staged_bytes(sizes)
-        block = self.reserve(nbytes)
-        for (_name, _dtype, _shape, start), (_n, tensor) in zip(entries, named_tensors):
-            flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-            block[start:start + flat.numel()].copy_(flat)
-        yield self._path, nbytes, entries
-
-    def reserve(self, nbytes: int) -> Any:
-        """The staging block, at least ``nbytes`` long (a new file, pages faulted in, if not)."""
-        import tempfile
-
-        import torch
-
-        if nbytes > self._size:
-            self.close()
-            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            handle, self._path = tempfile.mkstemp(prefix="rollout-fleet-weights-", dir=folder)
-            os.close(handle)
-            self._block = torch.from_file(self._path, shared=True, size=nbytes, dtype=torch.uint8)
-            self._block[::_PAGE_BYTES].zero_()
-            self._size = nbytes
-        return self._block
-
-    def close(self) -> None:
-        self._block, self._size = None, 0
-        path, self._path = self._path, None
-        if path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
 
 
 def _read_facts(engine: Any) -> EngineFacts:
@@ -483,3 +431,40 @@ def _to_served(output: Any, prompt_len: int, version: int) -> ServedRollout:
 def _served(token_ids, logprobs, reason, prompt_len, version) -> ServedRollout:
     return ServedRollout(token_ids, logprobs, reason, Usage(prompt_len, len(token_ids)),
                          weight_version=version)
+
+
+def native_init_info(join: GroupJoin) -> dict[str, Any]:
+    """vLLM's ``nccl`` engine's init request for a join: vLLM's own layout (the trainer's
+    rank 0 alone, then each worker's ranks from ``rank_offset``) and packed geometry."""
+    return {"master_address": join.host, "master_port": join.port, "rank_offset": join.first_rank,
+            "world_size": join.world_size, "packed": True,
+            "packed_buffer_size_bytes": join.sender_spec.buffer_bytes,
+            "packed_num_buffers": join.sender_spec.num_buffers}
+
+
+def native_update_info(info: RefitInfo) -> dict[str, Any]:
+    """vLLM's ``nccl`` engine's update request: names, dtype names and shapes, in wire order."""
+    return {"names": [t.name for t in info.tensors],
+            "dtype_names": [t.dtype for t in info.tensors],
+            "shapes": [list(t.shape) for t in info.tensors]}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _check_complete(info: RefitInfo, metas: Mapping[str, TensorMeta]) -> None:
+    """Every name, shape and dtype is the engine's, and every parameter is there: vLLM rebuilds
+    each fused layer (q, k and v into ``qkv_proj``) from all its parts, and a layer refit in
+    part would be left half empty."""
+    try:
+        info.check_against(metas)
+    except WeightMismatch:
+        raise
+    except InvalidValue as error:
+        raise WeightMismatch(error.field, error.value, error.rule) from None
+    missing = sorted(set(metas) - {t.name for t in info.tensors})
+    if missing:
+        raise WeightMismatch("tensor names", missing[:5], f"{len(missing)} of the engine's"
+                             " parameters are missing: a refit carries every one")

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
-from rollout_fleet.core.errors import EngineError, InvalidValue, WeightMismatch
-from rollout_fleet.core.refit import RefitInfo, TensorMeta, dtype_name
+from rollout_fleet.core.errors import EngineError
+from rollout_fleet.core.refit import TensorMeta
 
 _SAFETENSORS_HEADER_LIMIT = 100 * 2**20
 
@@ -41,24 +39,3 @@ def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return {name: entry["shape"] for name, entry in header.items() if name != "__metadata__"}
 
 
-def check_weights(named_tensors: Iterable[tuple[str, Any]],
-                  expected: Mapping[str, TensorMeta]) -> list[tuple[str, Any]]:
-    """Materialise the offered tensors and refuse any defect before one of them moves.
-
-    A load must carry every parameter: vLLM rebuilds each fused layer (q, k and v into
-    ``qkv_proj``) from all of its parts, and a layer loaded in part would be left half empty.
-    """
-    offered = list(named_tensors)
-    try:
-        metas = tuple(TensorMeta(str(name), tuple(tensor.shape), dtype_name(tensor.dtype))
-                      for name, tensor in offered)
-        RefitInfo(metas).check_against(expected)
-    except WeightMismatch:
-        raise
-    except InvalidValue as error:
-        raise WeightMismatch(error.field, error.value, error.rule) from None
-    missing = sorted(set(expected) - {m.name for m in metas})
-    if missing:
-        raise WeightMismatch("tensor names", f"{len(missing)} missing, e.g. {missing[:3]}",
-                             "a load must carry every parameter of the model")
-    return offered

@@ -12,7 +12,7 @@ Usage, in a backend's own tests::
             yield harness
             harness.close()
 
-``WeightLoaderContract`` does the same for engines that also implement the weight-loading port.
+``RefitTargetContract`` does the same for engines that also implement the refit port.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from typing import Any
 
 import attrs
 import pytest
-from rollout_fleet.core.errors import RolloutFleetError, WeightMismatch
+from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.core.refit import GroupJoin, RefitInfo
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
     KvEventSource,
-    WeightLoader,
+    RefitTarget,
 )
 
 GREEDY = SamplingSpec()
@@ -203,56 +204,102 @@ def _find_stop_string_case(eut: EngineUnderTest):
     pytest.fail("no prompt produced text usable for a stop-string check; give more varied prompts")
 
 
-class WeightLoaderContract:
-    """Tests for engines that also implement WeightLoader.
+@attrs.define
+class RefitTrainer:
+    """The trainer end of refits for the ``RefitTargetContract``, built by an adapter's tests:
+    ``open(ranks_per_worker)`` starts a trainer rank 0 on a fresh group (it waits for the
+    engine's ranks in the background) and returns the join to hand the engine;
+    ``send(info, tensors)`` sends one refit; ``send_then_die(info, tensors)`` sends the refit
+    info's header and part of its tensors, then leaves the group (a trainer that died)."""
 
-    Provide ``engine_under_test`` (as above) and ``weight_sets``: a fixture returning
-    ``(original, alternate)`` state dicts (name -> tensor) that give different greedy outputs.
-    Both must cover every name in ``weight_metas()``. The suite restores the original at the end.
+    open: Callable[[int], GroupJoin]
+    send: Callable[[RefitInfo, Any], None]
+    send_then_die: Callable[[RefitInfo, Any], None]
+    close: Callable[[], None]
+
+
+class RefitTargetContract:
+    """Tests for engines that also implement ``RefitTarget``.
+
+    Provide ``engine_under_test`` (as above), ``weight_sets``: ``(original, alternate)`` state
+    dicts (name -> tensor) that give different greedy outputs and cover every name in
+    ``weight_metas()``, and ``refit_trainer``: a ``RefitTrainer``. The suite restores the
+    original weights at the end of each test.
     """
 
-    def _loader(self, eut: EngineUnderTest) -> WeightLoader:
-        assert isinstance(eut.engine, WeightLoader), "the engine does not implement WeightLoader"
+    def _target(self, eut: EngineUnderTest) -> RefitTarget:
+        assert isinstance(eut.engine, RefitTarget), "the engine does not implement RefitTarget"
         return eut.engine
 
     def _greedy(self, eut):
         return [eut.serve(p, 12).token_ids for p in eut.prompts]
 
+    def _refit(self, eut, trainer, info, tensors, send=None) -> int:
+        target = self._target(eut)
+        pending = asyncio.run_coroutine_threadsafe(target.update_weights(info), eut.loop.loop)
+        (send or trainer.send)(info, tensors)
+        return pending.result(300)
+
+    def _joined(self, eut, trainer) -> None:
+        target = self._target(eut)
+        join = trainer.open(target.refit_ranks())
+        eut.loop.run(target.init_collective(join))
+
     def test_metas_cover_the_weight_sets(self, engine_under_test, weight_sets):
-        metas = self._loader(engine_under_test).weight_metas()
+        metas = self._target(engine_under_test).weight_metas()
         original, alternate = weight_sets
         assert metas and set(original) == set(metas) == set(alternate)
 
-    def test_load_changes_outputs_and_loading_back_restores_them(self, engine_under_test, weight_sets):
-        loader = self._loader(engine_under_test)
+    def test_refit_changes_outputs_and_refitting_back_restores_them(
+            self, engine_under_test, weight_sets, refit_trainer):
+        target = self._target(engine_under_test)
         original, alternate = weight_sets
+        self._joined(engine_under_test, refit_trainer)
         before = self._greedy(engine_under_test)
-        version = loader.weight_version()
-        assert engine_under_test.loop.run(loader.load_weights(alternate.items())) == version + 1
+        version = target.weight_version()
+        info = _info_of(alternate, target)
+        assert self._refit(engine_under_test, refit_trainer, info, alternate) == version + 1
         changed = self._greedy(engine_under_test)
-        assert changed != before, "loading other weights did not change any greedy answer"
-        assert engine_under_test.loop.run(loader.load_weights(original.items())) == version + 2
-        assert self._greedy(engine_under_test) == before, "loading the original back did not restore it"
-        assert loader.weight_version() == version + 2
+        assert changed != before, "refitting other weights did not change any greedy answer"
+        assert self._refit(engine_under_test, refit_trainer, info, original) == version + 2
+        assert self._greedy(engine_under_test) == before, "refitting the original back did not restore it"
+        assert target.weight_version() == version + 2
 
-    @pytest.mark.parametrize("defect", ["name", "shape", "dtype"])
-    def test_bad_weights_are_refused_before_anything_changes(
-            self, engine_under_test, weight_sets, bad_weight, defect):
-        loader = self._loader(engine_under_test)
+    def test_a_trainer_dying_mid_transfer_leaves_the_old_weights(
+            self, engine_under_test, weight_sets, refit_trainer):
+        target = self._target(engine_under_test)
         original, alternate = weight_sets
+        self._joined(engine_under_test, refit_trainer)
         before = self._greedy(engine_under_test)
-        version = loader.weight_version()
-        # The alternate weights come first, the defect last: a loader that changes
-        # tensors one by one would have changed outputs by the time it sees the defect.
-        offered = list(alternate.items()) + [bad_weight(defect, original)]
-        with pytest.raises(WeightMismatch) as info:
-            engine_under_test.loop.run(loader.load_weights(offered))
-        assert str(info.value)
-        assert loader.weight_version() == version
+        version = target.weight_version()
+        info = _info_of(alternate, target)
+        with pytest.raises(RolloutFleetError):
+            self._refit(engine_under_test, refit_trainer, info, alternate,
+                        send=refit_trainer.send_then_die)
+        assert target.weight_version() == version
+        assert self._greedy(engine_under_test) == before, "a failed refit changed the answers"
+        self._joined(engine_under_test, refit_trainer)  # a new group: the next refit works
+        assert self._refit(engine_under_test, refit_trainer, info, alternate) == version + 1
+        assert self._greedy(engine_under_test) != before
+        assert self._refit(engine_under_test, refit_trainer, info, original) == version + 2
         assert self._greedy(engine_under_test) == before
 
-    def test_reset_cache_keeps_answers(self, engine_under_test, weight_sets):
-        loader = self._loader(engine_under_test)
+    def test_a_join_for_another_rank_count_is_refused(self, engine_under_test):
+        target = self._target(engine_under_test)
+        ranks = target.refit_ranks()
+        join = GroupJoin(host="127.0.0.1", port=1, world_size=2 + ranks, train_world_size=1,
+                         first_rank=1, ranks_per_worker=ranks + 1, timeout_s=2.0, backend="gloo")
+        with pytest.raises(RolloutFleetError, match="ranks_per_worker"):
+            engine_under_test.loop.run(target.init_collective(join))
+
+    def test_reset_cache_keeps_answers(self, engine_under_test):
+        target = self._target(engine_under_test)
         before = self._greedy(engine_under_test)
-        engine_under_test.loop.run(loader.reset_cache())
+        engine_under_test.loop.run(target.reset_cache())
         assert self._greedy(engine_under_test) == before
+
+
+def _info_of(tensors: Any, target: RefitTarget) -> RefitInfo:
+    """The refit info of a state dict, with the engine's dtypes and shapes (names in its order)."""
+    metas = target.weight_metas()
+    return RefitInfo(tuple(metas[name] for name in tensors))

@@ -47,7 +47,7 @@ def pair():
         lambda: init_group("127.0.0.1", port, 0, 2, "gloo", 15.0),
         lambda: join_receiver(GroupJoin(host="127.0.0.1", port=port, world_size=2, train_world_size=1,
                                         first_rank=1, ranks_per_worker=1, sender_spec=SPEC,
-                                        timeout_s=15.0)))
+                                        timeout_s=15.0, backend="gloo")))
     yield TorchWeightSender(sender_group, SPEC), receiver
     sender_group.close()
     receiver.close()

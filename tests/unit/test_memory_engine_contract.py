@@ -4,18 +4,54 @@ import random
 
 import pytest
 
+from rollout_fleet.adapters.memory import MemoryCollective, MemoryWeightSender
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel, decode
-from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest, WeightLoaderContract
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
+from rollout_fleet.ports.contracts.engine import (
+    EngineContract, EngineUnderTest, RefitTargetContract, RefitTrainer,
+)
 
 PROMPTS = [[3, 4, 5], [10, 11], [20, 21, 22, 23], [7]]
 
 
+class _Group:
+    """The in-memory refit group of one test: the engine joins through it, the trainer sends."""
+
+    def __init__(self):
+        self.collective = MemoryCollective()
+
+    def join_receiver(self, join, engine_rank):
+        return self.collective.join_receiver(join, engine_rank)
+
+
+GROUP = _Group()
+SPEC = CollectiveSenderSpec(buffer_bytes=1024, num_buffers=2)
+
+
 @pytest.fixture(scope="class")
 def engine_under_test():
-    harness = EngineUnderTest.start(lambda: MemoryEngine(seed=0, context_length=128),
-                                    decode=decode, prompts=PROMPTS)
+    harness = EngineUnderTest.start(
+        lambda: MemoryEngine(seed=0, context_length=128, join_receiver=GROUP.join_receiver),
+        decode=decode, prompts=PROMPTS)
     yield harness
     harness.close()
+
+
+@pytest.fixture
+def refit_trainer():
+    def open_group(ranks):
+        GROUP.collective = MemoryCollective()  # a fresh group, as a trainer forming a new one
+        return GroupJoin(host="127.0.0.1", port=1, world_size=1 + ranks, train_world_size=1,
+                         first_rank=1, ranks_per_worker=ranks, sender_spec=SPEC, timeout_s=1.0,
+                         backend="gloo")
+
+    def send(info, tensors):
+        MemoryWeightSender(GROUP.collective, SPEC).send(info, tensors.items())
+
+    def send_then_die(info, tensors):
+        pass  # the trainer is gone before its first byte: the receivers time out
+
+    return RefitTrainer(open=open_group, send=send, send_then_die=send_then_die, close=lambda: None)
 
 
 @pytest.fixture
@@ -23,28 +59,7 @@ def weight_sets():
     return TinyBigramModel.from_seed(0).state_dict(), TinyBigramModel.from_seed(1).state_dict()
 
 
-@pytest.fixture
-def bad_weight():
-    def make(defect, original):
-        name, rows = next(iter(original.items()))
-        if defect == "name":
-            return "no.such.weight", rows
-        if defect == "shape":
-            return name, rows[:-1]
-        return name, _Float64Rows(rows)
-    return make
-
-
-class _Float64Rows(list):
-    """Rows that say they are float64, as a tensor of the wrong dtype would."""
-
-    dtype = "float64"
-
-    def tolist(self):
-        return [list(r) for r in self]
-
-
-class TestMemoryEngine(EngineContract, WeightLoaderContract):
+class TestMemoryEngine(EngineContract, RefitTargetContract):
     pass
 
 

@@ -19,12 +19,8 @@ SPEC = CollectiveSenderSpec(buffer_bytes=1024, num_buffers=2)
 
 def make_fleet(n=2, timeout_s=5.0):
     group = MemoryCollective()
-    engines = [MemoryEngine(seed=0) for _ in range(n)]
-
-    def receiver_factory(host, port, rank, world_size, train_world_size, spec, timeout):
-        return MemoryWeightReceiver(group, rank, spec, timeout_s=timeout)
-
-    workers = [WorkerRefit(engine, receiver_factory) for engine in engines]
+    engines = [MemoryEngine(seed=0, join_receiver=group.join_receiver) for _ in range(n)]
+    workers = [WorkerRefit(engine) for engine in engines]
     controls = [LocalWorkerControl(f"w{i}", w.controls()) for i, w in enumerate(workers)]
     return group, engines, RefitCoordinator(controls, timeout_s=timeout_s)
 

@@ -70,11 +70,11 @@ def candidate_prompts(tokenizer) -> list[list[int]]:
 def vllm_engine(tiny_models, decode, candidate_prompts):
     """The session's engine, started on its own loop (``EngineUnderTest``), stopped at the end."""
     _require_vllm()
-    from rollout_fleet.adapters.vllm import DynamoVllmAdapter, VllmEngineConfig
+    from rollout_fleet.adapters.vllm import VllmEngine, VllmEngineConfig
     from rollout_fleet.ports.contracts.engine import EngineUnderTest
 
     config = VllmEngineConfig(model=str(tiny_models[MODEL_SEED]))
-    harness = EngineUnderTest.start(lambda: DynamoVllmAdapter(config), decode=decode,
+    harness = EngineUnderTest.start(lambda: VllmEngine(config), decode=decode,
                                     prompts=candidate_prompts[:6],
                                     close_engine=lambda engine: engine.close())
     yield harness

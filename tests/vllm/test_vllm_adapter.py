@@ -61,19 +61,53 @@ def test_on_the_cpu_vllms_processes_run_niced_and_this_one_does_not(vllm_engine)
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the serving glue keeps its priority
 
 
-def test_native_weight_transfer_is_refused_on_the_cpu_with_a_clear_error(vllm_engine):
-    info = RefitInfo.from_state_dict_info({"model.norm.weight": ((128,), "float32")})
-    with pytest.raises(EngineError, match="needs GPUs"):
-        vllm_engine.loop.run(vllm_engine.engine.receive_weights(info))
+def test_the_requests_for_vllms_own_nccl_engine_are_accepted_by_its_parsers():
+    """What a worker hands vLLM's native ``nccl`` weight-transfer engine (refit_protocol="vllm",
+    GPU fleets) is parsed by that engine's own parse_init_info / parse_update_info. The native
+    transfer itself needs CUDA and does not run on this machine."""
+    from types import SimpleNamespace
+
+    from rollout_fleet.adapters.vllm.engine import native_init_info, native_update_info
+    from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    parser = SimpleNamespace(init_info_cls=NCCLWeightTransferEngine.init_info_cls,
+                             update_info_cls=NCCLWeightTransferEngine.update_info_cls)
+    join = GroupJoin(host="10.0.0.5", port=29500, world_size=1 + 2 * 4, train_world_size=1,
+                     first_rank=5, ranks_per_worker=4,
+                     sender_spec=CollectiveSenderSpec(buffer_bytes=512 << 20, num_buffers=3))
+    init = WeightTransferEngine.parse_init_info(parser, native_init_info(join))
+    assert (init.master_address, init.master_port, init.rank_offset, init.world_size) == (
+        "10.0.0.5", 29500, 5, 9)
+    assert (init.packed, init.packed_buffer_size_bytes, init.packed_num_buffers) == (True, 512 << 20, 3)
+    info = RefitInfo.from_state_dict_info({"model.norm.weight": ((128,), "bfloat16"),
+                                           "lm_head.weight": ((1000, 128), "bfloat16")})
+    update = WeightTransferEngine.parse_update_info(parser, native_update_info(info))
+    assert update.names == ["model.norm.weight", "lm_head.weight"]
+    assert update.dtype_names == ["bfloat16", "bfloat16"]
+    assert update.shapes == [[128], [1000, 128]]
+    with pytest.raises(ValueError):  # its own checks still run: lists of different lengths
+        WeightTransferEngine.parse_update_info(parser, {**native_update_info(info), "shapes": [[1]]})
+
+
+def test_vllms_own_protocol_is_refused_on_the_cpu_at_config_load():
+    with pytest.raises(InvalidValue, match="refit_protocol.*needs GPUs"):
+        VllmEngineConfig(model="/m", refit_protocol="vllm")
 
 
 def test_config_defaults_per_device():
     cpu = VllmEngineConfig(model="/m").engine_kwargs()
     assert (cpu["dtype"], cpu["enforce_eager"], cpu["max_model_len"]) == ("float32", True, 512)
-    assert cpu["kv_cache_memory_bytes"] == 64 * 2**20 and "weight_transfer_config" not in cpu
+    assert cpu["kv_cache_memory_bytes"] == 64 * 2**20
+    assert cpu["weight_transfer_config"] == {"backend": "rollout_fleet_packed"}
     gpu = VllmEngineConfig(model="/m", device="cuda").engine_kwargs()
     assert (gpu["dtype"], gpu["enforce_eager"]) == ("auto", False)
-    assert "max_model_len" not in gpu and gpu["weight_transfer_config"] == {"backend": "nccl"}
+    assert "max_model_len" not in gpu and gpu["weight_transfer_config"] == {"backend": "rollout_fleet_packed"}
+    native = VllmEngineConfig(model="/m", device="cuda", refit_protocol="vllm").engine_kwargs()
+    assert native["weight_transfer_config"] == {"backend": "nccl"}
+    assert (VllmEngineConfig(model="/m").rollback, VllmEngineConfig(model="/m", device="cuda").rollback
+            ) == ("last_good", "none")
     events = VllmEngineConfig(model="/m", kv_events_port=5600).engine_kwargs()["kv_events_config"]
     assert events["endpoint"] == "tcp://127.0.0.1:5600"  # loopback, never vLLM's tcp://*
 

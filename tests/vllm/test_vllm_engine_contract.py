@@ -1,8 +1,12 @@
-"""The vLLM adapter passes the same engine and weight-loading contract suites as the in-memory engine."""
+"""The vLLM engine passes the same engine and refit contract suites as the in-memory engine:
+refits are received inside vLLM's worker, over a real gloo group from a trainer rank 0 in a
+thread of this process."""
 
 import pytest
 
-from rollout_fleet.ports.contracts.engine import EngineContract, WeightLoaderContract
+from rollout_fleet.core.refit import CollectiveSenderSpec
+from rollout_fleet.ports.contracts.engine import EngineContract, RefitTargetContract
+from tests.support.trainer import ThreadedTrainer
 
 from .conftest import MODEL_SEED, OTHER_SEED
 
@@ -18,16 +22,13 @@ def weight_sets(weights):
 
 
 @pytest.fixture
-def bad_weight():
-    def make(defect, original):
-        name, tensor = next(iter(original.items()))
-        if defect == "name":
-            return "model.layers.0.no_such_proj.weight", tensor
-        if defect == "shape":
-            return name, tensor[:-1]
-        return name, tensor.double()
-    return make
+def refit_trainer():
+    # Small buffers: the tiny model's refit crosses several buckets.
+    trainer = ThreadedTrainer(CollectiveSenderSpec(buffer_bytes=256 << 10, num_buffers=2),
+                              timeout_s=30.0)
+    yield trainer.as_contract()
+    trainer.close()
 
 
-class TestVllmEngine(EngineContract, WeightLoaderContract):
+class TestVllmEngine(EngineContract, RefitTargetContract):
     pass

@@ -75,18 +75,42 @@ def test_greedy_equals_transformers(vllm_engine, reference):
     assert_matches(vllm_engine, reference[MODEL_SEED])
 
 
-def test_other_weights_equal_transformers_of_that_model_and_loading_back_restores(
-        vllm_engine, reference, weights):
-    engine, loop = vllm_engine.engine, vllm_engine.loop
+def _refit(vllm_engine, trainer, state, info=None):
+    """One refit of ``state`` into the engine over a real gloo group; the new version."""
+    import asyncio
+
+    from rollout_fleet.adapters.collective.trainer import refit_info_of
+
+    engine = vllm_engine.engine
+    vllm_engine.loop.run(engine.init_collective(trainer.open(engine.refit_ranks())))
+    info = info or refit_info_of(state)
+    pending = asyncio.run_coroutine_threadsafe(engine.update_weights(info), vllm_engine.loop.loop)
+    trainer.send(info, state)
+    return pending.result(120)
+
+
+@pytest.fixture
+def trainer():
+    from rollout_fleet.core.refit import CollectiveSenderSpec
+    from tests.support.trainer import ThreadedTrainer
+
+    trainer = ThreadedTrainer(CollectiveSenderSpec(buffer_bytes=256 << 10), timeout_s=30.0)
+    yield trainer
+    trainer.close()
+
+
+def test_other_weights_equal_transformers_of_that_model_and_refitting_back_restores(
+        vllm_engine, reference, weights, trainer):
+    engine = vllm_engine.engine
     before = [vllm_engine.serve(p, len(t)) for p, t, _ in reference[MODEL_SEED]]
     version = engine.weight_version()
     try:
-        assert loop.run(engine.load_weights(weights[OTHER_SEED].items())) == version + 1
+        assert _refit(vllm_engine, trainer, weights[OTHER_SEED]) == version + 1
         assert_matches(vllm_engine, reference[OTHER_SEED])
         served = vllm_engine.serve(reference[OTHER_SEED][0][0], 4)
         assert served.weight_version == version + 1
     finally:
-        assert loop.run(engine.load_weights(weights[MODEL_SEED].items())) == version + 2
+        assert _refit(vllm_engine, trainer, weights[MODEL_SEED]) == version + 2
     after = [vllm_engine.serve(p, len(t)) for p, t, _ in reference[MODEL_SEED]]
     assert [a.token_ids for a in after] == [b.token_ids for b in before]
     assert [a.logprobs for a in after] == [b.logprobs for b in before], "not restored exactly"
@@ -95,22 +119,25 @@ def test_other_weights_equal_transformers_of_that_model_and_loading_back_restore
 @pytest.mark.parametrize("defect, field", [
     ("name", "tensor name"), ("shape", "shape of 'model.norm.weight'"),
     ("dtype", "dtype of 'model.norm.weight'"), ("missing", "tensor names")])
-def test_a_bad_tensor_is_refused_by_name_and_nothing_changes(vllm_engine, reference, weights,
-                                                            defect, field):
+def test_a_bad_refit_info_is_refused_by_name_and_nothing_changes(vllm_engine, reference, weights,
+                                                                defect, field):
+    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.core.refit import RefitInfo, TensorMeta
+
     engine, loop = vllm_engine.engine, vllm_engine.loop
-    offered = dict(weights[OTHER_SEED])
-    norm = offered["model.norm.weight"]
+    metas = list(refit_info_of(weights[OTHER_SEED]).tensors)
+    norm = next(i for i, m in enumerate(metas) if m.name == "model.norm.weight")
     if defect == "name":
-        offered["model.norm.weight_typo"] = norm
+        metas.append(TensorMeta("model.norm.weight_typo", metas[norm].shape, "float32"))
     elif defect == "shape":
-        offered["model.norm.weight"] = norm[:-1]
+        metas[norm] = TensorMeta("model.norm.weight", (metas[norm].shape[0] - 1,), "float32")
     elif defect == "dtype":
-        offered["model.norm.weight"] = norm.half()
+        metas[norm] = TensorMeta("model.norm.weight", metas[norm].shape, "float16")
     else:
-        del offered["model.norm.weight"]
+        del metas[norm]
     version = engine.weight_version()
     with pytest.raises(WeightMismatch) as refused:
-        loop.run(engine.load_weights(offered.items()))
+        loop.run(engine.update_weights(RefitInfo(tuple(metas))))
     assert refused.value.field == field
     assert engine.weight_version() == version
     assert_matches(vllm_engine, reference[MODEL_SEED])

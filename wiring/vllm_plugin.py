@@ -1,0 +1,20 @@
+"""vLLM's general plugin for rollout-fleet: registers the project's refit protocol with vLLM.
+
+vLLM calls ``register`` in each of its processes (entry point group ``vllm.general_plugins``,
+declared in pyproject.toml), so the weight-transfer engine factory of every worker knows the
+``rollout_fleet_packed`` backend. The class itself is imported only when a worker builds it.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """Idempotent: a process may load plugins more than once."""
+    from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND_NAME, "rollout_fleet.wiring.vllm_transfer", "RolloutFleetTransferEngine")
+    except ValueError:  # registered already in this process
+        pass
