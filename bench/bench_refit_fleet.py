@@ -5,9 +5,12 @@
 A fleet of 2 vLLM workers (Ray, Dynamo, loopback, inside `unshare -n`: the script re-executes
 itself there) serves a Llama-style model built locally (float32, ~200 MB at the defaults). This
 process is the trainer: one end-to-end refit is ``update_weights_from_collective`` + sending the
-state dict in packed buffers + every worker loading it into vLLM + the cache flush (joining the
-group is excluded, as it happens once per run). The floor: one flat gloo broadcast of the same
-number of bytes from this process into 2 spawned receivers, in the same run, interleaved.
+state dict in packed buffers + every worker receiving it inside vLLM's worker and loading each
+bucket as it arrives + the cache flush (joining the group is excluded, as it happens once per
+run). The floor: a flat gloo broadcast of the same number of bytes from this process into 2
+spawned receivers, the faster of one whole broadcast and 4 MiB chunks all in flight, in the
+same run, interleaved with the refits. After the last refit, the fleet's greedy answers to a
+few prompts must equal a transformers decode of the model last sent (a fast wrong refit fails).
 Target: end-to-end <= 1.5x the floor.
 """
 
@@ -38,12 +41,22 @@ def receiver(port: int, rank: int, nbytes: int, reps: int) -> None:
     group.close()
 
 
-def _flat_once(group, buffer) -> None:
+def _flat_once(group, buffer) -> float:
+    """The faster of a whole and a chunked broadcast of ``buffer`` (both timed from a barrier)."""
     import torch
 
-    group.wait(group.all_reduce_sum(torch.zeros(1)), "barrier")
-    group.wait(group.broadcast(buffer), "flat broadcast")
-    group.wait(group.all_reduce_sum(torch.zeros(1)), "barrier")
+    from rollout_fleet.adapters.collective.transfer import GLOO_WIRE_CHUNK_BYTES
+
+    seconds = []
+    for chunk in (buffer.numel(), GLOO_WIRE_CHUNK_BYTES):
+        group.wait(group.all_reduce_sum(torch.zeros(1)), "barrier")
+        started = time.perf_counter()
+        works = [group.broadcast(buffer[i:i + chunk]) for i in range(0, buffer.numel(), chunk)]
+        for work in works:
+            group.wait(work, "flat broadcast")
+        group.wait(group.all_reduce_sum(torch.zeros(1)), "barrier")
+        seconds.append(time.perf_counter() - started)
+    return min(seconds)
 
 
 def main() -> None:
@@ -106,20 +119,19 @@ def main() -> None:
             {n: (tuple(t.shape), t.dtype) for n, t in states[0].items()})
         floor_s, refit_s = [], []
         for rep in range(args.reps):
-            started = time.perf_counter()
-            _flat_once(floor_group, flat)
-            floor_s.append(time.perf_counter() - started)
+            floor_s.append(_flat_once(floor_group, flat))
             started = time.perf_counter()
             updating = generation.update_weights_from_collective()
             session.send_state_dict(states[(rep + 1) % 2], info)
             answers = ray.get(updating, timeout=600)
             generation.invalidate_kv_cache()
             refit_s.append(time.perf_counter() - started)
-            parts = ", ".join(f"receive {a['receive_s']:.3f} s + load {a['load_s']:.3f} s"
-                              for a in answers)
+            parts = ", ".join(f"{a['seconds']:.3f} s" for a in answers)
             print(f"rep {rep + 1}: flat {floor_s[-1]:.3f} s, end-to-end refit {refit_s[-1]:.3f} s"
-                  f" (workers: {parts})", flush=True)
+                  f" (receive + load inside each worker: {parts})", flush=True)
         versions = generation.get_weight_versions()
+        last_sent = (model_a, model_b)[args.reps % 2]
+        check_serves(generation, last_sent)
     finally:
         if session is not None:
             session.close()
@@ -133,6 +145,34 @@ def main() -> None:
     print(f"flat broadcast (floor) {nbytes / floor / 1e9:.2f} GB/s  {floor:.3f} s")
     print(f"end-to-end refit       {nbytes / refit / 1e9:.2f} GB/s  {refit:.3f} s")
     print(f"end-to-end / flat: {refit / floor:.2f}x (target <= 1.5x)")
+
+
+def check_serves(generation, model_dir, prompts=((5, 17, 42), (100, 7), (9, 9, 250, 3))) -> None:
+    """The fleet's greedy answers equal a transformers float32 decode of ``model_dir``."""
+    import asyncio
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    steps = 8
+    width = max(map(len, prompts))
+    batch = {"input_ids": torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts]),
+             "input_lengths": torch.tensor([len(p) for p in prompts])}
+
+    async def served():
+        return [pair async for pair in generation.generate_async(batch, greedy=True)]
+
+    for index, sample in asyncio.run(served()):
+        start = len(prompts[index])
+        got = sample["output_ids"][0, start:start + int(sample["generation_lengths"][0])].tolist()
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompts[index]]), max_new_tokens=len(got),
+                                  do_sample=False)[0, start:].tolist()
+        if got[:steps] != want[:steps]:
+            raise SystemExit(f"prompt {index}: the fleet answers {got}, the model sent {want}")
+    print(f"after the refits the fleet serves the model last sent: {len(prompts)} greedy answers"
+          " equal transformers")
 
 
 if __name__ == "__main__":

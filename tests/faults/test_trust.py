@@ -46,8 +46,9 @@ def stranger_bodies() -> dict[str, dict]:
     """Plausible bodies for each control (a stranger who knows the API but not the secret)."""
     spec = {"protocol": "vllm", "buffer_bytes": 1 << 20, "num_buffers": 2}
     return {
-        "init_collective": {"host": "127.0.0.1", "port": 1, "world_size": 3, "rank": 1,
-                            "train_world_size": 1, "sender_spec": spec, "timeout_s": 5},
+        "init_collective": {"host": "127.0.0.1", "port": 1, "world_size": 3, "first_rank": 1,
+                            "ranks_per_worker": 1, "train_world_size": 1, "sender_spec": spec,
+                            "timeout_s": 5},
         "prepare_refit_info": {"refit_info": {"tensors": []}},
         "update_weights": {}, "flush_cache": {}, "weight_version": {}, "stats": {},
         "engine_stats": {},
@@ -65,7 +66,8 @@ def expected_answers(prompts, weights: dict | None):
     async def answers():
         engine = MemoryEngine(seed=0, context_length=MAX_LEN)
         if weights is not None:
-            await engine.load_weights(weights.items())
+            engine.model = TinyBigramModel(weights["embed.weight"].tolist(),
+                                           weights["lm_head.weight"].tolist())
         return [await engine.serve_rollout(p, request_id=f"own-{i}", sampling=GREEDY,
                                            max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)]
     return asyncio.run(answers())

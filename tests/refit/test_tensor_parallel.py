@@ -14,8 +14,8 @@ from tests.refit.conftest import STEPS, Trainer, greedy_decode
 from tests.refit.test_refit_fleet import assert_serves, info_of, refit
 
 # ~202 MiB of float32 weights; heads and KV heads split evenly over 2 ranks.
-SPEC = TinyModelSpec(vocab_size=4096, hidden_size=1024, num_heads=8, num_kv_heads=4,
-                     num_layers=3, intermediate_size=4096)
+SPEC = TinyModelSpec(vocab_size=1024, hidden_size=1024, num_heads=8, num_kv_heads=4,
+                     num_layers=3, intermediate_size=4608)
 PROMPTS = 6
 
 
