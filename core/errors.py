@@ -93,6 +93,11 @@ class EngineError(RolloutFleetError):
     """An engine could not serve a request."""
 
 
+class EngineRejected(EngineError):
+    """An engine refused a request as asked (bad prompt, budget past the context, an option it
+    does not offer): the request is at fault, and sending it again will not help."""
+
+
 class WeightMismatch(InvalidValue):
     """Weights offered to an engine do not match its parameters."""
 

@@ -156,9 +156,15 @@ class ServedRollout:
     usage: Usage
     routed_experts: Any = None  # MoE engines: per-token expert choices, passed through as-is
     weight_version: int | None = None  # the weights that served it, when the engine counts them
+    # When asked for (``top_logprobs=N``): per generated token, the N most likely tokens at that
+    # position as ``(token_id, logprob)`` pairs, most likely first.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_generation(self.token_ids, self.logprobs)
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise InvalidValue("top_logprobs", f"{len(self.top_logprobs)} positions",
+                               f"need one per generated token ({len(self.token_ids)} tokens)")
         if self.weight_version is not None:
             int_at_least("weight_version", 0)(self, None, self.weight_version)
         if self.usage.completion_tokens != len(self.token_ids):

@@ -5,6 +5,7 @@ A backend never imports Dynamo or HTTP code: the Dynamo adapter serves any Engin
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
@@ -55,8 +56,18 @@ class EnginePort(ABC):
 
         Returns every generated token (an end-of-sequence token included, and the token that
         completed a stop string), the chosen token's logprob for each, and why it ended.
-        A prompt plus budget beyond the context raises ``EngineError``. An aborted request
+        A prompt plus budget beyond the context raises ``EngineRejected`` (an ``EngineError``:
+        the request's fault); any other failure raises ``EngineError``. An aborted request
         returns what it had with finish reason ``abort``.
+
+        Optional keywords, for OpenAI clients (see ``OPTIONAL_ROLLOUT_KEYWORDS``): an engine
+        that offers them adds them to its signature, and the serving adapter passes them only
+        when a request asks (an engine without them gets such requests refused for it):
+
+        * ``top_logprobs: int`` (>= 1): also return, per generated token, that many most
+          likely tokens with their logprobs (``ServedRollout.top_logprobs``);
+        * ``stop_token_ids: Sequence[int]``: end at any of these tokens, which is kept as the
+          last token (finish reason ``stop``), as an end-of-sequence token is.
         """
 
     @abstractmethod
@@ -66,6 +77,15 @@ class EnginePort(ABC):
     @abstractmethod
     def kv_event_sources(self) -> Sequence[KvEventSource]:
         """Where this engine publishes KV events; empty when it does not."""
+
+
+OPTIONAL_ROLLOUT_KEYWORDS = ("top_logprobs", "stop_token_ids")
+
+
+def offered_keywords(engine: EnginePort) -> frozenset[str]:
+    """The optional ``serve_rollout`` keywords this engine's signature takes."""
+    parameters = inspect.signature(engine.serve_rollout).parameters
+    return frozenset(name for name in OPTIONAL_ROLLOUT_KEYWORDS if name in parameters)
 
 
 class RefitTarget(ABC):

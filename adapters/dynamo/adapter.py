@@ -6,19 +6,24 @@ Two kinds of request reach ``generate``:
   ``serve_rollout`` and answered as ONE final chunk whose ``engine_data`` carries the whole
   result (token IDs and logprobs together), so the client reads it from ``nvext.engine_data``;
 * a **plain** completion (no annotation we know): served as an ordinary OpenAI completion,
-  token chunks streamed, so any OpenAI client works against the fleet.
+  token chunks streamed (with per-token logprobs when asked, ``n`` choices), so any OpenAI
+  client works against the fleet. An option the engine cannot honour is refused with a 400
+  that names it, never silently ignored.
 
 The request kinds are a table keyed by annotation prefix: a new kind is one entry.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import attrs
 from dynamo.common.backend import (
     EngineConfig,
     GenerateChunk,
@@ -26,8 +31,8 @@ from dynamo.common.backend import (
     LlmRegistration,
 )
 from dynamo.common.backend.publisher import ZmqSource
-from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
-from rollout_fleet.core.errors import AnnotationError, InvalidValue
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
+from rollout_fleet.core.errors import AnnotationError, EngineRejected, InvalidValue
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX,
@@ -40,6 +45,7 @@ from rollout_fleet.ports.engine import (
     EnginePort,
     KvEventSource,
     RefitTarget,
+    offered_keywords,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,12 @@ ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 CONTROL_SECRET_FIELD = "control_secret"
 PLAIN_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _RECENT_ABORTS_KEPT = 256
+# Options of a plain request that the engine port has no way to honour: a non-null value is
+# refused by name (a 400), so a client never gets an answer computed without them.
+_UNOFFERED_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                       "length_penalty", "guided_decoding")
+# A bad request (4xx, never retried) vs an engine that failed (5xx, retried by the driver).
+_REQUEST_FAULTS = (AnnotationError, InvalidValue, EngineRejected)
 
 
 class DynamoEngineAdapter(LLMEngine):
@@ -64,6 +76,8 @@ class DynamoEngineAdapter(LLMEngine):
         self._closed = False
         # Dynamo's context id -> the request id the engine knows (a rollout's own id).
         self._in_flight: dict[str, str] = {}
+        self._offered = offered_keywords(engine)
+        self._token_texts: _TokenTexts | None = None
         self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS_KEPT)
         self._counts = collections.Counter()
         self._request_kinds: dict[str, Callable[..., Awaitable[list[GenerateChunk]]]] = {
@@ -85,6 +99,7 @@ class DynamoEngineAdapter(LLMEngine):
     def set_model(self, model_path: str, served_model_name: str | None) -> None:
         self.model_path = model_path
         self.served_model_name = served_model_name
+        self._token_texts = None
 
     async def start(self, worker_id: int) -> EngineConfig:
         if not self.model_path:
@@ -125,15 +140,16 @@ class DynamoEngineAdapter(LLMEngine):
                 break
         try:
             chunks = await serve(request, context_id, annotation)
-        except (AnnotationError, InvalidValue) as exc:
+        except _REQUEST_FAULTS as exc:
             self._counts["rejected"] += 1
+            # InvalidArgument is the one Dynamo error whose message reaches the client (a 400).
             raise InvalidArgument(f"request rejected: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # an engine failure must reach the client, never hang it
             self._counts["failed"] += 1
             logger.warning("engine failed on context %s: %s: %s", context_id, type(exc).__name__, exc)
-            # InvalidArgument is the one Dynamo error whose message reaches the HTTP client
-            # (400); Unknown becomes a bare 500 and EngineShutdown takes the worker out of rotation.
-            raise InvalidArgument(f"engine failed: {type(exc).__name__}: {exc}") from None
+            # Unknown answers HTTP 500 (the message stays in this log): a 5xx, which the driver
+            # retries; EngineShutdown would take the worker out of rotation.
+            raise Unknown(f"engine failed: {type(exc).__name__}: {exc}") from None
         finally:
             self._in_flight.pop(context_id, None)
         self._counts["served"] += 1
@@ -202,16 +218,19 @@ class DynamoEngineAdapter(LLMEngine):
     async def _plain_request(self, request: dict[str, Any], context_id: str,
                              _annotation: None) -> list[GenerateChunk]:
         prompt = _prompt_of(request)
-        stop = request.get("stop_conditions") or {}
+        plain = _PlainOptions.of(request, self._offered)
         self._in_flight[context_id] = context_id
         served = await self.engine.serve_rollout(
-            prompt,
-            request_id=context_id,
-            max_new_tokens=self._plain_budget(len(prompt), stop.get("max_tokens")),
-            sampling=_plain_sampling(request.get("sampling_options") or {}),
-            stop_strings=tuple(stop.get("stop") or ()),
-        )
-        return _token_chunks(served, _hidden_stop_ids(request))
+            prompt, request_id=context_id,
+            max_new_tokens=self._plain_budget(len(prompt), plain.max_tokens),
+            sampling=plain.sampling, stop_strings=plain.stop_strings, **plain.engine_keywords)
+        return _token_chunks(served, _hidden_stop_ids(request), logprobs=plain.logprobs is not None,
+                             texts=self._texts() if plain.logprobs is not None else None)
+
+    def _texts(self) -> "_TokenTexts":
+        if self._token_texts is None:
+            self._token_texts = _TokenTexts(self.model_path)
+        return self._token_texts
 
     def _plain_budget(self, prompt_len: int, max_tokens: Any) -> int:
         wanted = PLAIN_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -292,6 +311,69 @@ def _hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
     return set(stop.get("stop_token_ids_hidden") or ()) | set(request.get("eos_token_ids") or ())
 
 
+@attrs.frozen
+class _PlainOptions:
+    """What an ordinary OpenAI request asks of the engine, checked against what it offers."""
+
+    max_tokens: Any
+    sampling: SamplingSpec
+    stop_strings: tuple[str, ...]
+    logprobs: int | None  # None: not asked; 0: the chosen token's; N: and the N most likely
+    engine_keywords: dict[str, Any]
+
+    @classmethod
+    def of(cls, request: Mapping[str, Any], offered: frozenset[str]) -> "_PlainOptions":
+        options = request.get("sampling_options") or {}
+        stop = request.get("stop_conditions") or {}
+        output = request.get("output_options") or {}
+        _refuse_unoffered(options, stop, output)
+        _refuse_choices(options)
+        logprobs = output.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or logprobs < 0):
+            raise InvalidValue("logprobs", logprobs, "must be an int >= 0")
+        keywords: dict[str, Any] = {}
+        if logprobs:
+            keywords["top_logprobs"] = logprobs
+        stop_ids = stop.get("stop_token_ids") or []
+        if stop_ids:
+            keywords["stop_token_ids"] = tuple(stop_ids)
+        missing = sorted(set(keywords) - offered)
+        if missing:
+            asked = {"top_logprobs": "logprobs > 0 (top alternatives)",
+                     "stop_token_ids": "stop_token_ids"}
+            raise InvalidValue(asked[missing[0]], keywords[missing[0]],
+                               "this worker's engine does not offer it")
+        return cls(stop.get("max_tokens"), _plain_sampling(options),
+                   tuple(stop.get("stop") or ()), logprobs, keywords)
+
+
+def _refuse_choices(options: Mapping[str, Any]) -> None:
+    """n > 1 is refused: Dynamo 1.6.1's frontend ends an answer at the first choice that
+    finishes, so the other choices would come back cut short (checked: tests/vllm)."""
+    for name in ("n", "best_of"):
+        value = options.get(name)
+        if value is not None and value != 1:
+            raise InvalidValue(name, value, "this fleet answers one choice per request "
+                               "(the frontend cuts the others short); send n requests instead")
+
+
+def _refuse_unoffered(options: Mapping[str, Any], stop: Mapping[str, Any],
+                      output: Mapping[str, Any]) -> None:
+    for name in _UNOFFERED_SAMPLING:
+        if options.get(name) is not None:
+            raise InvalidValue(name, options[name], "not offered by this fleet's engine port")
+    if options.get("use_beam_search"):
+        raise InvalidValue("use_beam_search", True, "beam search is not offered")
+    if stop.get("min_tokens"):
+        raise InvalidValue("min_tokens", stop["min_tokens"], "not offered by this fleet's engine port")
+    if stop.get("ignore_eos"):
+        raise InvalidValue("ignore_eos", True, "not offered by this fleet's engine port")
+    if output.get("prompt_logprobs") is not None:  # also how the frontend passes echo
+        raise InvalidValue("echo / prompt_logprobs", output["prompt_logprobs"],
+                           "the engine does not compute prompt logprobs")
+
+
 def _plain_sampling(options: Mapping[str, Any]) -> SamplingSpec:
     temperature = options.get("temperature")
     if temperature is not None and temperature == 0:
@@ -306,16 +388,44 @@ def _plain_sampling(options: Mapping[str, Any]) -> SamplingSpec:
     )
 
 
-def _token_chunks(served: ServedRollout, hidden: set[int]) -> list[GenerateChunk]:
-    """One chunk per visible token; the last one says why it ended (EOS is not shown)."""
-    visible = [t for t in served.token_ids if t not in hidden]
-    chunks: list[GenerateChunk] = [{"token_ids": [t], "index": 0} for t in visible[:-1]]
-    chunks.append({
-        "token_ids": visible[-1:],
-        "index": 0,
-        "finish_reason": _openai_finish(served.finish_reason),
-        "completion_usage": _usage(served.usage.prompt_tokens, len(served.token_ids)),
-    })
+class _TokenTexts:
+    """Token ID -> its text, for the alternatives in ``top_logprobs`` (the model folder's
+    ``tokenizer.json``; None where there is none to read)."""
+
+    def __init__(self, model_path: str) -> None:
+        self._tokenizer = None
+        try:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+        except Exception as exc:  # no folder, no file, or no tokenizers library: no texts
+            logger.info("no token texts for logprobs (%s: %s)", type(exc).__name__, exc)
+
+    def __call__(self, token_id: int) -> str | None:
+        if self._tokenizer is None:
+            return None
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _token_chunks(served: ServedRollout, hidden: set[int], *, logprobs: bool = False,
+                  texts: Callable[[int], str | None] | None = None) -> list[GenerateChunk]:
+    """One chunk per visible token, with its logprob (and the top alternatives) when asked;
+    the last one says why it ended. Hidden stop tokens (EOS) are not shown."""
+    tops = served.top_logprobs or ((),) * len(served.token_ids)
+    steps = [(t, lp, top) for t, lp, top in zip(served.token_ids, served.logprobs, tops)
+             if t not in hidden]
+    chunks: list[GenerateChunk] = []
+    for token, logprob, top in steps or [(None, None, None)]:
+        chunk: GenerateChunk = {"token_ids": [] if token is None else [token], "index": 0}
+        if logprobs and token is not None:
+            chunk["log_probs"] = [logprob]
+            chunk["top_logprobs"] = [[
+                {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
+                 "logprob": alt_logprob}
+                for rank, (alt, alt_logprob) in enumerate(top, start=1)]]
+        chunks.append(chunk)
+    chunks[-1]["finish_reason"] = _openai_finish(served.finish_reason)
+    chunks[-1]["completion_usage"] = _usage(served.usage.prompt_tokens, len(served.token_ids))
     return chunks
 
 

@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
+from rollout_fleet.core.errors import EngineRejected, InvalidValue, RefitError, WeightMismatch
 from rollout_fleet.core.refit import GroupJoin, RefitInfo, TensorMeta, dtype_name
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import (
@@ -170,13 +170,18 @@ class MemoryEngine(EnginePort, RefitTarget):
 
     async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                             max_new_tokens: int, sampling: SamplingSpec,
-                            stop_strings: Sequence[str] = ()) -> ServedRollout:
+                            stop_strings: Sequence[str] = (), top_logprobs: int = 0,
+                            stop_token_ids: Sequence[int] = ()) -> ServedRollout:
         self._check_input(prompt_token_ids, max_new_tokens)
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) \
+                or not 0 <= top_logprobs <= len(VOCAB):
+            raise EngineRejected(f"top_logprobs={top_logprobs!r}: must be an int in 0..{len(VOCAB)}")
         rng = random.Random(sampling.seed) if sampling.seed is not None else random.Random()
         self.in_flight.add(request_id)
         try:
             return await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
-                                        tuple(stop_strings), rng)
+                                        tuple(stop_strings), rng, top_logprobs,
+                                        frozenset(stop_token_ids) | {EOS_TOKEN_ID})
         finally:
             self.in_flight.discard(request_id)
             self._live_tokens.pop(request_id, None)
@@ -246,20 +251,22 @@ class MemoryEngine(EnginePort, RefitTarget):
     # -- internals ----------------------------------------------------------------------------
     def _check_input(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if not prompt:
-            raise EngineError("prompt_token_ids is empty")
+            raise EngineRejected("prompt_token_ids is empty")
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < len(VOCAB)]
         if bad:
-            raise EngineError(f"prompt_token_ids has IDs outside the vocabulary [0, {len(VOCAB)}): {bad[:5]}")
+            raise EngineRejected(f"prompt_token_ids has IDs outside the vocabulary [0, {len(VOCAB)}): {bad[:5]}")
         if max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+            raise EngineRejected(f"max_new_tokens={max_new_tokens}: must be >= 1")
         if len(prompt) + max_new_tokens > self.context_length:
-            raise EngineError(
+            raise EngineRejected(
                 f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
                 f"context_length={self.context_length}")
 
-    async def _generate(self, prompt, request_id, max_new_tokens, sampling, stop_strings, rng):
+    async def _generate(self, prompt, request_id, max_new_tokens, sampling, stop_strings, rng,
+                        top_n, stop_ids):
         tokens: list[int] = []
         logprobs: list[float] = []
+        tops: list[tuple[tuple[int, float], ...]] = []
         text = ""
         finish = FinishReason.LENGTH
         version = self._version
@@ -276,9 +283,12 @@ class MemoryEngine(EnginePort, RefitTarget):
             token = _pick(row, sampling, rng)
             tokens.append(token)
             logprobs.append(row[token])
+            if top_n:
+                best = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:top_n]
+                tops.append(tuple((t, row[t]) for t in best))
             self._live_tokens[request_id] = len(prompt) + len(tokens)
             prev = token
-            if token == EOS_TOKEN_ID:
+            if token in stop_ids:
                 finish = FinishReason.STOP
                 break
             text += VOCAB[token]
@@ -286,7 +296,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 finish = FinishReason.STOP
                 break
         return ServedRollout(tokens, logprobs, finish, Usage(len(prompt), len(tokens)),
-                             weight_version=version)
+                             weight_version=version, top_logprobs=tuple(tops) if top_n else None)
 
 
 async def _all_ranks(calls: list[Callable[[], Any]], on_partial: Callable[[list], Any] | None = None

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas
-from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
+from rollout_fleet.core.errors import EngineError, EngineRejected, InvalidValue, RefitError, WeightMismatch
 from rollout_fleet.core.refit import PACKED_PROTOCOL, GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import (
@@ -92,7 +92,8 @@ class VllmEngine(EnginePort, RefitTarget):
 
     async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                             max_new_tokens: int, sampling: SamplingSpec,
-                            stop_strings: Sequence[str] = ()) -> ServedRollout:
+                            stop_strings: Sequence[str] = (), top_logprobs: int = 0,
+                            stop_token_ids: Sequence[int] = ()) -> ServedRollout:
         engine = self._require_engine()
         if self._torn:
             raise EngineError(f"this worker's weights are torn ({self._torn}); it serves again"
@@ -101,7 +102,7 @@ class VllmEngine(EnginePort, RefitTarget):
         self._check_input(prompt, max_new_tokens)
         if self._early_aborts.pop(request_id, "absent") is None:
             return _served([], [], FinishReason.ABORT, len(prompt), self._version)
-        params = _sampling_params(sampling, max_new_tokens, stop_strings)
+        params = _sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs, stop_token_ids)
         live = self._live[request_id] = _Live()
         try:
             output = await self._generate(engine, prompt, params, request_id, live)
@@ -109,7 +110,7 @@ class VllmEngine(EnginePort, RefitTarget):
             self._live.pop(request_id, None)
         # Tagged at completion: weights change only while generation is paused (in-flight
         # requests drain first), so the version now is the one that served every token.
-        return _to_served(output, len(prompt), self._version)
+        return _to_served(output, len(prompt), self._version, top_logprobs)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -246,16 +247,16 @@ class VllmEngine(EnginePort, RefitTarget):
 
     def _check_input(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:
-            raise EngineError("prompt_token_ids is empty")
+            raise EngineRejected("prompt_token_ids is empty")
         vocab = self._engine.model_config.get_vocab_size()
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise EngineError(f"prompt_token_ids has IDs outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise EngineRejected(f"prompt_token_ids has IDs outside the vocabulary [0, {vocab}): {bad[:5]}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
+            raise EngineRejected(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         context = self._facts.context_length
         if len(prompt) + max_new_tokens > context:
-            raise EngineError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} "
+            raise EngineRejected(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} "
                               f"exceeds context_length={context}")
 
     async def _commit_new_weights(self) -> int:
@@ -270,7 +271,7 @@ class VllmEngine(EnginePort, RefitTarget):
         try:
             collector = await engine.add_request(request_id, tokens_input(prompt), params)
         except Exception as error:  # vLLM's validation: name the cause, keep serving
-            raise EngineError(f"vLLM refused request {request_id!r}: {error}") from error
+            raise EngineRejected(f"vLLM refused request {request_id!r}: {error}") from error
         live.admitted = True
         try:
             if live.aborted:  # the abort came while vLLM was admitting it
@@ -399,11 +400,13 @@ def _engine_dtype(engine: Any) -> str:
     return str(engine.model_config.dtype).removeprefix("torch.")
 
 
-def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str]) -> Any:
+def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str],
+                     top_logprobs: int = 0, stop_token_ids: Sequence[int] = ()) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    common = dict(max_tokens=max_new_tokens, logprobs=0, stop=list(stop_strings) or None,
+    common = dict(max_tokens=max_new_tokens, logprobs=top_logprobs, stop=list(stop_strings) or None,
+                  stop_token_ids=list(stop_token_ids) or None,
                   detokenize=bool(stop_strings),  # text is only needed to find stop strings
                   output_kind=RequestOutputKind.FINAL_ONLY)
     if sampling.greedy:
@@ -413,7 +416,7 @@ def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: 
                           seed=sampling.seed, **common)
 
 
-def _to_served(output: Any, prompt_len: int, version: int) -> ServedRollout:
+def _to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:
     completion = output.outputs[0]
     reason = _FINISH_REASONS.get(completion.finish_reason)
     if reason is None:
@@ -425,12 +428,21 @@ def _to_served(output: Any, prompt_len: int, version: int) -> ServedRollout:
         raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(logprobs)} logprobs "
                           f"for request {output.request_id!r}")
     chosen = [step[token].logprob for step, token in zip(logprobs, token_ids)]
-    return _served(token_ids, chosen, reason, prompt_len, version)
+    # Each step also holds the top_n most likely tokens (ranks 1..top_n; the chosen one may
+    # rank lower and is in ``chosen``).
+    tops = tuple(_top_of(step, top_n) for step in logprobs) if top_n else None
+    return _served(token_ids, chosen, reason, prompt_len, version, tops)
 
 
-def _served(token_ids, logprobs, reason, prompt_len, version) -> ServedRollout:
+def _top_of(step: Mapping[int, Any], top_n: int) -> tuple[tuple[int, float], ...]:
+    ranked = sorted((entry.rank, token, entry.logprob) for token, entry in step.items()
+                    if entry.rank is not None and entry.rank <= top_n)
+    return tuple((token, logprob) for _rank, token, logprob in ranked)
+
+
+def _served(token_ids, logprobs, reason, prompt_len, version, tops=None) -> ServedRollout:
     return ServedRollout(token_ids, logprobs, reason, Usage(prompt_len, len(token_ids)),
-                         weight_version=version)
+                         weight_version=version, top_logprobs=tops)
 
 
 def native_init_info(join: GroupJoin) -> dict[str, Any]:

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import pytest
 from dynamo._core import Context
 from dynamo.common.backend.publisher import ZmqSource
-from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from rollout_fleet.adapters.dynamo import DynamoEngineAdapter
 from rollout_fleet.adapters.memory.engine import MemoryEngine
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.rollout import RolloutRequest
+from rollout_fleet.core.rollout import FinishReason, RolloutRequest, SamplingSpec
 from rollout_fleet.core.wire import encode_rollout_annotation
 from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource
 
@@ -50,9 +50,10 @@ def rollout_request(request_id="r-1", max_new_tokens=6) -> dict:
             "stop_conditions": {"max_tokens": max_new_tokens, "stop_token_ids_hidden": [0]}}
 
 
-def test_engine_exception_becomes_a_clear_dynamo_error():
+def test_engine_failure_is_a_server_error_the_driver_retries():
+    # Unknown answers HTTP 500 (a 5xx: retried); InvalidArgument (400) is kept for bad requests.
     adapter = DynamoEngineAdapter(BrokenEngine(), model_path="/m")
-    with pytest.raises(InvalidArgument, match="engine failed: RuntimeError: kernel exploded"):
+    with pytest.raises(Unknown, match="engine failed: RuntimeError: kernel exploded"):
         collect(adapter, rollout_request())
     assert asyncio.run(adapter.engine_control("stats", {}))["failed"] == 1
     assert asyncio.run(adapter.engine_control("stats", {}))["in_flight"] == 0
@@ -137,3 +138,95 @@ def test_cleanup_twice_is_safe_and_stops_taking_requests():
     with pytest.raises(EngineShutdown):
         collect(adapter, rollout_request())
     assert engine.served_count == 0
+
+
+def plain_request(**asks) -> dict:
+    """A plain request as the frontend hands it to the worker (fields checked with 1.6.1)."""
+    request = {"token_ids": [3, 4, 5], "eos_token_ids": [0],
+               "stop_conditions": {"max_tokens": 8, "stop_token_ids_hidden": [0]},
+               "sampling_options": {"temperature": 0.0}, "output_options": {}}
+    for section, values in asks.items():
+        request[section] = {**request[section], **values}
+    return request
+
+
+def served_directly(engine, max_new_tokens=8, **keywords):
+    return asyncio.run(engine.serve_rollout([3, 4, 5], request_id="direct",
+                                            max_new_tokens=max_new_tokens,
+                                            sampling=SamplingSpec(), **keywords))
+
+
+def test_plain_chunks_carry_each_tokens_logprob_and_top_alternatives():
+    engine = MemoryEngine(seed=0)
+    chunks = collect(DynamoEngineAdapter(engine, model_path="/m"),
+                     plain_request(output_options={"logprobs": 3}))
+    direct = served_directly(engine, top_logprobs=3)
+    shown = [t for t in direct.token_ids if t != 0]
+    assert [c["token_ids"][0] for c in chunks] == shown
+    assert [c["log_probs"][0] for c in chunks] == [lp for t, lp in zip(direct.token_ids, direct.logprobs) if t != 0]
+    for chunk, top in zip(chunks, direct.top_logprobs):
+        alternatives = chunk["top_logprobs"][0]
+        assert [(a["token_id"], a["logprob"]) for a in alternatives] == list(top)
+        assert [a["rank"] for a in alternatives] == [1, 2, 3]
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(alternatives, alternatives[1:]))
+    assert chunks[-1]["finish_reason"] == direct.finish_reason.value
+
+
+def test_plain_chunks_without_logprobs_asked_carry_none():
+    chunks = collect(DynamoEngineAdapter(MemoryEngine(seed=0), model_path="/m"), plain_request())
+    assert chunks and all("log_probs" not in c and "top_logprobs" not in c for c in chunks)
+
+
+def test_logprobs_zero_gives_the_chosen_tokens_logprob_only():
+    chunks = collect(DynamoEngineAdapter(MemoryEngine(seed=0), model_path="/m"),
+                     plain_request(output_options={"logprobs": 0}))
+    assert all(len(c["log_probs"]) == 1 and c["top_logprobs"] == [[]] for c in chunks)
+
+
+def test_stop_token_ids_end_the_generation_at_that_token():
+    engine = MemoryEngine(seed=0)
+    free = served_directly(engine, max_new_tokens=8)
+    stop_at = free.token_ids[2]
+    chunks = collect(DynamoEngineAdapter(engine, model_path="/m"),
+                     plain_request(stop_conditions={"stop_token_ids": [stop_at]}))
+    tokens = [c["token_ids"][0] for c in chunks]
+    assert tokens == list(free.token_ids[:free.token_ids.index(stop_at) + 1])
+    assert chunks[-1]["finish_reason"] == FinishReason.STOP.value
+
+
+@pytest.mark.parametrize("section, asks, named", [
+    ("sampling_options", {"n": 2}, "n=2"),
+    ("sampling_options", {"best_of": 3}, "best_of=3"),
+    ("sampling_options", {"presence_penalty": 0.5}, "presence_penalty=0.5"),
+    ("sampling_options", {"use_beam_search": True}, "use_beam_search"),
+    ("stop_conditions", {"min_tokens": 4}, "min_tokens=4"),
+    ("stop_conditions", {"ignore_eos": True}, "ignore_eos"),
+    ("output_options", {"prompt_logprobs": 1}, "echo / prompt_logprobs=1"),
+    ("output_options", {"logprobs": -1}, "logprobs=-1"),
+], ids=["n", "best_of", "penalty", "beam", "min_tokens", "ignore_eos", "echo", "negative_logprobs"])
+def test_an_option_the_engine_cannot_honour_is_refused_by_name(section, asks, named):
+    engine = MemoryEngine(seed=0)
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+    with pytest.raises(InvalidArgument, match=f"request rejected: InvalidValue: {named}"):
+        collect(adapter, plain_request(**{section: asks}))
+    assert engine.served_count == 0
+    assert asyncio.run(adapter.engine_control("stats", {}))["rejected"] == 1
+
+
+def test_an_engine_without_top_logprobs_gets_such_requests_refused():
+    adapter = DynamoEngineAdapter(BrokenEngine(), model_path="/m")
+    with pytest.raises(InvalidArgument, match="logprobs > 0 .*does not offer it"):
+        collect(adapter, plain_request(output_options={"logprobs": 2}))
+    with pytest.raises(InvalidArgument, match="stop_token_ids=.*does not offer it"):
+        collect(adapter, plain_request(stop_conditions={"stop_token_ids": [7]}))
+
+
+def test_a_prompt_the_engine_rejects_is_a_bad_request_not_a_failure():
+    engine = MemoryEngine(seed=0)
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+    request = plain_request()
+    request["token_ids"] = [3, 999]  # outside the vocabulary
+    with pytest.raises(InvalidArgument, match="request rejected: EngineRejected: .*vocabulary"):
+        collect(adapter, request)
+    stats = asyncio.run(adapter.engine_control("stats", {}))
+    assert (stats["rejected"], stats["failed"]) == (1, 0)

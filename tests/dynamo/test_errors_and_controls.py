@@ -68,13 +68,13 @@ def test_unknown_spec_version_is_a_clear_400(fleet):
     assert_still_serving(fleet)
 
 
-def test_engine_that_raises_gives_a_clear_error(fleet):
-    # The engine refuses a budget beyond its context (256): EngineError inside serve_rollout.
+def test_a_request_the_engine_rejects_is_a_clear_400(fleet):
+    # The engine refuses a budget beyond its context (256): EngineRejected inside serve_rollout.
     body = with_annotation(spec_with(max_new_tokens=1000))
     answer = post(fleet, body)
     assert answer.status_code == 400
     message = answer.json()["message"]
-    assert message.startswith("engine failed: EngineError") and "context_length=256" in message
+    assert message.startswith("request rejected: EngineRejected") and "context_length=256" in message
     assert_still_serving(fleet)
 
 

@@ -8,7 +8,7 @@ from rollout_fleet.adapters.memory import MemoryCollective, MemoryWeightSender
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel, decode
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
 from rollout_fleet.ports.contracts.engine import (
-    EngineContract, EngineUnderTest, RefitTargetContract, RefitTrainer,
+    EngineContract, EngineUnderTest, OpenAIExtrasContract, RefitTargetContract, RefitTrainer,
 )
 
 PROMPTS = [[3, 4, 5], [10, 11], [20, 21, 22, 23], [7]]
@@ -59,7 +59,7 @@ def weight_sets():
     return TinyBigramModel.from_seed(0).state_dict(), TinyBigramModel.from_seed(1).state_dict()
 
 
-class TestMemoryEngine(EngineContract, RefitTargetContract):
+class TestMemoryEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract):
     pass
 
 

@@ -5,7 +5,11 @@ thread of this process."""
 import pytest
 
 from rollout_fleet.core.refit import CollectiveSenderSpec
-from rollout_fleet.ports.contracts.engine import EngineContract, RefitTargetContract
+from rollout_fleet.ports.contracts.engine import (
+    EngineContract,
+    OpenAIExtrasContract,
+    RefitTargetContract,
+)
 from tests.support.trainer import ThreadedTrainer
 
 from .conftest import MODEL_SEED, OTHER_SEED
@@ -30,5 +34,5 @@ def refit_trainer():
     trainer.close()
 
 
-class TestVllmEngine(EngineContract, RefitTargetContract):
+class TestVllmEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract):
     pass

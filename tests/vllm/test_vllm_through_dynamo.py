@@ -130,3 +130,146 @@ def test_rollout_ending_in_eos_keeps_every_token_through_frontend(vllm_fleet, vl
         pytest.fail("no seed in 300 sampled an EOS within 48 tokens")
     assert expected.finish_reason is FinishReason.STOP
     assert_same(through_frontend(vllm_fleet, request), expected)
+
+
+# -- plain OpenAI clients: raw httpx and JSON, no project code on the request's path ----------
+
+def post_json(fleet: VllmFleet, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{fleet.url()}{path}", json={"model": SERVED_MODEL, **body}, timeout=120)
+
+
+def shown_tokens(served) -> list[int]:
+    """The tokens an OpenAI answer shows: the frontend hides the end-of-sequence token."""
+    return [t for t in served.token_ids if t != EOS_TOKEN_ID]
+
+
+def shown_logprobs(served) -> list[float]:
+    return [lp for t, lp in zip(served.token_ids, served.logprobs) if t != EOS_TOKEN_ID]
+
+
+def direct_plain(vllm_engine, prompt, max_new_tokens, sampling=SamplingSpec(), **keywords):
+    return vllm_engine.loop.run(vllm_engine.engine.serve_rollout(
+        list(prompt), request_id=vllm_engine.next_id(), max_new_tokens=max_new_tokens,
+        sampling=sampling, **keywords))
+
+
+def test_completions_logprobs_are_the_engines_own(vllm_fleet, vllm_engine, decode):
+    prompt = vllm_engine.prompts[2]
+    expected = direct_plain(vllm_engine, prompt, 12, top_logprobs=3)
+    answer = post_json(vllm_fleet, "/v1/completions", {
+        "prompt": list(prompt), "max_tokens": 12, "temperature": 0, "logprobs": 3,
+        "nvext": {"extra_fields": ["completion_token_ids"]}})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    choice = body["choices"][0]
+    assert len(body["choices"]) == 1
+    assert body["nvext"]["completion_token_ids"] == shown_tokens(expected)
+    logprobs = choice["logprobs"]
+    # token_logprobs travel as 32-bit floats; the alternatives keep every bit.
+    assert logprobs["token_logprobs"] == pytest.approx(shown_logprobs(expected), rel=1e-6)
+    assert logprobs["tokens"] == [decode([t]) for t in shown_tokens(expected)]
+    assert len(logprobs["top_logprobs"]) == len(shown_tokens(expected))
+    for alternatives, top in zip(logprobs["top_logprobs"], expected.top_logprobs):
+        assert alternatives == {decode([t]): lp for t, lp in top}  # greedy: the chosen is among them
+    assert choice["finish_reason"] == expected.finish_reason.value
+
+
+def test_streamed_completions_carry_each_tokens_logprobs(vllm_fleet, vllm_engine, decode):
+    prompt = vllm_engine.prompts[3]
+    expected = direct_plain(vllm_engine, prompt, 10, top_logprobs=2)
+    with httpx.stream("POST", f"{vllm_fleet.url()}/v1/completions", timeout=120, json={
+            "model": SERVED_MODEL, "prompt": list(prompt), "max_tokens": 10, "temperature": 0,
+            "logprobs": 2, "stream": True}) as answer:
+        assert answer.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in answer.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [c for event in events for c in event["choices"]]
+    assert all(len(c["logprobs"]["token_logprobs"]) == 1 for c in choices)
+    assert [c["logprobs"]["token_logprobs"][0] for c in choices] == pytest.approx(
+        shown_logprobs(expected), rel=1e-6)
+    assert [c["logprobs"]["top_logprobs"][0] for c in choices] == [
+        {decode([t]): lp for t, lp in top} for top in expected.top_logprobs[:len(choices)]]
+    assert choices[-1]["finish_reason"] == expected.finish_reason.value
+
+
+def test_chat_logprobs_are_the_engines_own(vllm_fleet, vllm_engine, tokenizer):
+    content = "the cat sat on"
+    # The tiny model's chat template: each message's text, then EOS.
+    prompt = tokenizer.encode(content + "</s>").ids
+    expected = direct_plain(vllm_engine, prompt, 8, top_logprobs=2)
+    answer = post_json(vllm_fleet, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert [e["token_id"] for e in entries] == shown_tokens(expected)
+    assert [e["logprob"] for e in entries] == pytest.approx(shown_logprobs(expected), rel=1e-6)
+    for entry, top in zip(entries, expected.top_logprobs):
+        assert [a["logprob"] for a in entry["top_logprobs"]][:2] == pytest.approx(
+            [lp for _, lp in top], rel=1e-6)
+
+
+def test_seeded_plain_completion_equals_the_engines_seeded_sample(vllm_fleet, vllm_engine):
+    prompt = vllm_engine.prompts[4]
+    sampling = SamplingSpec(greedy=False, temperature=0.8, seed=11)
+    expected = direct_plain(vllm_engine, prompt, 16, sampling)
+    for _ in range(2):  # and again: the seed makes it repeatable
+        answer = post_json(vllm_fleet, "/v1/completions", {
+            "prompt": list(prompt), "max_tokens": 16, "temperature": 0.8, "seed": 11,
+            "logprobs": 0, "nvext": {"extra_fields": ["completion_token_ids"]}})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["nvext"]["completion_token_ids"] == shown_tokens(expected)
+
+
+def test_stop_token_ids_end_the_completion_at_that_token(vllm_fleet, vllm_engine):
+    prompt = vllm_engine.prompts[2]
+    free = direct_plain(vllm_engine, prompt, 12)
+    stop_at = free.token_ids[3]
+    answer = post_json(vllm_fleet, "/v1/completions", {
+        "prompt": list(prompt), "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_at],
+        "nvext": {"extra_fields": ["completion_token_ids"]}})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    end = free.token_ids.index(stop_at) + 1
+    # The stop token is kept in the token IDs (its text is not shown), as vLLM keeps it.
+    assert body["nvext"]["completion_token_ids"] == list(free.token_ids[:end])
+    assert body["usage"]["completion_tokens"] == end
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/completions", {"prompt": [5, 6, 7]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+], ids=["completions", "chat"])
+def test_two_choices_are_refused_with_a_400_that_says_so(vllm_fleet, path, extra):
+    answer = post_json(vllm_fleet, path, {"max_tokens": 4, "n": 2, **extra})
+    assert answer.status_code == 400, answer.text
+    assert "n=2" in answer.json()["message"] and "one choice per request" in answer.json()["message"]
+
+
+def test_nemo_rl_direct_driver_request_gets_what_it_reads(vllm_fleet, vllm_engine):
+    """The body NeMo-RL's upstream Dynamo driver builds for a rollout (token IDs, n=1,
+    logprobs=0, nvext completion_token_ids), and the fields it reads back."""
+    for greedy, prompt in ((True, vllm_engine.prompts[0]), (False, vllm_engine.prompts[5])):
+        sampling = SamplingSpec() if greedy else SamplingSpec(greedy=False, temperature=1.0, seed=3)
+        expected = direct_plain(vllm_engine, prompt, 20, sampling)
+        body = {"prompt": list(prompt), "max_tokens": 20, "temperature": 0.0 if greedy else 1.0,
+                "top_p": 1.0, "top_k": 1 if greedy else -1, "n": 1, "logprobs": 0,
+                "include_stop_str_in_output": True,
+                "nvext": {"extra_fields": ["completion_token_ids"]}}
+        if not greedy:
+            body["seed"] = 3
+        answer = post_json(vllm_fleet, "/v1/completions", body)
+        assert answer.status_code == 200, answer.text
+        response = answer.json()
+        choice = response["choices"][0]
+        token_ids = [int(t) for t in response["nvext"]["completion_token_ids"]]
+        token_logprobs = choice["logprobs"]["token_logprobs"]
+        assert token_ids == shown_tokens(expected)
+        assert len(token_logprobs) == len(token_ids)
+        assert all(isinstance(lp, float) for lp in token_logprobs)
+        assert token_logprobs == pytest.approx(shown_logprobs(expected), rel=1e-6)
+        truncated = choice["finish_reason"] == "length"
+        assert truncated == (expected.finish_reason is FinishReason.LENGTH)
