@@ -91,10 +91,10 @@ class Fleet:
                                      timeout_s=max(1.0, deadline - time.monotonic()))
 
     def _model_folder(self) -> str:
-        if self.config.engine.get("kind") == "memory":
-            return ""  # the memory engine writes its own folder in each worker
         if self.config.model != "tiny":
             return str(Path(self.config.model).resolve())
+        if self.config.engine.get("kind") == "memory":
+            return ""  # the memory engine writes its own folder in each worker
         from rollout_fleet.adapters.tiny_model import build_tiny_model
 
         folder = self.run_dir / "tiny-model"

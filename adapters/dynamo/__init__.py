@@ -13,6 +13,7 @@ from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
 from rollout_fleet.adapters.dynamo.frontend import (
     DynamoFrontend,
     FrontendError,
+    ModelRejected,
     stop_process_group,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "DynamoEngineAdapter",
     "DynamoFrontend",
     "FrontendError",
+    "ModelRejected",
     "LOOPBACK",
     "dynamo_env",
     "start_dynamo_endpoint",

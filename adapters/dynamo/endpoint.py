@@ -7,9 +7,11 @@ of the root logger) and its own SIGTERM handler keeps running after Dynamo's.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import dynamo.common.backend.worker as dynamo_worker
@@ -47,6 +49,7 @@ def start_dynamo_endpoint(adapter: DynamoEngineAdapter, *, model_path: str,
         endpoint=endpoint,
         model_name=str(model_path),
         served_model_name=served_model_name,
+        endpoint_types=endpoint_types(model_path),
         discovery_backend=engine_env.get("DYN_DISCOVERY_BACKEND", "file"),
         request_plane=engine_env.get("DYN_REQUEST_PLANE", "tcp"),
         event_plane=engine_env.get("DYN_EVENT_PLANE", "zmq"),
@@ -55,6 +58,21 @@ def start_dynamo_endpoint(adapter: DynamoEngineAdapter, *, model_path: str,
     _keep_host_logging()
     return loop.create_task(Worker(adapter, config).run(),
                             name=f"dynamo-endpoint:{namespace}.{component}.{endpoint}")
+
+
+def endpoint_types(model_path: str | os.PathLike) -> str:
+    """What the model registers for: chat and completions, or completions only for a folder
+    without a chat template (most base models). Dynamo's frontend refuses to materialise a
+    chat model without one; registered for completions only, it serves completions and
+    answers chat with a 404. Dynamo reads the template from ``tokenizer_config.json`` only."""
+    try:
+        config = json.loads((Path(model_path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict) and config.get("chat_template"):
+        return "chat,completions"
+    logger.warning("%s has no chat template: registered for completions only", model_path)
+    return "completions"
 
 
 def _keep_host_logging() -> None:

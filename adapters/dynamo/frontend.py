@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,10 +25,26 @@ from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
 from rollout_fleet.core.errors import RolloutFleetError
 
 _LOG_TAIL_BYTES = 4000
+_ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# The frontend's line when it cannot build a registered model (it retries with backoff for
+# minutes): a missing or broken chat template, an unreadable tokenizer, ...
+_MATERIALISE_FAILED = re.compile(
+    r'Model materialization failed.*?group=\["(?P<model>(?:[^"\\]|\\.)*)".*?error="(?P<reason>(?:[^"\\]|\\.)*)"')
+# Seen this often in a row, the failure is the model's, not a moment of start-up.
+_MATERIALISE_ATTEMPTS = 2
 
 
 class FrontendError(RolloutFleetError):
     """The frontend did not come up (or list the model) in time; carries its log's tail."""
+
+
+class ModelRejected(FrontendError):
+    """The frontend cannot materialise a registered model; carries the frontend's own reason."""
+
+    def __init__(self, model: str, reason: str, log_path: Path) -> None:
+        self.model = model
+        self.reason = reason
+        super().__init__(f"the frontend cannot serve model {model!r}: {reason} (log {log_path})")
 
 
 class DynamoFrontend:
@@ -42,6 +59,8 @@ class DynamoFrontend:
                     **(extra_env or {})}
         self.log_path = self.run_dir / f"frontend-{http_port}.log"
         self.process: subprocess.Popen | None = None
+        self._log_read = 0  # how far rejected_models() has read the log
+        self._rejections: dict[str, list[str]] = {}
 
     @property
     def url(self) -> str:
@@ -51,6 +70,7 @@ class DynamoFrontend:
         if self.process is not None:
             return self
         (self.run_dir / "home").mkdir(parents=True, exist_ok=True)
+        self._log_read = self.log_path.stat().st_size if self.log_path.exists() else 0
         command = [self.python, "-m", "dynamo.frontend",
                    "--http-host", LOOPBACK, "--http-port", str(self.http_port)]
         with open(self.log_path, "ab") as log:
@@ -80,6 +100,9 @@ class DynamoFrontend:
             listed = self.listed_models()
             if model in listed:
                 return
+            reason = self.rejected_models().get(model)
+            if reason is not None:
+                raise ModelRejected(model, reason, self.log_path)
             time.sleep(0.1)
         raise FrontendError(
             f"model {model!r} not listed at {self.url}/v1/models within {timeout_s:.0f} s "
@@ -93,12 +116,31 @@ class DynamoFrontend:
         except (OSError, ValueError, KeyError, TypeError):
             return []  # not up yet, or a half-written answer
 
+    def rejected_models(self) -> dict[str, str]:
+        """Models the frontend failed to materialise in its last attempts, with its reason."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_read)
+                data = log.read()
+        except OSError:
+            return {}
+        complete = data.rfind(b"\n") + 1  # a half-written line waits for the next call
+        self._log_read += complete
+        for line in _ANSI_CODES.sub("", data[:complete].decode("utf-8", "replace")).splitlines():
+            found = _MATERIALISE_FAILED.search(line)
+            if found:
+                self._rejections.setdefault(found["model"], []).append(
+                    found["reason"].replace('\\"', '"'))
+        return {model: reasons[-1] for model, reasons in self._rejections.items()
+                if len(reasons) >= _MATERIALISE_ATTEMPTS and len(set(reasons[-2:])) == 1}
+
     def log_tail(self) -> str:
+        """The end of the frontend's log, without terminal colour codes."""
         try:
             data = self.log_path.read_bytes()
         except OSError:
             return "(no log)"
-        return data[-_LOG_TAIL_BYTES:].decode("utf-8", "replace")
+        return _ANSI_CODES.sub("", data[-_LOG_TAIL_BYTES:].decode("utf-8", "replace"))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the frontend's process group, SIGKILL it after ``timeout_s``. Idempotent."""
