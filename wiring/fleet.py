@@ -27,6 +27,7 @@ import attrs
 from rollout_fleet.adapters.dynamo.env import dynamo_env
 from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend
+from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.ray.placement import RayPlacement
 from rollout_fleet.adapters.ray.supervisor import free_port
 from rollout_fleet.core.errors import RolloutFleetError
@@ -190,7 +191,7 @@ class Fleet:
         return build_generation(
             GenerationConfig(**settings), frontend_url=self.frontend_url,
             workers=[WorkerEndpoint(name, url) for name, url in self.control_urls.items()],
-            control_secret=self.secret)
+            control_secret=self.secret, http=http_settings(c, settings["max_concurrency"]))
 
     def dead_workers(self) -> list[str]:
         return sorted(name for name, alive in self.placement.alive().items() if not alive)
@@ -230,6 +231,14 @@ class Fleet:
 
     def __exit__(self, *_exc: object) -> None:
         self.shutdown()
+
+
+def http_settings(config: FleetConfig, max_in_flight: int) -> HttpSettings:
+    """The driver's client: one connection per rollout in flight, the config's timeouts (one
+    attempt may take ``request_s`` in all; a read may wait as long)."""
+    t = config.timeouts
+    return HttpSettings(max_in_flight=max_in_flight, connect_timeout_s=t.connect_s,
+                        read_timeout_s=t.request_s, request_timeout_s=t.request_s)
 
 
 def cores_for_worker(cores: list[int], num_workers: int, index: int) -> list[int]:

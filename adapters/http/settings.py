@@ -33,6 +33,11 @@ class HttpSettings:
     # A rollout answers only when its whole generation is done: minutes, not seconds.
     read_timeout_s: float = attrs.field(default=900.0,
                                         validator=finite_at_least("http.read_timeout_s", strictly=True))
+    # The longest one rollout attempt may take, connect to last byte (None: no total deadline,
+    # only the connect and read bounds); past it the attempt is a transport error (retried).
+    request_timeout_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(
+            finite_at_least("http.request_timeout_s", strictly=True)))
     keepalive_s: float = attrs.field(default=120.0, validator=finite_at_least("http.keepalive_s", strictly=True))
     client: str = attrs.field(default="aiohttp", validator=_client_kind)
 

@@ -70,7 +70,8 @@ class HttpCompletionsTransport(CompletionsTransport):
     async def post_completion(self, body: Mapping[str, Any], *, request_id: str) -> TransportResponse:
         answer = await self.clients.current().post_json(
             self.url, dumps(body),
-            {"content-type": JSON_CONTENT_TYPE, REQUEST_ID_HEADER: request_id})
+            {"content-type": JSON_CONTENT_TYPE, REQUEST_ID_HEADER: request_id},
+            timeout_s=self.settings.request_timeout_s)
         if answer.status == 404 and not answer.body.strip():
             # Dynamo's frontend mounts /v1/completions only once it has discovered a model: a
             # frontend that (re)started answers a bare 404 for a moment (an unknown model gets a

@@ -159,6 +159,21 @@ def test_a_read_timeout_is_a_transport_error(kind):
         slow.close()
 
 
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+def test_an_attempt_past_its_request_timeout_is_a_transport_error(kind):
+    slow = LoopbackFrontend(delay_s=1.0)  # well within the read timeout, past the request's
+    try:
+        settings = HttpSettings(read_timeout_s=30.0, request_timeout_s=0.2, client=kind)
+        transport = HttpCompletionsTransport(slow.url, settings)
+        with pytest.raises(RetriesExhausted) as caught:
+            rollout(transport, RolloutRequest("r-deadline", [3], 2),
+                    policy=RetryPolicy(max_attempts=2, jitter=0.0))
+        assert isinstance(caught.value.last_error, TransportError)
+        assert slow.attempt_ids == ["r-deadline", "r-deadline"]
+    finally:
+        slow.close()
+
+
 # -- one pool, sized from the configured in-flight rollouts -------------------------------------
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
 def test_1000_concurrent_rollouts_through_one_client_stay_within_the_socket_limit(kind):
@@ -218,7 +233,8 @@ def test_retry_after_reads_seconds_and_http_dates():
 
 @pytest.mark.parametrize("field,value", [
     ("max_in_flight", 0), ("max_in_flight", 2.5), ("connect_timeout_s", 0),
-    ("read_timeout_s", float("inf")), ("client", "urllib"), ("extra_connections", -1)])
+    ("read_timeout_s", float("inf")), ("request_timeout_s", 0), ("client", "urllib"),
+    ("extra_connections", -1)])
 def test_bad_settings_name_the_field_and_value(field, value):
     with pytest.raises(InvalidValue) as caught:
         HttpSettings(**{field: value})
