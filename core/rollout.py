@@ -124,6 +124,8 @@ class RolloutRequest:
     max_new_tokens: int = attrs.field(validator=int_at_least("max_new_tokens", 0))
     sampling: SamplingSpec = GREEDY
     stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    # End at any of these tokens (kept as the last token), as at an end-of-sequence token.
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=token_ids_tuple("stop_token_ids"))
 
     def __attrs_post_init__(self) -> None:
         if not self.prompt_token_ids:

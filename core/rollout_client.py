@@ -33,6 +33,7 @@ class RolloutLimits:
     max_new_tokens: int
     stop_strings: tuple[str, ...] = ()
     context_limit_policy: ContextLimitPolicy = ContextLimitPolicy.REJECT
+    stop_token_ids: tuple[int, ...] = ()
 
     def request(self, request_id: str, prompt_token_ids: Sequence[int], *,
                 sampling: SamplingSpec, stop_strings: Sequence[str] | None = None,
@@ -47,6 +48,7 @@ class RolloutLimits:
             max_new_tokens=budget,
             sampling=sampling,
             stop_strings=merge_stop_strings(self.stop_strings, stop_strings),
+            stop_token_ids=self.stop_token_ids,
         )
 
 

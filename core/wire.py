@@ -46,6 +46,7 @@ class RolloutSpec:
     max_new_tokens: int
     sampling: SamplingSpec
     stop_strings: tuple[str, ...]
+    stop_token_ids: tuple[int, ...] = ()
 
     def to_request(self, prompt_token_ids: Sequence[int]) -> RolloutRequest:
         return RolloutRequest(
@@ -54,6 +55,7 @@ class RolloutSpec:
             max_new_tokens=self.max_new_tokens,
             sampling=self.sampling,
             stop_strings=self.stop_strings,
+            stop_token_ids=self.stop_token_ids,
         )
 
 
@@ -70,6 +72,8 @@ def encode_rollout_annotation(request: RolloutRequest) -> str:
         "seed": s.seed,
         "stop_strings": list(request.stop_strings),
     }
+    if request.stop_token_ids:  # optional within v1: older workers never see it unasked
+        spec["stop_token_ids"] = list(request.stop_token_ids)
     return ROLLOUT_ANNOTATION_PREFIX + json.dumps(spec, separators=(",", ":"))
 
 
@@ -98,16 +102,18 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
             seed=spec.get("seed"),
         )
         stop_strings = _required(spec, "stop_strings")
-        RolloutRequest(  # validates request_id, budget and stop strings with a dummy prompt
+        checked = RolloutRequest(  # validates every field with a dummy prompt
             request_id=_required(spec, "request_id"),
             prompt_token_ids=(0,),
             max_new_tokens=_required(spec, "max_new_tokens"),
             sampling=sampling,
             stop_strings=stop_strings if isinstance(stop_strings, list) else stop_strings,
+            stop_token_ids=spec.get("stop_token_ids") or (),
         )
     except InvalidValue as exc:
         raise AnnotationError(f"rollout spec has a bad field: {exc}") from None
-    return RolloutSpec(spec["request_id"], spec["max_new_tokens"], sampling, tuple(stop_strings))
+    return RolloutSpec(spec["request_id"], spec["max_new_tokens"], sampling, tuple(stop_strings),
+                       checked.stop_token_ids)
 
 
 def find_annotation(annotations: Sequence[Any] | None, prefix: str) -> str | None:

@@ -25,11 +25,14 @@ async def serve_annotated_rollout(engine: RolloutEngine, prompt_token_ids: Seque
     and whatever the engine raises.
     """
     request = decode_rollout_annotation(annotation).to_request(prompt_token_ids)
+    # Only when asked: an engine without the optional keyword still serves every other rollout.
+    extra = {"stop_token_ids": request.stop_token_ids} if request.stop_token_ids else {}
     served = await engine.serve_rollout(
         request.prompt_token_ids,
         request_id=request.request_id,
         max_new_tokens=request.max_new_tokens,
         sampling=request.sampling,
         stop_strings=request.stop_strings,
+        **extra,
     )
     return engine_data_of(served)

@@ -15,6 +15,7 @@ class WorkerLoad:
     inflight_requests: float | None = None
     kv_cache_usage: float | None = None  # fraction of the KV cache in use, 0..1
     generated_tokens: float | None = None  # cumulative count since the worker started
+    pending_requests: float | None = None  # taken by the worker, not yet running in the engine
 
 
 class WorkerMetrics(ABC):

@@ -65,6 +65,9 @@ class FleetConfig(_Strict):
     device: Literal["cpu", "gpu"] = "cpu"
     cpus_per_worker: float = Field(1.0, gt=0)
     discovery: Literal["file", "etcd"] = "file"
+    router: Literal["round-robin", "random", "kv"] = Field(
+        "round-robin", description="how the frontend picks a worker; kv: by cached prefix "
+        "(vLLM workers publish KV events; inside a private network namespace)")
     etcd_endpoint: str | None = Field(None, description="an etcd to use; None starts one on loopback")
     ray_address: str | None = Field(None, description="join this Ray cluster; None starts a local one")
     bind_host: str = Field("127.0.0.1", description="the interface every fleet server listens on")

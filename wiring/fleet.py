@@ -84,7 +84,8 @@ class Fleet:
         self.workers = list(self.placement.launch([self._launch(i, discovery_env)
                                                    for i in range(self.config.num_workers)]))
         port = self.config.frontend_port or free_port(self.config.bind_host)
-        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=discovery_env).start()
+        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env={
+            **discovery_env, "DYN_ROUTER_MODE": self.config.router}).start()
         deadline = time.monotonic() + self.config.timeouts.start_s
         for worker in self.workers:
             self._wait_worker_ready(worker, deadline)
@@ -125,8 +126,11 @@ class Fleet:
             # core and the workers take turns; each gets cores of its own instead.
             engine.setdefault("cpu_cores", cores_for_worker(
                 sorted(os.sched_getaffinity(0)), self.config.num_workers, index))
+        kv_routing = self.config.router == "kv"
+        if kv_routing and engine.get("kind") == "vllm":
+            engine.setdefault("kv_events_port", free_port(self.config.bind_host))
         worker_config = {
-            "engine": engine, "run_dir": str(self.run_dir),
+            "engine": engine, "run_dir": str(self.run_dir), "kv_routing": kv_routing,
             "collective_backend": self.collective_backend,
             "namespace": "fleet", "served_model_name": self.config.served_model_name,
             "model_path": self.model_path or None, "control_secret": self.secret,

@@ -14,6 +14,7 @@ or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON ob
       "model_path": null,              # optional: the memory engine writes its own folder
       "system_port": 18081,            # POST /engine/control/<name> is served here
       "control_secret": null,          # when set, every control body must carry it
+      "kv_routing": false,             # publish the engine's KV events to a KV router
       "sigterm_grace_s": 15            # after SIGTERM, exit anyway if still running by then
     }
 
@@ -141,7 +142,8 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
         await start_dynamo_endpoint(
             adapter, model_path=built.model_path,
             served_model_name=_required(config, "served_model_name"),
-            namespace=config.get("namespace", "fleet"), engine_env=env)
+            namespace=config.get("namespace", "fleet"), engine_env=env,
+            enable_kv_routing=bool(config.get("kv_routing", False)))
     finally:
         close = getattr(built.engine, "close", None)  # vLLM: stop its engine-core processes now
         if close is not None:

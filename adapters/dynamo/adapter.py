@@ -201,6 +201,9 @@ class DynamoEngineAdapter(LLMEngine):
     async def _serve_rollout_request(self, request: dict[str, Any], context_id: str,
                                      annotation: str) -> list[GenerateChunk]:
         spec = decode_rollout_annotation(annotation)  # for its request id, before serving
+        if spec.stop_token_ids and "stop_token_ids" not in self._offered:
+            raise InvalidValue("stop_token_ids", list(spec.stop_token_ids),
+                               "this worker's engine does not offer it")
         self._in_flight[context_id] = spec.request_id
         engine_data = await serve_annotated_rollout(self.engine, _prompt_of(request), annotation)
         tokens = engine_data["token_ids"]

@@ -28,6 +28,8 @@ class MetricNames:
                                        "vllm:kv_cache_usage_perc")
     generated_tokens: tuple[str, ...] = ("rollout_fleet_generated_tokens_total",
                                          "vllm:generation_tokens_total")
+    pending_requests: tuple[str, ...] = ("dynamo_work_handler_queue_depth",
+                                         "vllm:num_requests_waiting")
 
 
 def parse_prometheus_text(text: str, wanted: Iterable[str]) -> dict[str, float]:
@@ -81,9 +83,11 @@ class HttpWorkerMetrics(WorkerMetrics):
             raise HttpStatusError(answer.status, answer.body[:2000])
         n = self.names
         found = parse_prometheus_text(answer.body.decode("utf-8", "replace"),
-                                      n.inflight_requests + n.kv_cache_usage + n.generated_tokens)
+                                      n.inflight_requests + n.kv_cache_usage + n.generated_tokens
+                                      + n.pending_requests)
         return WorkerLoad(self.worker_id, _first(found, n.inflight_requests),
-                          _first(found, n.kv_cache_usage), _first(found, n.generated_tokens))
+                          _first(found, n.kv_cache_usage), _first(found, n.generated_tokens),
+                          _first(found, n.pending_requests))
 
     def __repr__(self) -> str:
         return f"HttpWorkerMetrics({self.worker_id!r}, {self.url!r})"

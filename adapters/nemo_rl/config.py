@@ -6,7 +6,7 @@ import attrs
 from rollout_fleet.core.budget import ContextLimitPolicy
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
-from rollout_fleet.core.rollout import SamplingSpec
+from rollout_fleet.core.rollout import GREEDY, SamplingSpec
 from rollout_fleet.core.stop_strings import merge_stop_strings
 from rollout_fleet.core.validate import finite_at_least, non_empty_str, positive_int
 
@@ -19,6 +19,7 @@ class GenerationConfig:
     max_model_len: int = attrs.field(validator=positive_int("max_model_len"))
     max_new_tokens: int = attrs.field(validator=positive_int("max_new_tokens"))
     stop_strings: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     context_limit_policy: ContextLimitPolicy = attrs.field(default=ContextLimitPolicy.REJECT,
                                                            converter=ContextLimitPolicy)
     temperature: float = 1.0
@@ -40,5 +41,8 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingSpec:
+        """Sampling at ``temperature`` (0 means greedy, as in NeMo-RL's configs)."""
+        if self.temperature == 0:
+            return GREEDY
         return SamplingSpec(greedy=False, temperature=self.temperature, top_p=self.top_p,
                             top_k=self.top_k, seed=self.seed)

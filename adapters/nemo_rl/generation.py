@@ -36,7 +36,7 @@ from rollout_fleet.ports.control import WorkerControl
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 log = logging.getLogger(__name__)
-METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens")
+METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests")
 
 
 class Stoppable(Protocol):
@@ -66,7 +66,8 @@ class DynamoGeneration:
         self._owned = tuple(owned)
         self.is_copy = False
         self._limits = RolloutLimits(config.max_model_len, config.max_new_tokens,
-                                     config.stop_strings, config.context_limit_policy)
+                                     config.stop_strings, config.context_limit_policy,
+                                     config.stop_token_ids)
         self._sampling = config.sampling
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
         self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,

@@ -201,7 +201,7 @@ def test_logger_metrics_are_per_worker_timelines(generation, server):
     loads = generation.sample_worker_metrics()
     assert [l.worker_id for l in loads] == ["w0", "w1"]
     metrics = generation.get_logger_metrics()
-    assert set(metrics) == {"inflight_requests", "kv_cache_usage", "generated_tokens"}
+    assert set(metrics) == {"inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests"}
     for key in metrics:
         assert set(metrics[key]) == {"w0", "w1"} and len(metrics[key]["w0"]) == 1
     assert metrics["generated_tokens"]["w0"][0][1] == float(server.engine.served_count * 3)

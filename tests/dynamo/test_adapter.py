@@ -230,3 +230,12 @@ def test_a_prompt_the_engine_rejects_is_a_bad_request_not_a_failure():
         collect(adapter, request)
     stats = asyncio.run(adapter.engine_control("stats", {}))
     assert (stats["rejected"], stats["failed"]) == (1, 0)
+
+
+def test_a_rollout_asking_stop_token_ids_of_an_engine_without_them_is_a_400():
+    spec = RolloutRequest(request_id="r-stop", prompt_token_ids=[3, 4], max_new_tokens=4,
+                          stop_token_ids=[7])
+    request = {"token_ids": [3, 4], "annotations": [encode_rollout_annotation(spec)],
+               "stop_conditions": {"max_tokens": 4, "stop_token_ids_hidden": [0]}}
+    with pytest.raises(InvalidArgument, match="stop_token_ids=\\[7\\]: .*does not offer it"):
+        collect(DynamoEngineAdapter(BrokenEngine(), model_path="/m"), request)

@@ -142,5 +142,6 @@ class LoopbackFrontend:
             f"{len(self.engine.in_flight)}\n"
             'dynamo_component_gpu_cache_usage_percent{dp_rank="0"} 0.25\n'
             'dynamo_component_gpu_cache_usage_percent{dp_rank="1"} 0.125\n'
-            f"rollout_fleet_generated_tokens_total {float(self.engine.served_count * 3)}\n")
+            f"rollout_fleet_generated_tokens_total {float(self.engine.served_count * 3)}\n"
+            "dynamo_work_handler_queue_depth 0\n")
         return web.Response(text=text)
