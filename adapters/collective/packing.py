@@ -11,7 +11,7 @@ everywhere (0.36-0.70). On the CPU the copies are plain memory copies: a loop of
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from rollout_fleet.core.errors import InvalidValue
@@ -52,30 +52,22 @@ def copy_tensors(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor
             target.copy_(source)
 
 
-def pack_bucket(buffer: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor],
-                on_packed: Callable[[int], None] | None = None) -> None:
-    """Copy ``tensors`` (one per bucket entry, in order) into ``buffer`` at their offsets.
-
-    ``on_packed(end)`` is called each time the bytes before ``end`` are packed (on a GPU:
-    enqueued on the current stream), so a sender can start sending them while the rest packs.
-    """
+def pack_bucket(buffer: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``tensors`` (one per bucket entry, in order) into ``buffer`` at their offsets."""
     entries = [(e, t) for e, t in zip(bucket.entries, tensors, strict=True) if e.meta.nbytes]
     if not entries:
         return
     if buffer.is_cuda and all(t.device == buffer.device for _, t in entries):
-        _pack_by_cat(buffer, entries, on_packed)
+        _pack_by_cat(buffer, entries)
         return
-    for entry, tensor in entries:
-        buffer[entry.offset:entry.offset + entry.meta.nbytes].copy_(as_bytes(tensor))
-        if on_packed is not None:
-            on_packed(entry.offset + entry.meta.nbytes)
+    copy_tensors([buffer[e.offset:e.offset + e.meta.nbytes] for e, _ in entries],
+                 [as_bytes(t) for _, t in entries])
 
 
 CAT_GROUP = 8  # tensors per torch.cat on a GPU (0: the whole bucket in one)
 
 
-def _pack_by_cat(buffer: torch.Tensor, entries: list,
-                 on_packed: Callable[[int], None] | None = None) -> None:
+def _pack_by_cat(buffer: torch.Tensor, entries: list) -> None:
     """One kernel per group of tensors: their bytes with the alignment gaps between."""
     gap = torch.zeros(BUFFER_ALIGN, dtype=torch.uint8, device=buffer.device)
     group = CAT_GROUP or len(entries)
@@ -89,8 +81,6 @@ def _pack_by_cat(buffer: torch.Tensor, entries: list,
             parts.append(as_bytes(tensor))
             end = entry.offset + entry.meta.nbytes
         torch.cat(parts, out=buffer[start:end])
-        if on_packed is not None:
-            on_packed(end)
 
 
 def unpack_bucket(block: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:

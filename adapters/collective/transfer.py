@@ -23,10 +23,12 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 from rollout_fleet.adapters.collective.blocks import BlockPool, fresh_block
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
 from rollout_fleet.adapters.collective.packing import (
+    as_bytes,
     check_tensor,
     pack_bucket,
     torch_dtype,
@@ -43,10 +45,11 @@ from rollout_fleet.core.refit import (
 )
 from rollout_fleet.ports.collective import WeightReceiver, WeightSender
 
-HEADER_FORMAT = 1
+HEADER_FORMAT = 2  # 2: large tensors travel from their own memory over gloo (wire_pieces)
 HEADER_FIELDS = ("header_format", "protocol", "buffer_bytes", "num_buffers", "refit_info",
                  "total_bytes", "wire_chunk_bytes", "role")
 GLOO_WIRE_CHUNK_BYTES = 4 << 20
+GLOO_DIRECT_MIN_BYTES = 1 << 20  # a tensor this large is sent from its own memory over gloo
 SENDER, RECEIVER = 1, 2
 
 
@@ -68,41 +71,62 @@ def bucket_plan(info: RefitInfo, buffer_bytes: int) -> tuple[Bucket, ...]:
 
 
 def wire_chunk_bytes(group: CollectiveGroup) -> int:
-    """Bytes per broadcast on the wire; 0 = a bucket in one broadcast. NCCL pipelines a large
-    broadcast itself: cutting buckets into 128 MiB broadcasts, so the first could go while the
-    rest packed, was slower on two H200s (8B-like: 0.84-0.90 of flat instead of 0.93-0.94)."""
+    """Bytes per broadcast on the wire at most; 0 = a bucket in one broadcast."""
     return GLOO_WIRE_CHUNK_BYTES if group.backend == "gloo" else 0
 
 
-class ChunkedBroadcast:
-    """One bucket's broadcasts, each started as soon as its bytes are ready."""
+@attrs.frozen
+class Piece:
+    """One broadcast of a bucket: bytes [start, stop) of the bucket's block. ``direct`` is the
+    entry whose own memory the sender sends them from; ``pack`` lists the entries the sender
+    packs into its slot before this piece (the first piece of a packed run)."""
 
-    def __init__(self, group: CollectiveGroup, payload: torch.Tensor) -> None:
-        self.group, self.payload = group, payload
-        self.chunk = wire_chunk_bytes(group) or payload.numel()
-        self.works: list[Any] = []
-        self._sent = 0
+    start: int
+    stop: int
+    direct: int | None = None
+    pack: tuple[int, ...] = ()
 
-    def ready(self, end: int) -> None:
-        """The bytes before ``end`` are packed: send every whole chunk among them."""
-        size = self.payload.numel()
-        while self._sent < size and min(self._sent + self.chunk, size) <= end:
-            stop = min(self._sent + self.chunk, size)
-            self.works.append(self.group.broadcast(self.payload[self._sent:stop]))
-            self._sent = stop
+
+@functools.lru_cache(maxsize=4096)
+def wire_pieces(bucket: Bucket, backend: str) -> tuple[Piece, ...]:
+    """How a bucket goes on the wire; sender and receivers derive the same byte ranges.
+
+    NCCL: one broadcast per bucket (it pipelines a large broadcast itself; 128 MiB pieces were
+    slower on two H200s), packed unless one tensor fills the bucket alone. gloo: a tensor of at
+    least ``GLOO_DIRECT_MIN_BYTES`` goes from its own memory, runs of smaller ones are packed
+    together, and every range is cut into broadcasts of at most ``GLOO_WIRE_CHUNK_BYTES``, all
+    in flight (gloo sends one large broadcast to one receiver at a time). On 2 shared cores the
+    packing copy competes with the transfer: packing everything reached 0.57 of a chunked flat
+    broadcast of the same bytes."""
+    entries = [(i, e) for i, e in enumerate(bucket.entries) if e.meta.nbytes]
+    if backend != "gloo":
+        if len(entries) == 1 and entries[0][1].offset == 0:
+            return (Piece(0, bucket.nbytes, direct=entries[0][0]),)
+        return (Piece(0, bucket.nbytes, pack=tuple(i for i, _ in entries)),)
+    ranges: list[tuple[int, int, int | None, tuple[int, ...]]] = []
+    run: list[tuple[int, Any]] = []
+    for index, entry in entries + [(None, None)]:
+        if entry is not None and entry.meta.nbytes < GLOO_DIRECT_MIN_BYTES:
+            run.append((index, entry))
+            continue
+        if run:
+            ranges.append((run[0][1].offset, run[-1][1].offset + run[-1][1].meta.nbytes, None,
+                           tuple(i for i, _ in run)))
+            run = []
+        if entry is not None:
+            ranges.append((entry.offset, entry.offset + entry.meta.nbytes, index, ()))
+    pieces = []
+    for start, stop, direct, pack in ranges:
+        for first in range(start, stop, GLOO_WIRE_CHUNK_BYTES):
+            pieces.append(Piece(first, min(first + GLOO_WIRE_CHUNK_BYTES, stop), direct,
+                                pack if first == start else ()))
+    return tuple(pieces)
 
 
 def header_row(spec: CollectiveSenderSpec, info: RefitInfo, role: int,
                chunk_bytes: int = 0) -> list[int]:
     return [HEADER_FORMAT, _hash63(spec.protocol), spec.buffer_bytes, spec.num_buffers,
             info_digest(info), info.total_bytes, chunk_bytes, role]
-
-
-def broadcast_chunks(group: CollectiveGroup, payload: torch.Tensor) -> list[Any]:
-    """Start the broadcast of ``payload`` (in wire chunks); returns the work handles."""
-    sending = ChunkedBroadcast(group, payload)
-    sending.ready(payload.numel())
-    return sending.works
 
 
 def wait_all(group: CollectiveGroup, works: list[Any], what: str) -> None:
@@ -207,7 +231,7 @@ class TorchWeightSender(WeightSender):
 
     def _send_buckets(self, plan: tuple[Bucket, ...], stream: Iterator[tuple[str, Any]], *,
                       checked: bool) -> None:
-        """At most ``num_buffers`` broadcasts in flight; a slot is refilled once its last
+        """At most ``num_buffers`` buckets in flight; a slot is refilled once its last
         broadcast is done (it is older than the ``num_buffers - 1`` still in flight)."""
         slots: list[torch.Tensor] = []
         in_flight: collections.deque = collections.deque()  # (bucket index, works), oldest first
@@ -218,28 +242,31 @@ class TorchWeightSender(WeightSender):
                 continue
             if len(in_flight) == self.spec.num_buffers:
                 self._wait(in_flight.popleft(), plan)
-            payload = self._alone(bucket, tensors)
-            if payload is None:
+            pieces = wire_pieces(bucket, self.group.backend)
+            slot = None
+            if any(piece.pack for piece in pieces):
                 slots = slots or self._slots(plan)
-                sending = ChunkedBroadcast(self.group, slots[packed % len(slots)][:bucket.nbytes])
-                pack_bucket(sending.payload, bucket, tensors, on_packed=sending.ready)
-                sending.ready(bucket.nbytes)
+                slot = slots[packed % len(slots)]
                 packed += 1
-                in_flight.append((index, sending.works))
-            else:
-                in_flight.append((index, broadcast_chunks(self.group, payload)))
+            works = [self.group.broadcast(self._source(piece, bucket, tensors, slot))
+                     for piece in pieces]
+            in_flight.append((index, works))
         while in_flight:
             self._wait(in_flight.popleft(), plan)
 
-    def _alone(self, bucket: Bucket, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """A tensor that fills its bucket alone goes as it is: its bytes are the packed bucket,
-        so packing it would only copy them (the work handle keeps it alive until sent)."""
-        if len(tensors) != 1 or bucket.entries[0].offset != 0:
-            return None
-        tensor = tensors[0]
-        if not tensor.is_contiguous() or tensor.device != self.group.device:
-            return None
-        return tensor.reshape(-1).view(torch.uint8)
+    def _source(self, piece: Piece, bucket: Bucket, tensors: list[torch.Tensor],
+                slot: torch.Tensor | None) -> torch.Tensor:
+        """The bytes of one piece: packed into the slot, or the tensor's own (the work handle
+        keeps them alive until sent)."""
+        if piece.pack:
+            run = Bucket(tuple(bucket.entries[i] for i in piece.pack), 0)
+            pack_bucket(slot, run, [tensors[i] for i in piece.pack])
+        if piece.direct is None:
+            return slot[piece.start:piece.stop]
+        entry, tensor = bucket.entries[piece.direct], tensors[piece.direct]
+        if tensor.device != self.group.device:
+            tensor = tensor.to(self.group.device)
+        return as_bytes(tensor)[piece.start - entry.offset:piece.stop - entry.offset]
 
     def _wait(self, indexed_works: tuple[int, list[Any]], plan: tuple[Bucket, ...]) -> None:
         index, works = indexed_works
@@ -331,7 +358,8 @@ class TorchWeightReceiver(WeightReceiver):
 
     def _post(self, bucket: Bucket, block_bytes: int) -> tuple[torch.Tensor, list[Any]]:
         block = self._blocks.take(bucket.nbytes, block_bytes)
-        return block, broadcast_chunks(self.group, block)
+        return block, [self.group.broadcast(block[piece.start:piece.stop])
+                       for piece in wire_pieces(bucket, self.group.backend)]
 
     def close(self) -> None:
         self.group.close()
