@@ -77,6 +77,58 @@ def logprobs_tuple(field: str):
     return convert
 
 
+VersionRuns = tuple[tuple[int, int], ...]
+
+
+def version_runs(field: str):
+    """attrs converter: run-length weight versions ``((version, n_tokens), ...)``.
+
+    Each version is an int >= 0 and each count an int >= 1; adjacent runs of one version are
+    merged, so two answers that tag the same tokens alike compare equal.
+    """
+
+    def convert(value: Any) -> VersionRuns:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise InvalidValue(field, value, "must be a list of [version, n_tokens] pairs")
+        runs: list[tuple[int, int]] = []
+        for index, run in enumerate(value):
+            if isinstance(run, (str, bytes)) or not isinstance(run, Sequence) or len(run) != 2:
+                raise InvalidValue(f"{field}[{index}]", run, "must be a [version, n_tokens] pair")
+            version, count = run
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise InvalidValue(f"{field}[{index}][0]", version, "a weight version is an int >= 0")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise InvalidValue(f"{field}[{index}][1]", count, "a token count is an int >= 1")
+            if runs and runs[-1][0] == version:
+                runs[-1] = (version, runs[-1][1] + count)
+            else:
+                runs.append((version, count))
+        return tuple(runs)
+
+    return convert
+
+
+def join_version_runs(first: Sequence[tuple[int, int]], second: Sequence[tuple[int, int]]
+                      ) -> VersionRuns:
+    """The runs of two consecutive pieces of one generation, as one list."""
+    return version_runs("weight_versions")([*first, *second])
+
+
+def _whole_rollout_runs(rollout: Any) -> VersionRuns:
+    """The default tagging: every token served by ``weight_version`` (when the engine counts)."""
+    if rollout.weight_version is None or not rollout.token_ids:
+        return ()
+    return ((rollout.weight_version, len(rollout.token_ids)),)
+
+
+def _check_version_runs(token_ids: tuple[int, ...], runs: VersionRuns) -> None:
+    tagged = sum(count for _, count in runs)
+    if runs and tagged != len(token_ids):
+        raise InvalidValue("weight_versions", [list(r) for r in runs],
+                           f"must tag every generated token once ({tagged} tagged, "
+                           f"{len(token_ids)} generated)")
+
+
 def _stop_strings(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise InvalidValue("stop_strings", value, "must be a list of strings")
@@ -157,10 +209,15 @@ class ServedRollout:
     finish_reason: FinishReason = attrs.field(converter=FinishReason.parse)
     usage: Usage
     routed_experts: Any = None  # MoE engines: per-token expert choices, passed through as-is
-    weight_version: int | None = None  # the weights that served it, when the engine counts them
+    weight_version: int | None = None  # the weights at completion, when the engine counts them
     # When asked for (``top_logprobs=N``): per generated token, the N most likely tokens at that
     # position as ``(token_id, logprob)`` pairs, most likely first.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    # Which weights sampled each token: ((version, n_tokens), ...) in token order; more than one
+    # run when a refit swapped the weights while this rollout was in flight.
+    weight_versions: VersionRuns = attrs.field(
+        default=attrs.Factory(_whole_rollout_runs, takes_self=True),
+        converter=version_runs("weight_versions"))
 
     def __attrs_post_init__(self) -> None:
         _check_generation(self.token_ids, self.logprobs)
@@ -169,6 +226,7 @@ class ServedRollout:
                                f"need one per generated token ({len(self.token_ids)} tokens)")
         if self.weight_version is not None:
             int_at_least("weight_version", 0)(self, None, self.weight_version)
+        _check_version_runs(self.token_ids, self.weight_versions)
         if self.usage.completion_tokens != len(self.token_ids):
             raise InvalidValue("usage.completion_tokens", self.usage.completion_tokens,
                                f"must equal the number of generated tokens ({len(self.token_ids)})")
@@ -185,9 +243,18 @@ class RolloutResult:
     routed_experts: Any = None
     weight_version: int | None = None
     attempts: int = 1
+    weight_versions: VersionRuns = attrs.field(
+        default=attrs.Factory(_whole_rollout_runs, takes_self=True),
+        converter=version_runs("weight_versions"))
 
     def __attrs_post_init__(self) -> None:
         _check_generation(self.token_ids, self.logprobs)
+        _check_version_runs(self.token_ids, self.weight_versions)
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        """The version of the first generated token (the rollout's staleness), or None."""
+        return self.weight_versions[0][0] if self.weight_versions else self.weight_version
 
     @property
     def truncated(self) -> bool:
@@ -204,4 +271,5 @@ class RolloutResult:
             routed_experts=served.routed_experts,
             weight_version=served.weight_version,
             attempts=attempts,
+            weight_versions=served.weight_versions,
         )

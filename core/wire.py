@@ -157,6 +157,7 @@ def engine_data_of(served: ServedRollout) -> dict[str, Any]:
         "prompt_tokens": served.usage.prompt_tokens,
         "routed_experts": served.routed_experts,
         "weight_version": served.weight_version,
+        "weight_versions": [list(run) for run in served.weight_versions],
     }
 
 
@@ -185,6 +186,7 @@ def served_from_engine_data(data: Any) -> ServedRollout:
             ),
             routed_experts=data.get("routed_experts"),
             weight_version=data.get("weight_version"),
+            **_optional_runs(data),
         )
     except InvalidValue as exc:
         raise WireError(f"engine_data has a bad value: {exc}") from None
@@ -214,6 +216,13 @@ def parse_completion_answer(body: bytes | str) -> ServedRollout:
     if "engine_data" not in nvext:
         raise MissingField("nvext.engine_data")
     return served_from_engine_data(nvext["engine_data"])
+
+
+def _optional_runs(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A worker that does not tag tokens one by one sends no runs: the whole rollout is tagged
+    with its weight_version."""
+    runs = data.get("weight_versions")
+    return {} if runs is None else {"weight_versions": runs}
 
 
 def _is_version(value: Any, expected: int) -> bool:

@@ -223,6 +223,8 @@ def _result_line(prompt: Prompt, result: Any, tokenizer: Any) -> dict[str, Any]:
             "finish_reason": result.finish_reason.value}
     if result.weight_version is not None:
         line["weight_version"] = result.weight_version
+    if result.weight_versions:  # [[version, n_tokens], ...]: which weights sampled each token
+        line["weight_versions"] = [list(run) for run in result.weight_versions]
     if tokenizer is not None:
         line["text"] = tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
     return line

@@ -269,7 +269,7 @@ class MemoryEngine(EnginePort, RefitTarget):
         tops: list[tuple[tuple[int, float], ...]] = []
         text = ""
         finish = FinishReason.LENGTH
-        version = self._version
+        versions: list[list[int]] = []  # [version, n_tokens] runs: a load mid-rollout starts a run
         prev = prompt[-1]
         for step in range(max_new_tokens):
             if self.token_delay_s > 0:
@@ -286,6 +286,10 @@ class MemoryEngine(EnginePort, RefitTarget):
             if top_n:
                 best = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:top_n]
                 tops.append(tuple((t, row[t]) for t in best))
+            if versions and versions[-1][0] == self._version:
+                versions[-1][1] += 1
+            else:
+                versions.append([self._version, 1])
             self._live_tokens[request_id] = len(prompt) + len(tokens)
             prev = token
             if token in stop_ids:
@@ -296,7 +300,8 @@ class MemoryEngine(EnginePort, RefitTarget):
                 finish = FinishReason.STOP
                 break
         return ServedRollout(tokens, logprobs, finish, Usage(len(prompt), len(tokens)),
-                             weight_version=version, top_logprobs=tuple(tops) if top_n else None)
+                             weight_version=self._version, weight_versions=versions,
+                             top_logprobs=tuple(tops) if top_n else None)
 
 
 async def _all_ranks(calls: list[Callable[[], Any]], on_partial: Callable[[list], Any] | None = None

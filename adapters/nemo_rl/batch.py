@@ -12,7 +12,8 @@ from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import RolloutResult
 
 OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths",
-               "truncated")
+               "truncated", "weight_versions")
+NO_VERSION = -1  # weight_versions at prompt and padding positions (and where untagged)
 
 
 @attrs.frozen
@@ -65,12 +66,20 @@ def sample_output(prompt: list[int], result: RolloutResult) -> dict[str, torch.T
     ids.extend(generated)
     logprobs = array.array("f", bytes(4 * len(prompt)))
     logprobs.extend(result.logprobs)
+    versions = array.array("q", [NO_VERSION]) * len(ids)
+    at = len(prompt)
+    for version, count in result.weight_versions:  # the run-length tags, one per token here
+        versions[at:at + count] = array.array("q", [version]) * count
+        at += count
     return {
         "output_ids": torch.frombuffer(ids, dtype=torch.long).unsqueeze(0),
         "logprobs": torch.frombuffer(logprobs, dtype=torch.float32).unsqueeze(0),
         "generation_lengths": torch.full((1,), len(generated), dtype=torch.long),
         "unpadded_sequence_lengths": torch.full((1,), len(ids), dtype=torch.long),
         "truncated": torch.full((1,), result.truncated, dtype=torch.bool),
+        # The weight version that sampled each generated token, aligned with output_ids (a
+        # trainer masks or weights off-policy tokens by it); NO_VERSION elsewhere.
+        "weight_versions": torch.frombuffer(versions, dtype=torch.long).unsqueeze(0),
     }
 
 
@@ -93,12 +102,15 @@ def stack_outputs(samples: Sequence[Mapping[str, torch.Tensor]], pad_token_id: i
     width = max(s["output_ids"].shape[1] for s in samples)
     output_ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
     logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
+    versions = torch.full((len(samples), width), NO_VERSION, dtype=torch.long)
     for row, s in enumerate(samples):
         n = s["output_ids"].shape[1]
         output_ids[row, :n] = s["output_ids"][0]
         logprobs[row, :n] = s["logprobs"][0]
+        if "weight_versions" in s:
+            versions[row, :n] = s["weight_versions"][0]
     return {
-        "output_ids": output_ids, "logprobs": logprobs,
+        "output_ids": output_ids, "logprobs": logprobs, "weight_versions": versions,
         **{key: torch.cat([s[key] for s in samples]) for key in
            ("generation_lengths", "unpadded_sequence_lengths", "truncated")},
     }

@@ -80,6 +80,7 @@ class VllmEngine(EnginePort, RefitTarget):
                     self._engine = await _in_thread(_build_engine, self.config)
                 if self.config.device == "cpu" and self.config.cpu_worker_nice is not None:
                     _lower_worker_priority(self.config.cpu_worker_nice)
+                await self._engine.update_weight_version(str(self._version))
                 self._facts = _read_facts(self._engine)
                 self._metas = checkpoint_metas(self._engine.model_config.model, _engine_dtype(self._engine))
                 # As vLLM's own server does after init: the millions of objects that importing
@@ -108,8 +109,8 @@ class VllmEngine(EnginePort, RefitTarget):
             output = await self._generate(engine, prompt, params, request_id, live)
         finally:
             self._live.pop(request_id, None)
-        # Tagged at completion: weights change only while generation is paused (in-flight
-        # requests drain first), so the version now is the one that served every token.
+        # vLLM labels each step's tokens with the weight version set while it was paused for
+        # the swap (``_commit_new_weights``): per-token versions, exact whatever the pause mode.
         return _to_served(output, len(prompt), self._version, top_logprobs)
 
     async def abort(self, request_id: str) -> None:
@@ -260,8 +261,10 @@ class VllmEngine(EnginePort, RefitTarget):
                               f"exceeds context_length={context}")
 
     async def _commit_new_weights(self) -> int:
+        """Still paused: drop the cache and label every token from now on with the new version."""
         await self.reset_cache()
         self._version += 1
+        await self._engine.update_weight_version(str(self._version))
         return self._version
 
     async def _generate(self, engine: Any, prompt: list[int], params: Any, request_id: str,
@@ -431,7 +434,8 @@ def _to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> Se
     # Each step also holds the top_n most likely tokens (ranks 1..top_n; the chosen one may
     # rank lower and is in ``chosen``).
     tops = tuple(_top_of(step, top_n) for step in logprobs) if top_n else None
-    return _served(token_ids, chosen, reason, prompt_len, version, tops)
+    return _served(token_ids, chosen, reason, prompt_len, version, tops,
+                   _version_runs(completion.weight_versions, len(token_ids), version))
 
 
 def _top_of(step: Mapping[int, Any], top_n: int) -> tuple[tuple[int, float], ...]:
@@ -440,9 +444,21 @@ def _top_of(step: Mapping[int, Any], top_n: int) -> tuple[tuple[int, float], ...
     return tuple((token, logprob) for _rank, token, logprob in ranked)
 
 
-def _served(token_ids, logprobs, reason, prompt_len, version, tops=None) -> ServedRollout:
+def _version_runs(spans: Any, n_tokens: int, version: int) -> list[tuple[int, int]]:
+    """vLLM's spans (``version`` label, ``[start, end)`` of the output tokens) as runs; without
+    spans (no token carried a label) every token is tagged with the version at completion."""
+    if not spans:
+        return [(version, n_tokens)] if n_tokens else []
+    runs = [(int(span.version), span.end - span.start) for span in spans if span.end > span.start]
+    if sum(n for _, n in runs) != n_tokens:
+        raise EngineError(f"vLLM's weight-version spans {spans} do not cover {n_tokens} tokens")
+    return runs
+
+
+def _served(token_ids, logprobs, reason, prompt_len, version, tops=None, runs=None) -> ServedRollout:
     return ServedRollout(token_ids, logprobs, reason, Usage(prompt_len, len(token_ids)),
-                         weight_version=version, top_logprobs=tops)
+                         weight_version=version, top_logprobs=tops,
+                         **({} if runs is None else {"weight_versions": runs}))
 
 
 def native_init_info(join: GroupJoin) -> dict[str, Any]:

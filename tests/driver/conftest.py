@@ -51,7 +51,7 @@ def check_sample(sample, prompt, answer):
     gen = len(answer.token_ids)
     total = len(prompt) + gen
     assert set(sample) == {"output_ids", "logprobs", "generation_lengths",
-                           "unpadded_sequence_lengths", "truncated"}
+                           "unpadded_sequence_lengths", "truncated", "weight_versions"}
     assert sample["output_ids"].dtype == torch.long and sample["output_ids"].shape == (1, total)
     assert sample["logprobs"].dtype == torch.float32 and sample["logprobs"].shape == (1, total)
     assert sample["generation_lengths"].dtype == torch.long and sample["generation_lengths"].shape == (1,)
@@ -65,3 +65,8 @@ def check_sample(sample, prompt, answer):
     assert sample["generation_lengths"].item() == gen
     assert sample["unpadded_sequence_lengths"].item() == total
     assert sample["truncated"].item() == (answer.finish_reason.value == "length")
+    versions = sample["weight_versions"]
+    assert versions.dtype == torch.long and versions.shape == (1, total)
+    assert versions[0, :len(prompt)].eq(-1).all()
+    expected = [v for v, n in answer.weight_versions for _ in range(n)] or [-1] * gen
+    assert versions[0, len(prompt):].tolist() == expected

@@ -6,6 +6,7 @@ Round trips: what the driver encodes, the worker decodes to the same values (and
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import assume, example, given, settings
@@ -59,7 +60,19 @@ def served_rollouts(draw):
         usage=Usage(prompt_tokens=draw(st.integers(0, 2**31)), completion_tokens=len(ids)),
         routed_experts=draw(finite_json),
         weight_version=draw(st.none() | st.integers(0, 2**62)),
+        weight_versions=draw(version_runs_of(len(ids))),
     )
+
+
+@st.composite
+def version_runs_of(draw, n_tokens):
+    """Run-length versions tagging ``n_tokens`` tokens: cut points and a version per run."""
+    if n_tokens == 0:
+        return ()
+    cuts = sorted(draw(st.sets(st.integers(1, n_tokens - 1), max_size=3))) if n_tokens > 1 else []
+    bounds = [0, *cuts, n_tokens]
+    return tuple((draw(st.integers(0, 2**62)), end - start)
+                 for start, end in zip(bounds, bounds[1:]))
 
 
 VALID_SPEC = json.loads(encode_rollout_annotation(
@@ -253,3 +266,30 @@ def test_an_answer_that_is_not_bytes_or_text_is_a_wire_error(body):
     # Found by a property above: json.loads raised TypeError.
     with pytest.raises(WireError, match="bytes or str"):
         parse_completion_answer(body)
+
+
+@given(served_rollouts())
+def test_weight_versions_survive_the_wire_and_tag_every_token(served):
+    decoded = served_from_engine_data(json.loads(json.dumps(engine_data_of(served))))
+    assert decoded.weight_versions == served.weight_versions
+    assert not decoded.weight_versions or \
+        sum(n for _, n in decoded.weight_versions) == len(decoded.token_ids)
+
+
+@pytest.mark.parametrize("runs, culprit", [
+    ([[1, 1]], "tag every generated token"),  # 2 tokens, 1 tagged
+    ([[1, 1], [2, 2]], "tag every generated token"),  # 3 tagged
+    ([[-1, 2]], "weight_versions[0][0]"),
+    ([[1, 0], [2, 2]], "weight_versions[0][1]"),
+    ([[1, True], [2, 1]], "weight_versions[0][1]"),
+    ([[1, 1, 1]], "weight_versions[0]"),
+    ("11", "weight_versions"),
+])
+def test_engine_data_refuses_bad_weight_versions(runs, culprit):
+    with pytest.raises(WireError, match=re.escape(culprit)):
+        served_from_engine_data({**VALID_ENGINE_DATA, "weight_versions": runs})
+
+
+def test_engine_data_without_runs_tags_the_whole_rollout_with_its_version():
+    served = served_from_engine_data(VALID_ENGINE_DATA)
+    assert served.weight_versions == ((2, 2),)

@@ -109,6 +109,7 @@ def test_other_weights_equal_transformers_of_that_model_and_refitting_back_resto
         assert_matches(vllm_engine, reference[OTHER_SEED])
         served = vllm_engine.serve(reference[OTHER_SEED][0][0], 4)
         assert served.weight_version == version + 1
+        assert served.weight_versions == ((version + 1, 4),)  # vLLM's own per-token labels
     finally:
         assert _refit(vllm_engine, trainer, weights[MODEL_SEED]) == version + 2
     after = [vllm_engine.serve(p, len(t)) for p, t, _ in reference[MODEL_SEED]]
