@@ -24,7 +24,23 @@ PACKED_PROTOCOL = "rollout-fleet-packed-v1"
 VLLM_PROTOCOL = "vllm"  # vLLM's own NCCL weight-transfer engine (NeMo-RL's trainers speak it)
 PROTOCOLS = (PACKED_PROTOCOL, VLLM_PROTOCOL)
 TRANSFER_BACKENDS = ("gloo", "nccl")
+# What a refit does with the rollouts in flight (each engine maps them onto its own pauses):
+#   drain      new rollouts wait, those in flight finish on the old weights, then the swap
+#   keep       rollouts in flight pause, the weights swap, they continue on the new weights
+#              with the KV cache of their earlier tokens as it was (computed by the old ones)
+#   recompute  as keep, but their KV cache is dropped and recomputed under the new weights
+REFIT_MODES = ("drain", "keep", "recompute")
+DEFAULT_REFIT_MODE = "drain"
 BUFFER_ALIGN = 256  # every tensor starts on a 256-byte boundary: any dtype view is legal, GPU copies coalesce
+
+
+def refit_mode(value: Any, field: str = "mode") -> str:
+    """A refit mode by name (``None``: the default); InvalidValue naming the field otherwise."""
+    if value is None:
+        return DEFAULT_REFIT_MODE
+    if value not in REFIT_MODES or not isinstance(value, str):
+        raise InvalidValue(field, value, f"must be one of {', '.join(REFIT_MODES)}")
+    return value
 
 
 def dtype_name(dtype: Any) -> str:

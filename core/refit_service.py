@@ -29,6 +29,7 @@ from rollout_fleet.core.refit import (
     GroupJoin,
     RankLayout,
     RefitInfo,
+    refit_mode,
 )
 
 
@@ -89,16 +90,20 @@ class RefitCoordinator:
             calls.append(ControlCall(control, "init_collective", join.to_wire()))
         return calls
 
-    def update_weights_plan(self) -> list[ControlCall]:
-        return [ControlCall(control, "update_weights", {}) for control in self._controls]
+    def update_weights_plan(self, mode: str | None = None) -> list[ControlCall]:
+        body = {} if mode is None else {"mode": refit_mode(mode)}
+        return [ControlCall(control, "update_weights", body) for control in self._controls]
 
     def init_collective_calls(self, *args: Any) -> list[Awaitable[Mapping[str, Any]]]:
         return [run_control_call(c, self.control_timeout_s) for c in self.init_collective_plan(*args)]
 
-    async def update_weights(self) -> dict[str, int]:
-        """Every worker receives and loads; WorkerFailures names each one that did not."""
+    async def update_weights(self, mode: str | None = None) -> dict[str, int]:
+        """Every worker receives and loads; WorkerFailures names each one that did not.
+        ``mode`` (drain, keep, recompute; drain when None) says what happens to the rollouts
+        in flight (core/refit.py)."""
         answers = await gather_workers("update_weights", {
-            c.worker_id: run_control_call(c, self.control_timeout_s) for c in self.update_weights_plan()})
+            c.worker_id: run_control_call(c, self.control_timeout_s)
+            for c in self.update_weights_plan(mode)})
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
 
     async def prepare_refit_info(self, info: RefitInfo) -> None:
@@ -169,9 +174,10 @@ class WorkerRefit:
             raise RefitError("update_weights before init_collective on this worker")
         if self._info is None:
             raise RefitError("update_weights before prepare_refit_info on this worker")
+        mode = refit_mode(body.get("mode") if isinstance(body, Mapping) else None)
         async with self._lock:
             started = time.perf_counter()
-            version = await self._target.update_weights(self._info)
+            version = await self._target.update_weights(self._info, mode=mode)
         return {"weight_version": version, "seconds": round(time.perf_counter() - started, 6)}
 
     async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 import attrs
-from rollout_fleet.core.refit import GroupJoin, RefitInfo, TensorMeta
+from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
 
 
@@ -108,9 +108,11 @@ class RefitTarget(ABC):
         join's timeout."""
 
     @abstractmethod
-    async def update_weights(self, info: RefitInfo) -> int:
+    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE) -> int:
         """Receive every tensor of ``info`` from the trainer and load it, reset the prefix
-        cache, and return the new weight version. A transfer that fails leaves the engine on
+        cache, and return the new weight version. ``mode`` (``core.refit.REFIT_MODES``) says
+        what happens to rollouts in flight: drained first, kept (continuing on the new weights
+        with their old KV), or kept with their KV recomputed under the new weights. A transfer that fails leaves the engine on
         consistent weights (its previous ones) or refusing rollouts until a refit succeeds,
         and raises ``RefitError``; a later refit works."""
 

@@ -11,13 +11,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.core.errors import EngineRejected, InvalidValue, RefitError, WeightMismatch
-from rollout_fleet.core.refit import GroupJoin, RefitInfo, TensorMeta, dtype_name
+from rollout_fleet.core.refit import (
+    DEFAULT_REFIT_MODE,
+    GroupJoin,
+    RefitInfo,
+    TensorMeta,
+    dtype_name,
+    refit_mode,
+)
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import (
     EngineFacts,
@@ -162,6 +170,8 @@ class MemoryEngine(EnginePort, RefitTarget):
         self._refit_ranks = refit_ranks
         self._join_receiver = join_receiver
         self._receivers: list[WeightReceiver] = []
+        self._admitting = asyncio.Event()
+        self._admitting.set()
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -177,6 +187,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 or not 0 <= top_logprobs <= len(VOCAB):
             raise EngineRejected(f"top_logprobs={top_logprobs!r}: must be an int in 0..{len(VOCAB)}")
         rng = random.Random(sampling.seed) if sampling.seed is not None else random.Random()
+        await self._admitting.wait()  # closed only while a drain-mode refit swaps
         self.in_flight.add(request_id)
         try:
             return await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
@@ -221,7 +232,11 @@ class MemoryEngine(EnginePort, RefitTarget):
             [lambda j=j: self._join_receiver(join, j) for j in range(self._refit_ranks)],
             on_partial=lambda joined: [r.close() for r in joined])
 
-    async def update_weights(self, info: RefitInfo) -> int:
+    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE) -> int:
+        """Receive on every rank, then swap between two tokens. ``drain`` holds new rollouts
+        and lets those in flight finish first; ``keep`` and ``recompute`` swap under them
+        (this model has no KV cache, so the two are the same here)."""
+        mode = refit_mode(mode)
         if not self._receivers:
             raise RefitError("update_weights before init_collective")
         metas = self.weight_metas()
@@ -231,11 +246,23 @@ class MemoryEngine(EnginePort, RefitTarget):
         for rank, tensors in enumerate(received[1:], start=1):
             if {name: _as_matrix(name, t, metas[name]) for name, t in tensors} != staged:
                 raise RefitError(f"engine rank {rank} received other bytes than rank 0")
-        self.model.embed = staged.get("embed.weight", self.model.embed)
-        self.model.lm_head = staged.get("lm_head.weight", self.model.lm_head)
-        await self.reset_cache()
-        self._version += 1
+        async with self._drained() if mode == "drain" else contextlib.nullcontext():
+            self.model.embed = staged.get("embed.weight", self.model.embed)
+            self.model.lm_head = staged.get("lm_head.weight", self.model.lm_head)
+            await self.reset_cache()
+            self._version += 1
         return self._version
+
+    @contextlib.asynccontextmanager
+    async def _drained(self):
+        """New rollouts wait at the door; those in flight finish; the block runs; doors open."""
+        self._admitting.clear()
+        try:
+            while self.in_flight:
+                await asyncio.sleep(0.001)
+            yield
+        finally:
+            self._admitting.set()
 
     def close_receivers(self) -> None:
         receivers, self._receivers = self._receivers, []

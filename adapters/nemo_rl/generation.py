@@ -272,10 +272,13 @@ class DynamoGeneration:
         self._check_open()
         return self._fleet_refit.prepare_refit_info(state_dict_info)
 
-    def update_weights_from_collective(self) -> list:
-        """Every worker receives the trainer's broadcast and loads it; one future per worker."""
+    def update_weights_from_collective(self, mode: str | None = None) -> list:
+        """Every worker receives the trainer's broadcast and loads it; one future per worker.
+        ``mode`` says what happens to rollouts in flight: ``drain`` (the default: they finish
+        on the old weights first), ``keep`` or ``recompute`` (they continue on the new ones;
+        docs/async-rl.md)."""
         self._check_open()
-        return self._fleet_refit.update_weights_from_collective()
+        return self._fleet_refit.update_weights_from_collective(mode)
 
     def get_weight_versions(self) -> dict[str, int]:
         """Worker id -> the version of the weights it serves (0 = as started, +1 per refit)."""

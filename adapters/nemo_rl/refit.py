@@ -44,10 +44,10 @@ class FleetRefit:
         self.refit_info = info
         return info
 
-    def update_weights_from_collective(self) -> list:
+    def update_weights_from_collective(self, mode: str | None = None) -> list:
         if self.refit_info is None:
             raise RefitError("update_weights_from_collective before prepare_refit_info")
-        return self._launch(self._coordinator.update_weights_plan())
+        return self._launch(self._coordinator.update_weights_plan(mode))
 
     def weight_versions(self) -> dict[str, int]:
         return self._helper.run(self._coordinator.weight_versions())

@@ -28,7 +28,14 @@ import attrs
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas
 from rollout_fleet.core.errors import EngineError, EngineRejected, InvalidValue, RefitError, WeightMismatch
-from rollout_fleet.core.refit import PACKED_PROTOCOL, GroupJoin, RefitInfo, TensorMeta
+from rollout_fleet.core.refit import (
+    DEFAULT_REFIT_MODE,
+    PACKED_PROTOCOL,
+    GroupJoin,
+    RefitInfo,
+    TensorMeta,
+    refit_mode,
+)
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import (
     EngineFacts,
@@ -67,6 +74,7 @@ class VllmEngine(EnginePort, RefitTarget):
         self._live: dict[str, _Live] = {}
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._version = 0
+        self._kv_salt: str | None = None  # set after a keep-mode refit left old KV in use
         self._joined = False
         self._torn: str | None = None  # why rollouts are refused: a refit died half way
 
@@ -163,15 +171,17 @@ class VllmEngine(EnginePort, RefitTarget):
                                  f" {_first_line(error)}") from error
             self._joined = True
 
-    async def update_weights(self, info: RefitInfo) -> int:
-        """Drain, receive and load inside vLLM's workers, reset the prefix cache, resume."""
+    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE) -> int:
+        """Pause (``mode``: drain, keep or recompute), receive and load inside vLLM's workers,
+        reset the prefix cache as the mode says, resume."""
+        mode = refit_mode(mode)
         engine = self._require_engine()
         if not self._joined:
             raise RefitError("update_weights before init_collective")
         _check_complete(info, self._metas)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        async with self._weight_lock, _paused(engine):
+        async with self._weight_lock, _paused(engine, mode):
             started = time.perf_counter()
             try:
                 await engine.start_weight_update()
@@ -186,7 +196,7 @@ class VllmEngine(EnginePort, RefitTarget):
                                     if self._torn else "; the previous weights serve")) from error
             loaded = time.perf_counter()
             self._torn = None
-            version = await self._commit_new_weights()
+            version = await self._commit_new_weights(mode)
         log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s, cache reset"
                  " %.3f s", version, len(info.tensors), info.total_bytes / 2**20, loaded - started,
                  time.perf_counter() - loaded)
@@ -198,10 +208,12 @@ class VllmEngine(EnginePort, RefitTarget):
     async def reset_cache(self) -> None:
         engine = self._require_engine()
         if await engine.reset_prefix_cache():
+            self._kv_salt = None  # nothing cached is left from older weights
             return
         # Running requests still hold blocks: preempt them (they recompute), then reset.
         if not await engine.reset_prefix_cache(reset_running_requests=True):
             raise EngineError("vLLM refused to reset its prefix cache")
+        self._kv_salt = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def close(self) -> None:
@@ -260,19 +272,33 @@ class VllmEngine(EnginePort, RefitTarget):
             raise EngineRejected(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} "
                               f"exceeds context_length={context}")
 
-    async def _commit_new_weights(self) -> int:
-        """Still paused: drop the cache and label every token from now on with the new version."""
-        await self.reset_cache()
+    async def _commit_new_weights(self, mode: str = DEFAULT_REFIT_MODE) -> int:
+        """Still paused: drop the cache as ``mode`` says, and label every token from now on
+        with the new version."""
+        if mode == "keep":
+            await self._keep_running_kv()
+        else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
+            await self.reset_cache()
         self._version += 1
         await self._engine.update_weight_version(str(self._version))
         return self._version
+
+    async def _keep_running_kv(self) -> None:
+        """Keep mode: the rollouts in flight keep the KV they hold. vLLM resets its prefix cache
+        only when no block is in use; when some are, new rollouts get a cache salt of the new
+        version instead, so none of them reuses a block computed by older weights."""
+        if await self._engine.reset_prefix_cache():
+            self._kv_salt = None
+        else:
+            self._kv_salt = f"rollout-fleet-weights-v{self._version + 1}"
 
     async def _generate(self, engine: Any, prompt: list[int], params: Any, request_id: str,
                         live: _Live) -> Any:
         from vllm.inputs.engine import tokens_input
 
         try:
-            collector = await engine.add_request(request_id, tokens_input(prompt), params)
+            collector = await engine.add_request(
+                request_id, tokens_input(prompt, cache_salt=self._kv_salt), params)
         except Exception as error:  # vLLM's validation: name the cause, keep serving
             raise EngineRejected(f"vLLM refused request {request_id!r}: {error}") from error
         live.admitted = True
@@ -389,10 +415,16 @@ def _read_facts(engine: Any) -> EngineFacts:
     )
 
 
+# vLLM's pause modes: "wait" lets the requests in flight finish first; "keep" freezes them in
+# the scheduler, where they stay (KV included) until generation resumes.
+_VLLM_PAUSE = {"drain": "wait", "keep": "keep", "recompute": "keep"}
+
+
 @contextlib.asynccontextmanager
-async def _paused(engine: Any):
-    """Let in-flight requests finish, hold new ones, and always resume (even on a failed load)."""
-    await engine.pause_generation(mode="wait", clear_cache=False)
+async def _paused(engine: Any, mode: str = DEFAULT_REFIT_MODE):
+    """Hold new requests, drain or freeze those in flight (``mode``), and always resume (even
+    on a failed load)."""
+    await engine.pause_generation(mode=_VLLM_PAUSE[mode], clear_cache=False)
     try:
         yield
     finally:

@@ -5,8 +5,12 @@ import asyncio
 
 import pytest
 
-from rollout_fleet.adapters.memory import MemoryEngine, TinyBigramModel
+from rollout_fleet.adapters.memory import (
+    LocalWorkerControl, MemoryCollective, MemoryEngine, MemoryWeightSender, TinyBigramModel,
+)
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
+from rollout_fleet.core.refit_service import RefitCoordinator, WorkerRefit
 from rollout_fleet.core.rollout import (
     GREEDY, RolloutResult, ServedRollout, Usage, join_version_runs,
 )
@@ -45,22 +49,65 @@ def _greedy_continuation(model: TinyBigramModel, prev: int, n: int) -> list[int]
     return tokens
 
 
-def test_a_load_mid_rollout_starts_a_new_run_and_the_new_weights_take_over():
-    engine = MemoryEngine(seed=0, context_length=512, token_delay_s=0.002)
-    old, new = TinyBigramModel.from_seed(0), TinyBigramModel.from_seed(7)  # greedy: never EOS
+def _rollout_across_a_refit(mode):
+    """A 200-token greedy rollout of the memory engine, refit to other weights in ``mode``
+    once it has 40 tokens; the rollout's answer and the rollout that came during the refit."""
+    group = MemoryCollective()
+    engine = MemoryEngine(seed=0, context_length=512, token_delay_s=0.002,
+                          join_receiver=group.join_receiver)
+    coordinator = RefitCoordinator([LocalWorkerControl("w0", WorkerRefit(engine).controls())])
+    new = TinyBigramModel.from_seed(7)
+    spec = CollectiveSenderSpec(buffer_bytes=1024, num_buffers=2)
+    info = RefitInfo.from_state_dict_info({k: ((48, 8), "float32") for k in new.state_dict()})
 
-    async def rollout_cut_by_a_load():
+    async def refit():
+        await asyncio.gather(*coordinator.init_collective_calls("127.0.0.1", 1, 2, 1, spec))
+        await coordinator.prepare_refit_info(info)
+        updates = asyncio.ensure_future(coordinator.update_weights(mode=mode))
+        await asyncio.to_thread(MemoryWeightSender(group, spec).send, info,
+                                new.state_dict().items())
+        await asyncio.sleep(0.02)  # the swap is pending (drain: waiting for the long rollout)
+        late = asyncio.ensure_future(engine.serve_rollout(
+            [3, 4], request_id="late", max_new_tokens=8, sampling=GREEDY))
+        await updates
+        return await late
+
+    async def rollout_cut_by_a_refit():
         task = asyncio.ensure_future(engine.serve_rollout(
             [3, 4], request_id="long", max_new_tokens=200, sampling=GREEDY))
         while engine._live_tokens.get("long", 0) < 2 + 40 and not task.done():
             await asyncio.sleep(0.001)
-        await engine.load_weights(new.state_dict().items())
-        return await task
+        late = await refit()
+        return await task, late
 
-    served = asyncio.run(rollout_cut_by_a_load())
+    return asyncio.run(rollout_cut_by_a_refit())
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_a_refit_that_keeps_rollouts_starts_a_new_run_and_the_new_weights_take_over(mode):
+    old, new = TinyBigramModel.from_seed(0), TinyBigramModel.from_seed(7)  # greedy: never EOS
+    served, late = _rollout_across_a_refit(mode)
     assert len(served.token_ids) == 200 and served.weight_version == 1
     (v0, before), (v1, after) = served.weight_versions
     assert (v0, v1) == (0, 1) and before >= 40 and before + after == 200
     assert list(served.token_ids[:before]) == _greedy_continuation(old, 4, before)
     assert list(served.token_ids[before:]) == _greedy_continuation(
         new, served.token_ids[before - 1], after)
+    assert late.weight_versions in (((0, 8),), ((1, 8),))
+
+
+def test_a_drain_refit_lets_the_rollout_finish_on_the_old_weights_and_holds_new_ones():
+    old, new = TinyBigramModel.from_seed(0), TinyBigramModel.from_seed(7)
+    served, late = _rollout_across_a_refit("drain")
+    assert served.weight_versions == ((0, 200),)
+    assert list(served.token_ids) == _greedy_continuation(old, 4, 200)
+    assert late.weight_versions == ((1, 8),)  # held at the door until the swap
+    assert list(late.token_ids) == _greedy_continuation(new, 4, 8)
+
+
+def test_a_refit_mode_that_does_not_exist_is_refused_by_name():
+    from rollout_fleet.core.refit import refit_mode
+
+    with pytest.raises(InvalidValue) as refused:
+        refit_mode("wait")
+    assert refused.value.field == "mode" and "drain, keep, recompute" in str(refused.value)
