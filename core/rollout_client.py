@@ -21,6 +21,7 @@ from rollout_fleet.core.rollout import (
     RolloutResult,
     SamplingSpec,
 )
+from rollout_fleet.core.partial import continuation_request, join_rollouts
 from rollout_fleet.core.stop_strings import merge_stop_strings
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 
@@ -95,3 +96,10 @@ class RolloutClient:
                 if attempt == 1 and not is_transient(error):
                     raise  # a permanent failure on the first try: the error itself is clearest
                 raise RetriesExhausted(request.request_id, attempt, error) from error
+
+    async def continue_rollout(self, request: RolloutRequest, partial: RolloutResult,
+                               request_id: str | None = None) -> RolloutResult:
+        """Generate the rest of ``request`` after ``partial`` (its aborted answer) and join the
+        two: token IDs, logprobs and per-token weight versions as if it had never been cut."""
+        rest = await self.rollout(continuation_request(request, partial, request_id))
+        return join_rollouts(partial, rest)

@@ -213,7 +213,7 @@ class DynamoEngineAdapter(LLMEngine):
         return [{
             "token_ids": [t for t in tokens if t not in hidden],
             "index": 0,
-            "finish_reason": engine_data["finish_reason"],
+            "finish_reason": _openai_finish(FinishReason(engine_data["finish_reason"])),
             "completion_usage": _usage(engine_data["prompt_tokens"], len(tokens)),
             "engine_data": engine_data,
         }]
@@ -279,11 +279,22 @@ class DynamoEngineAdapter(LLMEngine):
         return None
 
     def _builtin_controls(self) -> dict[str, ControlHandler]:
-        controls: dict[str, ControlHandler] = {"stats": self._stats}
+        controls: dict[str, ControlHandler] = {"stats": self._stats,
+                                               "abort_rollout": self._abort_rollout}
         if isinstance(self.engine, RefitTarget):
             controls["flush_cache"] = self._flush_cache
             controls["weight_version"] = self._weight_version
         return controls
+
+    async def _abort_rollout(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Cut a rollout short: its own request answers with what it generated so far
+        (finish reason ``abort``). An id not here yet is remembered by the engine."""
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidValue("request_id", request_id, "must be a non-empty string")
+        was_in_flight = request_id in self._in_flight.values()
+        await self.engine.abort(request_id)
+        return {"was_in_flight": was_in_flight}
 
     async def _flush_cache(self, _body: dict[str, Any]) -> dict[str, Any]:
         await self.engine.reset_cache()  # type: ignore[attr-defined]

@@ -112,7 +112,7 @@ def test_controls_table_secret_and_errors():
 
     engine = MemoryEngine(seed=0)
     adapter = DynamoEngineAdapter(engine, control_secret="s3", controls={"update_weights": refit})
-    assert adapter.supported_controls() == {"stats", "flush_cache", "weight_version",
+    assert adapter.supported_controls() == {"stats", "abort_rollout", "flush_cache", "weight_version",
                                             "update_weights"}
     control = lambda name, body: asyncio.run(adapter.engine_control(name, body))  # noqa: E731
     assert control("update_weights", {"control_secret": "s3", "x": 1}) == {"status": "ok", "done": True}

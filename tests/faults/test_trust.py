@@ -30,7 +30,7 @@ from tests.support import group_members, listening_sockets
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo, pytest.mark.collective]
 MAX_NEW, MAX_LEN = 12, 64
 CONTROLS = ("init_collective", "prepare_refit_info", "update_weights", "flush_cache",
-            "weight_version", "stats", "engine_stats")
+            "weight_version", "stats", "engine_stats", "abort_rollout")
 NEW_WEIGHTS_SEED = 1
 
 
@@ -51,7 +51,7 @@ def stranger_bodies() -> dict[str, dict]:
                             "timeout_s": 5},
         "prepare_refit_info": {"refit_info": {"tensors": []}},
         "update_weights": {}, "flush_cache": {}, "weight_version": {}, "stats": {},
-        "engine_stats": {},
+        "engine_stats": {}, "abort_rollout": {"request_id": "rollout-of-another"},
     }
 
 

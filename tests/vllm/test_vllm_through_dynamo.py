@@ -273,3 +273,56 @@ def test_nemo_rl_direct_driver_request_gets_what_it_reads(vllm_fleet, vllm_engin
         assert token_logprobs == pytest.approx(shown_logprobs(expected), rel=1e-6)
         truncated = choice["finish_reason"] == "length"
         assert truncated == (expected.finish_reason is FinishReason.LENGTH)
+
+
+def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vllm_fleet, vllm_engine):
+    """The driver aborts a rollout through the workers' control channel, gets the tokens so far
+    (finish reason abort), continues it with the budget left, and the join is the uncut rollout."""
+    import asyncio
+
+    from rollout_fleet.adapters.http import HttpCompletionsTransport, HttpWorkerControl
+    from rollout_fleet.core.partial import abort_everywhere
+    from rollout_fleet.core.rollout_client import RolloutClient
+
+    budget = 400  # the tiny model is fast: room enough for the abort to land mid-way
+    uncut = {}
+    for index, prompt in enumerate(vllm_engine.prompts[:4]):  # the one that runs longest
+        request = RolloutRequest(request_id=f"fe-whole-{index}", prompt_token_ids=prompt,
+                                 max_new_tokens=budget)
+        uncut[len(through_frontend(vllm_fleet, request).token_ids)] = request
+    longest = max(uncut)
+    assert longest >= 200, f"no prompt ran 200 greedy tokens: {sorted(uncut)}"
+    whole = through_frontend(vllm_fleet, uncut[longest])
+    control = HttpWorkerControl("w0", f"http://127.0.0.1:{_system_port(vllm_fleet)}", secret="")
+
+    async def cut_then_continue(request, delay_s):
+        client = RolloutClient(HttpCompletionsTransport(vllm_fleet.url()), model=SERVED_MODEL)
+        rollout = asyncio.ensure_future(client.rollout(request))
+        await asyncio.sleep(delay_s)
+        holders = await abort_everywhere([control], request.request_id)
+        partial = await rollout
+        if partial.finish_reason is not FinishReason.ABORT or not partial.token_ids:
+            return None  # the cut missed (too late, or before the first token): try another
+        return holders, partial, await client.continue_rollout(request, partial)
+
+    # A 400-token rollout of the tiny model takes well under a second here: cut it after a
+    # few delays until one lands mid-way.
+    for attempt, delay_s in enumerate((0.3, 0.15, 0.08, 0.04, 0.02, 0.01, 0.005)):
+        request = attrs.evolve(uncut[longest], request_id=f"fe-cut-{attempt}")
+        outcome = asyncio.run(cut_then_continue(request, delay_s))
+        if outcome is not None:
+            break
+    else:
+        pytest.fail("no abort landed mid-way")
+    holders, partial, joined = outcome
+    assert holders == ["w0"]
+    assert 0 < len(partial.token_ids) < len(whole.token_ids)
+    assert partial.weight_versions == ((0, len(partial.token_ids)),)
+    assert joined.token_ids == whole.token_ids
+    assert joined.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
+    assert joined.finish_reason is whole.finish_reason
+    assert joined.weight_versions == ((0, len(whole.token_ids)),)
+
+
+def _system_port(fleet: VllmFleet) -> int:
+    return json.loads((fleet.run_dir / "worker.json").read_text())["system_port"]
