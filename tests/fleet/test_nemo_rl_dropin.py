@@ -147,7 +147,7 @@ def test_outputs_have_nemo_rl_keys_dtypes_and_shapes(dropin):
         prompt, answer = prompts[index], answers[index]
         total = len(prompt) + len(answer.token_ids)
         assert set(sample) == {"output_ids", "logprobs", "generation_lengths",
-                               "unpadded_sequence_lengths", "truncated"}
+                               "unpadded_sequence_lengths", "truncated", "weight_versions"}
         assert sample["output_ids"].dtype == torch.int32  # the input's dtype
         assert sample["output_ids"].shape == (1, total)
         assert sample["output_ids"][0].tolist() == prompt + list(answer.token_ids)
