@@ -73,6 +73,7 @@ class DynamoEngineAdapter(LLMEngine):
         self.served_model_name = served_model_name
         self._control_secret = control_secret
         self._facts: EngineFacts | None = None
+        self._instance_id: int | None = None
         self._closed = False
         # Dynamo's context id -> the request id the engine knows (a rollout's own id).
         self._in_flight: dict[str, str] = {}
@@ -106,6 +107,7 @@ class DynamoEngineAdapter(LLMEngine):
             raise InvalidValue("model_path", self.model_path, "set it before the worker starts")
         facts = await self.engine.start(worker_id)
         self._facts = facts
+        self._instance_id = worker_id  # Dynamo's id of this worker (nvext.worker_id names it)
         return EngineConfig(
             model=self.model_path,
             served_model_name=self.served_model_name,
@@ -310,6 +312,7 @@ class DynamoEngineAdapter(LLMEngine):
             "rejected": self._counts["rejected"],
             "failed": self._counts["failed"],
             "aborted_request_ids": list(self._recent_aborts),
+            "instance_id": self._instance_id,
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -144,8 +145,12 @@ class VllmEngineConfig:
 
     @property
     def kv_events_endpoint(self) -> str | None:
-        # vLLM's default endpoint binds every interface; ours is loopback only.
-        return None if self.kv_events_port is None else f"tcp://127.0.0.1:{self.kv_events_port}"
+        # vLLM's publisher binds only wildcard and ipc endpoints: to tcp://127.0.0.1:<port> it
+        # connects, and its events went nowhere. An ipc socket binds, is local to this host,
+        # and listens on no network interface. kv_events_port names it (unique per host).
+        if self.kv_events_port is None:
+            return None
+        return f"ipc://{tempfile.gettempdir()}/rollout-fleet-kv-events-{self.kv_events_port}"
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""

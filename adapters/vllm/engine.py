@@ -231,6 +231,10 @@ class VllmEngine(EnginePort, RefitTarget):
         del engine
         gc.unfreeze()  # start() froze the engine's objects; a frozen cycle is never collected
         gc.collect()  # collect it now: a late __del__ at interpreter exit would shut down twice
+        endpoint = self.config.kv_events_endpoint or ""
+        if endpoint.startswith("ipc://"):  # the KV-event socket's file outlives its socket
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(endpoint[len("ipc://"):])
 
     # -- internals ----------------------------------------------------------------------------
     def _require_engine(self) -> Any:
