@@ -16,7 +16,11 @@ import httpx
 import pytest
 
 from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, dynamo_env, start_dynamo_endpoint
+from rollout_fleet.adapters.http import HttpCompletionsTransport, HttpSettings
 from rollout_fleet.adapters.memory.engine import MemoryEngine
+from rollout_fleet.core.errors import HttpStatusError, RetriesExhausted
+from rollout_fleet.core.retry import RetryPolicy
+from rollout_fleet.core.rollout_client import RolloutClient
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 from rollout_fleet.ports.contracts.loop import LoopThread
@@ -26,6 +30,23 @@ from tests.support import free_port
 pytestmark = pytest.mark.dynamo
 
 SERVED = "mem-in-process"
+FAULT_TOKEN = 46  # a prompt starting with it makes the engine fail (no other test uses it)
+
+
+class FaultyEngine(MemoryEngine):
+    """The memory engine, failing every rollout whose prompt starts with FAULT_TOKEN (an engine
+    bug, as the worker sees one); counts each call it failed, by request id."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed_calls: dict[str, int] = {}
+
+    async def serve_rollout(self, prompt_token_ids, **kwargs):
+        if prompt_token_ids[0] == FAULT_TOKEN:
+            request_id = kwargs["request_id"]
+            self.failed_calls[request_id] = self.failed_calls.get(request_id, 0) + 1
+            raise RuntimeError("kernel exploded")
+        return await super().serve_rollout(prompt_token_ids, **kwargs)
 
 
 @attrs.frozen
@@ -56,7 +77,7 @@ def in_process(fleet):
     root.addHandler(host_handler)
     handlers_before, level_before = list(root.handlers), root.level
     loop = LoopThread()
-    engine = MemoryEngine(seed=ENGINE_SEED, context_length=CONTEXT_LENGTH, token_delay_s=0.01)
+    engine = FaultyEngine(seed=ENGINE_SEED, context_length=CONTEXT_LENGTH, token_delay_s=0.01)
     adapter = DynamoEngineAdapter(engine)
 
     async def start():
@@ -134,3 +155,47 @@ def test_client_gone_mid_plain_completion_aborts_it(fleet, in_process):
     new = wait_until(lambda: [i for i in in_process.engine.aborted_ids if i not in before])
     assert len(new) == 1 and new[0] != "abort-me-7"  # Dynamo's own id for a plain request
     assert wait_until(lambda: not in_process.engine.in_flight)
+
+
+def test_an_engine_failure_is_a_500_that_the_driver_retries(fleet, in_process):
+    plain = httpx.post(f"{fleet.url}/v1/completions", timeout=30,
+                       json={"model": SERVED, "prompt": [FAULT_TOKEN, 3], "max_tokens": 3})
+    assert plain.status_code == 500, plain.text
+    transport = HttpCompletionsTransport(fleet.url, HttpSettings(max_in_flight=2))
+    client = RolloutClient(transport, model=SERVED,
+                           retry=RetryPolicy(max_attempts=3, base_delay_s=0.0, jitter=0.0))
+    request = RolloutRequest(request_id="fails-3-times", prompt_token_ids=[FAULT_TOKEN, 3],
+                             max_new_tokens=3)
+
+    async def send():
+        try:
+            return await client.rollout(request)
+        finally:
+            await transport.aclose()
+
+    with pytest.raises(RetriesExhausted) as caught:
+        asyncio.run(send())
+    assert caught.value.attempts == 3
+    assert isinstance(caught.value.last_error, HttpStatusError) and caught.value.last_error.status == 500
+    assert in_process.engine.failed_calls["fails-3-times"] == 3  # every attempt reached the engine
+
+
+def test_a_request_the_engine_rejects_is_a_400_sent_once(fleet, in_process):
+    transport = HttpCompletionsTransport(fleet.url, HttpSettings(max_in_flight=2))
+    client = RolloutClient(transport, model=SERVED, retry=RetryPolicy(max_attempts=3))
+    # A budget past the engine's context (256): the engine rejects the request as asked.
+    request = RolloutRequest(request_id="rejected-once", prompt_token_ids=[3, 4],
+                             max_new_tokens=CONTEXT_LENGTH * 4)
+    served_before = in_process.engine.served_count
+
+    async def send():
+        try:
+            return await client.rollout(request)
+        finally:
+            await transport.aclose()
+
+    with pytest.raises(HttpStatusError) as caught:  # not retried: the first error as it came
+        asyncio.run(send())
+    assert caught.value.status == 400 and b"EngineRejected" in caught.value.body
+    assert b"context_length=256" in caught.value.body
+    assert in_process.engine.served_count == served_before  # refused before generating, once
