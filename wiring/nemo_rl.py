@@ -164,12 +164,13 @@ class DynamoGeneration:
         return self.native.invalidate_kv_cache()
 
     def shutdown(self) -> bool:
-        """Stop the driver and the fleet (frontend, workers, engines); safe to repeat."""
+        """Stop the driver and the fleet (frontend, workers, engines); safe to repeat. A pickled
+        copy stops only its own connections."""
         fleet, self._fleet = self._fleet, None
-        if fleet is not None:
-            try:
-                self.native.shutdown()
-            finally:
+        try:
+            self.native.shutdown()
+        finally:
+            if fleet is not None:
                 fleet.shutdown()
         return True
 
@@ -231,6 +232,18 @@ class DynamoGeneration:
     def attach_fleet_health(self, monitor: Any, selector: Any) -> None:
         raise NotImplementedError("fleet health is not offered by this backend: its fleet "
                                   "retries transient failures itself")
+
+    # -- pickling (NeMo-RL ships the generation object to its rollout actors) -----------------
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy generates and invalidates caches through the same fleet; it owns nothing, and
+        its ``shutdown`` releases only its own connections."""
+        return {"cfg": self.cfg, "settings": self.settings, "native": self.native,
+                "dp_openai_server_base_urls": self.dp_openai_server_base_urls}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.refit_info = None
+        self._fleet = None
 
     def __repr__(self) -> str:
         state = "stopped" if self._fleet is None else "running"

@@ -240,3 +240,17 @@ def test_refit_through_the_nemo_rl_methods(dropin):
     answers = own_answers(prompts, weights=new_weights)
     for index, prompt in enumerate(prompts):
         assert pairs[index]["output_ids"][0].tolist() == prompt + list(answers[index].token_ids)
+
+
+def test_a_pickled_copy_generates_and_its_shutdown_leaves_the_fleet_running(dropin):
+    import pickle
+
+    _prompts, data = mixed_batch(3, seed=13)
+    owners = {i: s["output_ids"][0].tolist() for i, s in asyncio.run(collect(dropin, data))}
+    copy = pickle.loads(pickle.dumps(dropin))
+    try:
+        copies = {i: s["output_ids"][0].tolist() for i, s in asyncio.run(collect(copy, data))}
+        assert copies == owners  # greedy, the same fleet: the same answers
+    finally:
+        assert copy.shutdown() is True
+    assert len(asyncio.run(collect(dropin, data))) == 3  # the owner's fleet still serves

@@ -1,0 +1,99 @@
+"""NeMo-RL's drop-in DynamoGeneration over a real vLLM worker (Ray, the real frontend): built
+from NeMo-RL's config dict, its rollouts equal the engine's own, a refit through its NeMo-RL
+methods changes what it serves (and a refit back restores it), and shutdown leaves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from rollout_fleet.adapters.collective import TrainerRefitSession
+from rollout_fleet.adapters.ray.supervisor import free_port
+from rollout_fleet.wiring.nemo_rl import DynamoGeneration
+from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
+
+from .conftest import MODEL_SEED, OTHER_SEED
+
+pytestmark = [pytest.mark.ray, pytest.mark.dynamo]
+MAX_NEW = 12
+
+
+def nemo_rl_config(model_folder) -> dict:
+    return {
+        "backend": "dynamo", "model_name": str(model_folder), "max_new_tokens": MAX_NEW,
+        "temperature": 0.0, "top_p": 1.0, "top_k": None, "stop_strings": None,
+        "stop_token_ids": None, "_pad_token_id": 0,
+        "dynamo_cfg": {"engine": "vllm", "startup_timeout_s": 600, "request_timeout_s": 120,
+                       "control_timeout_s": 120, "worker_args": {},
+                       "frontend_args": {"router_mode": "round-robin"}},
+        "vllm_cfg": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "precision": "float32",
+                     "max_model_len": 512, "enforce_eager": True, "expose_http_server": False,
+                     "enable_vllm_metrics_logger": False},
+        "vllm_kwargs": {},
+        # A CPU worker of this machine; 1 MiB refit buffers (the tiny model is a few MiB).
+        "rollout_fleet": {"num_workers": 1, "refit": {"buffer_bytes": 1 << 20, "num_buffers": 2}},
+    }
+
+
+def batch(prompts):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    return {"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts])}
+
+
+def generated(dropin, prompts) -> dict[int, tuple[list[int], list[float]]]:
+    async def run():
+        return [pair async for pair in dropin.generate_async(batch(prompts))]
+
+    out = {}
+    for index, sample in asyncio.run(run()):
+        n = len(prompts[index])
+        out[index] = (sample["output_ids"][0, n:].tolist(), sample["logprobs"][0, n:].tolist())
+    return out
+
+
+def refit(dropin, state_dict) -> None:
+    port = free_port("127.0.0.1")
+    world_size = 1 + dropin.get_inference_world_size()
+    joining = dropin.init_collective("127.0.0.1", port, world_size, train_world_size=1)
+    with TrainerRefitSession("127.0.0.1", port, 0, world_size, timeout_s=120,
+                             spec=dropin.native.get_collective_sender_spec()) as trainer:
+        ray.get(joining, timeout=120)
+        dropin.prepare_refit_info({name: (tuple(t.shape), "float32") for name, t in state_dict.items()})
+        updating = dropin.update_weights_from_collective()
+        trainer.send_state_dict(state_dict, dropin.refit_info)
+        ray.get(updating, timeout=120)
+    assert dropin.finish_generation() is True
+
+
+def test_dropin_over_vllm_generates_refits_and_shuts_down(tiny_models, vllm_engine, weights):
+    prompts = [list(p) for p in vllm_engine.prompts[:4]]
+    before = own_children_before()
+    dropin = DynamoGeneration(None, nemo_rl_config(tiny_models[MODEL_SEED]))
+    fleet = dropin._fleet
+    pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
+    ports = fleet_ports(fleet)
+    try:
+        original = generated(dropin, prompts)
+        for index, prompt in enumerate(prompts):
+            direct = vllm_engine.serve(prompt, MAX_NEW)  # the engine's own greedy answer
+            tokens, logprobs = original[index]
+            assert tokens == list(direct.token_ids)
+            assert logprobs == pytest.approx(list(direct.logprobs), abs=1e-6)
+
+        refit(dropin, weights[OTHER_SEED])
+        changed = generated(dropin, prompts)
+        assert changed != original, "a refit to other weights changed nothing"
+        refit(dropin, weights[MODEL_SEED])
+        restored = generated(dropin, prompts)
+        assert {i: t for i, (t, _) in restored.items()} == {i: t for i, (t, _) in original.items()}
+        assert set(dropin.native.get_weight_versions().values()) == {2}
+    finally:
+        assert dropin.shutdown() is True
+    assert_nothing_left(pgids, ports, before)
