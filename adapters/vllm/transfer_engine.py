@@ -177,7 +177,7 @@ class PackedTransferEngine:
                 raise RefitError(f"the model's load_weights stopped after {len(received)} of"
                                  f" {len(info.tensors)} tensors")
         except BaseException as error:
-            self._recover(error)
+            self._recover(error, loaded=len(received))
             raise
         self.stats = RefitStats(len(received), info.total_bytes, time.perf_counter() - started)
         if self.rollback == "last_good":
@@ -204,18 +204,28 @@ class PackedTransferEngine:
         pass
 
     # -- failure ------------------------------------------------------------------------------
-    def _recover(self, error: BaseException) -> None:
+    def _recover(self, error: BaseException, *, loaded: int) -> None:
         self.finish_weight_update()  # leave the reload: every layer back on its kernel tensors
+        if loaded == 0:  # failed before the first tensor (a header mismatch): nothing changed
+            self.stats = RefitStats()
+            return
         if self.rollback == "none":
             self.stats = RefitStats(torn=True)
-            log.error("refit failed (%s); weights are torn until a refit succeeds", error)
+            log.error("refit failed after %d tensors (%s); the weights are torn until a refit"
+                      " succeeds", loaded, error)
             return
-        source = self._last_good if self._last_good is not None else self._checkpoint()
-        self.start_weight_update()
-        self.model.load_weights(iter(source))
-        self.finish_weight_update()
+        try:
+            source = self._last_good if self._last_good is not None else self._checkpoint()
+            self.start_weight_update()
+            self.model.load_weights(iter(source))
+            self.finish_weight_update()
+        except BaseException as rollback_error:
+            self.stats = RefitStats(torn=True)
+            log.error("refit failed (%s) and so did the rollback (%s)", error, rollback_error)
+            return
         self.stats = RefitStats(rolled_back=True)
-        log.warning("refit failed (%s); the last complete weights are back", error)
+        log.warning("refit failed after %d tensors (%s); the last complete weights are back",
+                    loaded, error)
 
     def _checkpoint(self) -> list[tuple[str, Any]]:
         """The weights the engine started with, read from its model folder."""
