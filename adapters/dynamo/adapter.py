@@ -367,7 +367,7 @@ class _PlainOptions:
 
 def _refuse_choices(options: Mapping[str, Any]) -> None:
     """n > 1 is refused: Dynamo 1.6.1's frontend ends an answer at the first choice that
-    finishes, so the other choices would come back cut short (checked: tests/vllm)."""
+    finishes, so the other choices would come back cut short (checked with 1.6.1)."""
     for name in ("n", "best_of"):
         value = options.get(name)
         if value is not None and value != 1:
