@@ -20,6 +20,7 @@ from typing import Any
 from rollout_fleet.core.errors import EngineRejected, InvalidValue, RefitError, WeightMismatch
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
+    PACKED_PROTOCOL,
     GroupJoin,
     RefitInfo,
     TensorMeta,
@@ -225,6 +226,9 @@ class MemoryEngine(EnginePort, RefitTarget):
         if join.ranks_per_worker != self._refit_ranks:
             raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
                                f"this engine holds {self._refit_ranks} rank(s)")
+        if join.sender_spec.protocol != PACKED_PROTOCOL:
+            raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol,
+                               f"the memory engine receives refits in {PACKED_PROTOCOL!r} only")
         if self._join_receiver is None:
             raise RefitError("this memory engine was built without a transfer backend (join_receiver)")
         self.close_receivers()

@@ -159,6 +159,11 @@ class VllmEngine(EnginePort, RefitTarget):
             raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
                                f"this engine has tensor_parallel_size x pipeline_parallel_size ="
                                f" {self.refit_ranks()} ranks")
+        if join.sender_spec.protocol != self.config.refit_protocol:
+            raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol,
+                               "this worker's vLLM engine receives refits in"
+                               f" {self.config.refit_protocol!r} (its refit_protocol, fixed when"
+                               " the engine starts)")
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         async with self._weight_lock:

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import pytest
 from rollout_fleet.core.errors import RolloutFleetError
-from rollout_fleet.core.refit import GroupJoin, RefitInfo
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.engine import (
@@ -330,6 +330,15 @@ class RefitTargetContract:
         join = GroupJoin(host="127.0.0.1", port=1, world_size=2 + ranks, train_world_size=1,
                          first_rank=1, ranks_per_worker=ranks + 1, timeout_s=2.0, backend="gloo")
         with pytest.raises(RolloutFleetError, match="ranks_per_worker"):
+            engine_under_test.loop.run(target.init_collective(join))
+
+    def test_a_join_in_a_protocol_the_engine_does_not_speak_is_refused(self, engine_under_test):
+        target = self._target(engine_under_test)
+        ranks = target.refit_ranks()
+        join = GroupJoin(host="127.0.0.1", port=1, world_size=1 + ranks, train_world_size=1,
+                         first_rank=1, ranks_per_worker=ranks, timeout_s=2.0, backend="gloo",
+                         sender_spec=CollectiveSenderSpec(protocol="no-such-protocol"))
+        with pytest.raises(RolloutFleetError, match="protocol"):
             engine_under_test.loop.run(target.init_collective(join))
 
     def test_reset_cache_keeps_answers(self, engine_under_test):
