@@ -15,7 +15,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
-from rollout_fleet.core.refit import CollectiveSenderSpec
+from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
 
 
@@ -51,8 +51,9 @@ class RefitSection(_Strict):
     buffer_bytes: int = Field(1 << 30, ge=1)
     num_buffers: int = Field(2, ge=1)
 
-    def spec(self) -> CollectiveSenderSpec:
-        return CollectiveSenderSpec(buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
+    def spec(self, protocol: str = PACKED_PROTOCOL) -> CollectiveSenderSpec:
+        return CollectiveSenderSpec(protocol=protocol, buffer_bytes=self.buffer_bytes,
+                                    num_buffers=self.num_buffers)
 
 
 class FleetConfig(_Strict):
@@ -95,6 +96,11 @@ class FleetConfig(_Strict):
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self
+
+    @property
+    def sender_spec(self) -> CollectiveSenderSpec:
+        """The refit geometry, in the protocol the workers' engines receive in."""
+        return self.refit.spec(self.engine.get("refit_protocol", PACKED_PROTOCOL))
 
     @property
     def bundle(self) -> dict[str, float]:

@@ -190,7 +190,7 @@ class Fleet:
             "max_new_tokens": c.max_new_tokens, "stop_strings": tuple(c.stop_strings),
             "context_limit_policy": c.context_limit_policy, "max_concurrency": c.max_in_flight,
             "retry": c.retry.policy(), "ranks_per_worker": c.ranks_per_worker,
-            "sender_spec": c.refit.spec(), "control_timeout_s": c.timeouts.refit_s,
+            "sender_spec": c.sender_spec, "control_timeout_s": c.timeouts.refit_s,
         } | overrides
         return build_generation(
             GenerationConfig(**settings), frontend_url=self.frontend_url,
