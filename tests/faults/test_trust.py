@@ -13,6 +13,7 @@ import json
 import pickle
 import urllib.request
 
+import attrs
 import pytest
 import torch
 
@@ -61,8 +62,9 @@ def greedy_outputs(generation, data):
     return {index: sample["output_ids"][0].tolist() for index, sample in pairs}, dict(pairs)
 
 
-def expected_answers(prompts, weights: dict | None):
-    """The memory engine's own greedy answers, with ``weights`` loaded when given."""
+def expected_answers(prompts, weights: dict | None, version: int = 0):
+    """The memory engine's own greedy answers, with ``weights`` in place when given, tagged as
+    served by weight ``version`` (what a fleet that was refit ``version`` times reports)."""
     async def answers():
         engine = MemoryEngine(seed=0, context_length=MAX_LEN)
         if weights is not None:
@@ -70,7 +72,9 @@ def expected_answers(prompts, weights: dict | None):
                                            weights["lm_head.weight"].tolist())
         return [await engine.serve_rollout(p, request_id=f"own-{i}", sampling=GREEDY,
                                            max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)]
-    return asyncio.run(answers())
+    return [attrs.evolve(answer, weight_version=version,
+                         weight_versions=[(version, n) for _, n in answer.weight_versions])
+            for answer in asyncio.run(answers())]
 
 
 def test_controls_without_the_secret_are_refused_and_change_nothing_then_the_owner_refits(start_fleet):
@@ -141,7 +145,7 @@ def test_controls_without_the_secret_are_refused_and_change_nothing_then_the_own
         assert set(versions_after) == set(versions_before) and set(versions_after.values()) == {1}
         outputs_after, samples = greedy_outputs(owner, data)
         assert outputs_after != outputs_before
-        for index, answer in enumerate(expected_answers(prompts, new_weights)):
+        for index, answer in enumerate(expected_answers(prompts, new_weights, version=1)):
             check_sample(samples[index], prompts[index], answer)
     finally:
         owner.shutdown()
