@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from typing import Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 from rollout_fleet.core.budget import ContextLimitPolicy, token_budget
@@ -53,10 +54,26 @@ class RolloutLimits:
         )
 
 
-class CompletionsTransportLike(Protocol):
-    """The completions port as the core sees it (the ABC lives in ports, which imports core)."""
+@attrs.frozen
+class TransportResponse:
+    status: int
+    body: bytes
+    retry_after_s: float | None = None  # the server's Retry-After, when it sent one
 
-    async def post_completion(self, body: dict, *, request_id: str): ...
+
+class CompletionsTransport(ABC):
+    """The completions port: the driver's one way to reach the frontend. Declared here, beside
+    the client written against it (``rollout_fleet.ports`` exports it with the other ports).
+
+    POSTs a completion body; raises ``TransportError`` when no HTTP answer came."""
+
+    @abstractmethod
+    async def post_completion(self, body: Mapping[str, Any], *, request_id: str) -> TransportResponse:
+        """Send ``body`` to ``/v1/completions`` with ``request_id`` as a header (same on every attempt)."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release connections; safe to call twice."""
 
 
 class RolloutClient:
@@ -66,7 +83,7 @@ class RolloutClient:
     can tell retries from new work.
     """
 
-    def __init__(self, transport: "CompletionsTransportLike", *, model: str, retry: RetryPolicy | None = None,
+    def __init__(self, transport: CompletionsTransport, *, model: str, retry: RetryPolicy | None = None,
                  clock: Clock | None = None, rng: random.Random | None = None) -> None:
         self._transport = transport
         self._model = model

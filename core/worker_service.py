@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from rollout_fleet.core.rollout import ServedRollout
+from rollout_fleet.core.engine import EnginePort
 from rollout_fleet.core.wire import decode_rollout_annotation, engine_data_of
 
 
-class RolloutEngine(Protocol):
-    """The engine port's serve_rollout, as the core sees it (the ABC lives in ports)."""
-
-    async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
-                            max_new_tokens: int, sampling: Any,
-                            stop_strings: Sequence[str] = ()) -> ServedRollout: ...
-
-
-async def serve_annotated_rollout(engine: RolloutEngine, prompt_token_ids: Sequence[int],
+async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence[int],
                                   annotation: str) -> dict[str, Any]:
     """Decode the rollout spec, serve it, and encode the whole answer as engine_data.
 

@@ -1,28 +1,9 @@
-"""Completions transport port: the driver's one way to reach the frontend."""
+"""Completions transport port: the driver's one way to reach the frontend.
 
-from __future__ import annotations
+Declared in core (``rollout_fleet.core.rollout_client``), beside the rollout client written
+against it; the core may not import ports.
+"""
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import Any
+from rollout_fleet.core.rollout_client import CompletionsTransport, TransportResponse
 
-import attrs
-
-
-@attrs.frozen
-class TransportResponse:
-    status: int
-    body: bytes
-    retry_after_s: float | None = None  # the server's Retry-After, when it sent one
-
-
-class CompletionsTransport(ABC):
-    """POSTs a completion body; raises ``TransportError`` when no HTTP answer came."""
-
-    @abstractmethod
-    async def post_completion(self, body: Mapping[str, Any], *, request_id: str) -> TransportResponse:
-        """Send ``body`` to ``/v1/completions`` with ``request_id`` as a header (same on every attempt)."""
-
-    @abstractmethod
-    async def aclose(self) -> None:
-        """Release connections; safe to call twice."""
+__all__ = ["CompletionsTransport", "TransportResponse"]

@@ -1,91 +1,22 @@
-"""The engine port: the backend seam. A new backend implements these four methods.
-
-A backend never imports Dynamo or HTTP code: the Dynamo adapter serves any EnginePort.
-"""
+"""The engine port (declared in core: ``rollout_fleet.core.engine``) and the optional refit
+port an engine may also implement."""
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-import attrs
+from rollout_fleet.core.engine import (
+    OPTIONAL_ROLLOUT_KEYWORDS,
+    EngineFacts,
+    EnginePort,
+    KvEventSource,
+    offered_keywords,
+)
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
-from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
 
-
-@attrs.frozen
-class EngineFacts:
-    """What a started engine can hold; registered with the serving runtime."""
-
-    context_length: int
-    kv_block_size: int
-    total_kv_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int | None = None
-
-
-@attrs.frozen
-class KvEventSource:
-    """Where an engine publishes KV-cache events (for KV-aware routing)."""
-
-    kind: str  # "zmq"
-    endpoint: str  # e.g. "tcp://127.0.0.1:5557"
-    topic: str = ""
-    replay_endpoint: str | None = None
-
-
-class EnginePort(ABC):
-    """One inference engine inside one worker."""
-
-    @abstractmethod
-    async def start(self, worker_id: int | str) -> EngineFacts:
-        """Bring the engine up (idempotent) and report its real limits."""
-
-    @abstractmethod
-    async def serve_rollout(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        request_id: str,
-        max_new_tokens: int,
-        sampling: SamplingSpec,
-        stop_strings: Sequence[str] = (),
-    ) -> ServedRollout:
-        """Generate up to ``max_new_tokens`` (>= 1) tokens.
-
-        Returns every generated token (an end-of-sequence token included, and the token that
-        completed a stop string), the chosen token's logprob for each, and why it ended.
-        A prompt plus budget beyond the context raises ``EngineRejected`` (an ``EngineError``:
-        the request's fault); any other failure raises ``EngineError``. An aborted request
-        returns what it had with finish reason ``abort``.
-
-        Optional keywords, for OpenAI clients (see ``OPTIONAL_ROLLOUT_KEYWORDS``): an engine
-        that offers them adds them to its signature, and the serving adapter passes them only
-        when a request asks (an engine without them gets such requests refused for it):
-
-        * ``top_logprobs: int`` (>= 1): also return, per generated token, that many most
-          likely tokens with their logprobs (``ServedRollout.top_logprobs``);
-        * ``stop_token_ids: Sequence[int]``: end at any of these tokens, which is kept as the
-          last token (finish reason ``stop``), as an end-of-sequence token is.
-        """
-
-    @abstractmethod
-    async def abort(self, request_id: str) -> None:
-        """Cancel ``request_id``: in flight, or still to come; an unknown id is a no-op."""
-
-    @abstractmethod
-    def kv_event_sources(self) -> Sequence[KvEventSource]:
-        """Where this engine publishes KV events; empty when it does not."""
-
-
-OPTIONAL_ROLLOUT_KEYWORDS = ("top_logprobs", "stop_token_ids")
-
-
-def offered_keywords(engine: EnginePort) -> frozenset[str]:
-    """The optional ``serve_rollout`` keywords this engine's signature takes."""
-    parameters = inspect.signature(engine.serve_rollout).parameters
-    return frozenset(name for name in OPTIONAL_ROLLOUT_KEYWORDS if name in parameters)
+__all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "EngineFacts", "EnginePort", "KvEventSource",
+           "RefitTarget", "offered_keywords"]
 
 
 class RefitTarget(ABC):

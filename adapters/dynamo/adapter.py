@@ -185,9 +185,9 @@ class DynamoEngineAdapter(LLMEngine):
         register_engine_registry(metrics, registry, prefix_filters=["rollout_fleet_"])
 
     def kv_cache_usage(self) -> float | None:
-        """The engine's KV usage (0..1), when it reports one (an optional ``kv_cache_usage()``)."""
-        report = getattr(self.engine, "kv_cache_usage", None)
-        return None if report is None else float(report())
+        """The engine's KV usage (0..1), when it reports one."""
+        usage = self.engine.kv_cache_usage()
+        return None if usage is None else float(usage)
 
     async def abort(self, context: Any) -> None:
         """Dynamo calls this when the client goes away: abort the engine's request."""

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests")
 
 
-class Stoppable(Protocol):
-    def stop(self) -> None: ...
-
-
 class DynamoGeneration:
     """A drop-in generation backend with the shape of NeMo-RL's ``GenerationInterface``.
 
@@ -54,7 +50,7 @@ class DynamoGeneration:
 
     def __init__(self, config: GenerationConfig, *, frontend_url: str,
                  transport: CompletionsTransport, controls: Sequence[WorkerControl],
-                 metrics: Sequence[WorkerMetrics] = (), owned: Sequence[Stoppable] = (),
+                 metrics: Sequence[WorkerMetrics] = (), owned: Sequence[Any] = (),
                  clock: Clock | None = None) -> None:
         if not isinstance(config, GenerationConfig):
             raise InvalidValue("config", type(config).__name__, "must be a GenerationConfig")

@@ -100,6 +100,11 @@ class EngineContract:
         assert facts.context_length >= 16
         assert facts.kv_block_size >= 1 and facts.total_kv_blocks >= 1 and facts.max_num_seqs >= 1
 
+    def test_kv_cache_usage_is_a_fraction_or_unknown(self, engine_under_test: EngineUnderTest):
+        engine_under_test.serve(engine_under_test.prompts[0], 4)
+        usage = engine_under_test.engine.kv_cache_usage()
+        assert usage is None or (isinstance(usage, float) and 0.0 <= usage <= 1.0), usage
+
     def test_start_again_is_harmless(self, engine_under_test: EngineUnderTest):
         again = engine_under_test.loop.run(engine_under_test.engine.start(0))
         assert again == engine_under_test.facts

@@ -1,0 +1,98 @@
+"""The engine port: the backend seam. A new backend implements its four abstract methods.
+
+Declared in core, beside the worker's rollout service written against it (the core may not
+import ports); ``rollout_fleet.ports`` exports it with the other ports. A backend never imports
+Dynamo or HTTP code: the Dynamo adapter serves any EnginePort.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import attrs
+from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
+
+
+@attrs.frozen
+class EngineFacts:
+    """What a started engine can hold; registered with the serving runtime."""
+
+    context_length: int
+    kv_block_size: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None = None
+
+
+@attrs.frozen
+class KvEventSource:
+    """Where an engine publishes KV-cache events (for KV-aware routing)."""
+
+    kind: str  # "zmq"
+    endpoint: str  # e.g. "tcp://127.0.0.1:5557"
+    topic: str = ""
+    replay_endpoint: str | None = None
+
+
+class EnginePort(ABC):
+    """One inference engine inside one worker."""
+
+    @abstractmethod
+    async def start(self, worker_id: int | str) -> EngineFacts:
+        """Bring the engine up (idempotent) and report its real limits."""
+
+    @abstractmethod
+    async def serve_rollout(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        request_id: str,
+        max_new_tokens: int,
+        sampling: SamplingSpec,
+        stop_strings: Sequence[str] = (),
+    ) -> ServedRollout:
+        """Generate up to ``max_new_tokens`` (>= 1) tokens.
+
+        Returns every generated token (an end-of-sequence token included, and the token that
+        completed a stop string), the chosen token's logprob for each, and why it ended.
+        A prompt plus budget beyond the context raises ``EngineRejected`` (an ``EngineError``:
+        the request's fault); any other failure raises ``EngineError``. An aborted request
+        returns what it had with finish reason ``abort``.
+
+        Optional keywords, for OpenAI clients (see ``OPTIONAL_ROLLOUT_KEYWORDS``): an engine
+        that offers them adds them to its signature, and the serving adapter passes them only
+        when a request asks (an engine without them gets such requests refused for it):
+
+        * ``top_logprobs: int`` (>= 1): also return, per generated token, that many most
+          likely tokens with their logprobs (``ServedRollout.top_logprobs``);
+        * ``stop_token_ids: Sequence[int]``: end at any of these tokens, which is kept as the
+          last token (finish reason ``stop``), as an end-of-sequence token is.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Cancel ``request_id``: in flight, or still to come; an unknown id is a no-op."""
+
+    @abstractmethod
+    def kv_event_sources(self) -> Sequence[KvEventSource]:
+        """Where this engine publishes KV events; empty when it does not."""
+
+    def kv_cache_usage(self) -> float | None:
+        """The fraction of KV-cache blocks in use now (0..1), for load reports; None when the
+        engine does not know it."""
+        return None
+
+    async def close(self) -> None:
+        """Release what the engine holds (processes, memory) now; the worker calls it once,
+        when it stops. Nothing to do by default."""
+
+
+OPTIONAL_ROLLOUT_KEYWORDS = ("top_logprobs", "stop_token_ids")
+
+
+def offered_keywords(engine: EnginePort) -> frozenset[str]:
+    """The optional ``serve_rollout`` keywords this engine's signature takes."""
+    parameters = inspect.signature(engine.serve_rollout).parameters
+    return frozenset(name for name in OPTIONAL_ROLLOUT_KEYWORDS if name in parameters)
