@@ -1,4 +1,9 @@
-"""Placement port: reserve resources for workers, start each worker's process, stop them."""
+"""Placement port: reserve resources for workers, start each worker's process, stop them.
+
+Adapters: Ray (adapters/ray: a placement group, one bundle and supervising actor per worker,
+on one node or a cluster) and local processes (adapters/local: children of this process on
+this machine). ``rollout_fleet.ports.contracts.placement`` checks both.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +50,10 @@ class Placement(ABC):
     @abstractmethod
     def kill(self, name: str) -> None:
         """Stop one worker's process now (fault drills, a failed health check)."""
+
+    @abstractmethod
+    def signal(self, name: str, signum: int) -> None:
+        """Send ``signum`` to one worker's process group (SIGSTOP/SIGCONT: fault drills)."""
 
     @abstractmethod
     def stop(self) -> None:

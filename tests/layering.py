@@ -3,8 +3,13 @@
 | layer    | may import                                                          |
 | core     | the standard library, attrs, rollout_fleet.core                     |
 | ports    | the above, rollout_fleet.ports (ports/contracts may also use pytest) |
-| adapters | anything but rollout_fleet.wiring and another adapter's package     |
+| adapters | anything but rollout_fleet.wiring and another adapter's package;     |
+|          | every adapter may use adapters/shared (standard-library helpers)    |
+| adapters/shared | the standard library, attrs, rollout_fleet.core              |
 | wiring   | anything                                                            |
+
+And each port is declared once: as an abstract class in ports/ (or in core, for a port that a
+core service needs), never again as a ``typing.Protocol`` copy elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sys
 from pathlib import Path
 
 STDLIB = frozenset(sys.stdlib_module_names)
+SHARED = "shared"  # adapters/shared: helpers every adapter may use
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -59,6 +65,11 @@ def violations(root: Path) -> list[str]:
 def _why_forbidden(layer: str, rel: Path, module: str) -> str | None:
     if module.startswith("."):
         return "relative imports hide the layer; use rollout_fleet.<layer>"
+    if layer == "adapters" and rel.parts[1] == SHARED:
+        own_package = module.startswith(f"rollout_fleet.adapters.{SHARED}")
+        if not own_package and not _core_or_ports_allows(module, "core", False):
+            return "adapters/shared may import only the standard library, attrs and core"
+        return None
     if layer in ("core", "ports"):
         in_contracts = layer == "ports" and rel.parts[1] == "contracts"
         if not _core_or_ports_allows(module, layer, in_contracts):
@@ -70,6 +81,37 @@ def _why_forbidden(layer: str, rel: Path, module: str) -> str | None:
     own = rel.parts[1] if len(rel.parts) > 2 else None
     if module.startswith("rollout_fleet.adapters."):
         other = module.split(".")[2]
-        if other != own:
+        if other not in (own, SHARED):
             return f"adapter {own!r} may not import adapter {other!r}; go through a port"
     return None
+
+
+def protocol_copies(root: Path, allowed: frozenset[str] = frozenset()) -> list[str]:
+    """``typing.Protocol`` classes in the layer folders that declare a method of a port (an
+    abstract class in core or ports): a port declared a second time, as 'file:line: name'.
+    ``allowed``: files to pass over."""
+    port_methods = {name for path, cls in _classes(root, ("core", "ports"))
+                    if _derives(cls, "ABC") for name in _methods(cls)}
+    return [f"{path}:{cls.lineno}: {cls.name}"
+            for path, cls in _classes(root, ("core", "ports", "adapters", "wiring"))
+            if str(path) not in allowed and _derives(cls, "Protocol")
+            and _methods(cls) & port_methods]
+
+
+def _classes(root: Path, layers: tuple[str, ...]):
+    for layer in layers:
+        for path in sorted((root / layer).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    yield path.relative_to(root), node
+
+
+def _derives(cls: ast.ClassDef, base: str) -> bool:
+    return any((isinstance(b, ast.Name) and b.id == base)
+               or (isinstance(b, ast.Attribute) and b.attr == base) for b in cls.bases)
+
+
+def _methods(cls: ast.ClassDef) -> set[str]:
+    return {node.name for node in cls.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")}

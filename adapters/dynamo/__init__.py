@@ -10,12 +10,7 @@ import importlib
 from typing import Any
 
 from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
-from rollout_fleet.adapters.dynamo.frontend import (
-    DynamoFrontend,
-    FrontendError,
-    ModelRejected,
-    stop_process_group,
-)
+from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend, FrontendError, ModelRejected
 
 _LAZY = {
     "CONTROL_SECRET_FIELD": "rollout_fleet.adapters.dynamo.adapter",
@@ -32,7 +27,6 @@ __all__ = [
     "LOOPBACK",
     "dynamo_env",
     "start_dynamo_endpoint",
-    "stop_process_group",
 ]
 
 

@@ -8,7 +8,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rollout_fleet.adapters.dynamo.frontend import stop_process_group
+from rollout_fleet.adapters.shared import stop_process_group
 from rollout_fleet.core.errors import RolloutFleetError
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
+from rollout_fleet.adapters.shared import read_tail, stop_process_group
 from rollout_fleet.core.errors import RolloutFleetError
 
 _LOG_TAIL_BYTES = 4000
@@ -136,11 +136,7 @@ class DynamoFrontend:
 
     def log_tail(self) -> str:
         """The end of the frontend's log, without terminal colour codes."""
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return "(no log)"
-        return _ANSI_CODES.sub("", data[-_LOG_TAIL_BYTES:].decode("utf-8", "replace"))
+        return _ANSI_CODES.sub("", read_tail(self.log_path, _LOG_TAIL_BYTES))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the frontend's process group, SIGKILL it after ``timeout_s``. Idempotent."""
@@ -154,24 +150,3 @@ class DynamoFrontend:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
-
-
-def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
-    """Stop a child that leads its own process group (``process_group=0`` or
-    ``start_new_session=True``), and everything in its group."""
-    pgid = process.pid  # a group leader's group id is its pid
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            process.wait(timeout_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # the leader may be gone while others in its group linger
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return process.wait()

@@ -84,6 +84,11 @@ class RayPlacement(Placement):
 
         ray.get(self._actors[name].kill.remote(), timeout=30)
 
+    def signal(self, name: str, signum: int) -> None:
+        import ray
+
+        ray.get(self._actors[name].signal.remote(signum), timeout=30)
+
     def stop(self) -> None:
         import ray
 

@@ -10,33 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import random
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 
+from rollout_fleet.adapters.shared import free_port
+
 _PR_SET_PDEATHSIG = 1
-
-
-# Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit int: ports above 32767 are refused.
-# Kernel-chosen ports (bind to 0) come from the ephemeral range (32768+), so pick below it.
-PORT_RANGE = (20000, 32767)
-
-
-def free_port(host: str, port_range: tuple[int, int] = PORT_RANGE) -> int:
-    """A port in ``port_range`` that nothing listens on now (random probes)."""
-    low, high = port_range
-    for _ in range(200):
-        port = random.randint(low, high)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port in {low}-{high} on {host}")
 
 
 def _new_session_dying_with_parent() -> None:
@@ -67,10 +48,14 @@ class ProcessSupervisor:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
+    def signal(self, signum: int) -> None:
+        self._signal(signum)
+
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the worker's process group, SIGKILL it after ``grace_s``; its exit code."""
         if self._process is None:
             return None
+        self._signal(signal.SIGCONT)  # a paused group cannot act on SIGTERM
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while self._process.poll() is None and time.monotonic() < deadline:

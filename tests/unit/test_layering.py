@@ -5,7 +5,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.layering import violations
+from tests.layering import protocol_copies, violations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,3 +57,31 @@ def test_importing_core_loads_nothing_heavy():
             "print(sorted(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_adapters_share_helpers_only_through_adapters_shared(tmp_path):
+    root = _tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
+                            "adapters/local/m.py": "from rollout_fleet.adapters.shared import free_port\n",
+                            "adapters/shared/net.py": "import socket\nfrom rollout_fleet.adapters.shared import processes\n"
+                                                      "from rollout_fleet.ports import placement\n"})
+    assert violations(root) == ["adapters/shared/net.py:3: imports rollout_fleet.ports "
+                                "(adapters/shared may import only the standard library, attrs and core)"]
+
+
+# The refit services' duck types are being replaced where they live; until then they are the
+# only copies allowed.
+REFIT_PROTOCOLS_IN_REWORK = frozenset({"core/refit_service.py"})
+
+
+def test_each_port_is_declared_once_with_no_protocol_copies():
+    assert protocol_copies(ROOT, allowed=REFIT_PROTOCOLS_IN_REWORK) == []
+
+
+def test_a_protocol_copy_of_a_port_is_caught(tmp_path):
+    root = _tree(tmp_path, {
+        "ports/p.py": "from abc import ABC\nclass Engine(ABC):\n    def serve(self): ...\n",
+        "core/x.py": "from typing import Protocol\nclass EngineLike(Protocol):\n    def serve(self): ...\n"
+                     "class Closable(Protocol):\n    def close(self): ...\n",
+        "adapters/a/m.py": "import typing\nclass T(typing.Protocol):\n    async def serve(self): ...\n",
+        "wiring/w.py": ""})
+    assert protocol_copies(root) == ["core/x.py:2: EngineLike", "adapters/a/m.py:2: T"]

@@ -1,0 +1,78 @@
+"""LocalPlacement: each worker a child process of this one, leading a process group of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+
+from rollout_fleet.adapters.shared import free_port, stop_process_group
+from rollout_fleet.adapters.shared.processes import signal_group
+from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
+
+
+class LocalPlacement(Placement):
+    """Starts every worker on this machine; reserves nothing (the host's cores are shared).
+
+    A worker stays in this process's session, in a process group of its own: Linux's autogroup
+    scheduler gives each session its own CPU share, and workers in sessions of their own waited
+    for the CPU behind busy-polling neighbours. It is stopped (and signalled) by its group.
+    """
+
+    def __init__(self, *, bind_host: str = "127.0.0.1", stop_grace_s: float = 15.0) -> None:
+        self._bind_host = bind_host
+        self._stop_grace_s = stop_grace_s
+        self._processes: dict[str, subprocess.Popen] = {}
+
+    def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
+        names = [launch.name for launch in launches]
+        if len(set(names)) != len(names) or set(names) & set(self._processes):
+            raise RolloutFleetError(f"worker names must be unique: {names}")
+        handles, taken = [], set()
+        for index, launch in enumerate(launches):
+            ports = {}
+            for variable in launch.port_env:
+                port = free_port(self._bind_host)
+                while port in taken:
+                    port = free_port(self._bind_host)
+                taken.add(port)
+                ports[variable] = port
+            env = {**os.environ, **launch.env, **{k: str(v) for k, v in ports.items()}}
+            if launch.log_path:
+                os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
+            with open(launch.log_path or os.devnull, "ab") as log:
+                process = subprocess.Popen(list(launch.argv), env=env, stdout=log,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           process_group=0)
+            self._processes[launch.name] = process
+            handles.append(WorkerHandle(index, launch.name, process.pid, self._bind_host, ports,
+                                        launch.log_path))
+        return handles
+
+    def alive(self) -> Mapping[str, bool]:
+        return {name: process.poll() is None for name, process in self._processes.items()}
+
+    def kill(self, name: str) -> None:
+        process = self._process(name)
+        signal_group(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def signal(self, name: str, signum: int) -> None:
+        signal_group(self._process(name).pid, signum)
+
+    def stop(self) -> None:
+        processes = list(self._processes.values())
+        for process in processes:  # all at once first: each drains in parallel
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                signal_group(process.pid, sig)
+        for process in processes:
+            stop_process_group(process, self._stop_grace_s)
+        self._processes.clear()
+
+    def _process(self, name: str) -> subprocess.Popen:
+        try:
+            return self._processes[name]
+        except KeyError:
+            raise RolloutFleetError(f"no worker named {name!r}; workers: {sorted(self._processes)}") from None

@@ -1,0 +1,10 @@
+"""Standard-library helpers that every adapter may use (ports on this host, process groups).
+
+Not an adapter: it wraps no third-party thing, and imports only the standard library and core,
+so adapters importing it stay independent of each other (tests/layering.py states the rule).
+"""
+
+from rollout_fleet.adapters.shared.net import PORT_RANGE, free_port
+from rollout_fleet.adapters.shared.processes import read_tail, stop_process_group
+
+__all__ = ["PORT_RANGE", "free_port", "read_tail", "stop_process_group"]

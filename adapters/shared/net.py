@@ -1,0 +1,25 @@
+"""Free ports on this host, in the range every fleet server accepts."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+# Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit int: ports above 32767 are refused.
+# Kernel-chosen ports (bind to 0) come from the ephemeral range (32768+), so pick below it:
+# then no client socket can take a port while its server restarts.
+PORT_RANGE = (20000, 32767)
+
+
+def free_port(host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE) -> int:
+    """A port in ``port_range`` that nothing listens on now (random probes)."""
+    low, high = port_range
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {low}-{high} on {host}")

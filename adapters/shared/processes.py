@@ -1,0 +1,48 @@
+"""Child processes that lead process groups of their own, stopped by group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+LOG_TAIL_BYTES = 3000
+
+
+def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
+    """Stop a child that leads its own process group (``process_group=0`` or
+    ``start_new_session=True``), and everything in its group: SIGCONT (a paused group cannot
+    act on SIGTERM), SIGTERM, then SIGKILL after ``timeout_s``."""
+    pgid = process.pid  # a group leader's group id is its pid
+    signal_group(pgid, signal.SIGCONT)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not signal_group(pgid, sig):
+            break
+        try:
+            process.wait(timeout_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    signal_group(pgid, signal.SIGKILL)  # the leader may be gone while others in its group linger
+    return process.wait()
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group; False when the group is gone."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def read_tail(path: str | Path, size: int = LOG_TAIL_BYTES) -> str:
+    """The last ``size`` bytes of a log, as text; "(no log)" when it cannot be read."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - size))
+            return log.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,102 @@
+"""The placement port's contract suite.
+
+Provide a ``placement_under_test`` fixture that yields a fresh ``Placement`` placing workers on
+this machine (and stops it afterwards). Each test starts small Python processes as workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rollout_fleet.ports.placement import Placement, WorkerLaunch
+
+# A worker that proves what it was given: it binds its port and prints it with its mark.
+_WORKER = """
+import os, socket, time
+port = int(os.environ["CONTRACT_PORT"])
+server = socket.socket()
+server.bind(("127.0.0.1", port))
+server.listen()
+print("listening", port, os.environ.get("CONTRACT_MARK"), flush=True)
+time.sleep(600)
+"""
+
+
+def _launch(tmp_path: Path, name: str) -> WorkerLaunch:
+    return WorkerLaunch(name=name, argv=(sys.executable, "-c", _WORKER),
+                        env={"CONTRACT_MARK": f"mark-of-{name}"},
+                        log_path=str(tmp_path / f"{name}.log"), port_env=("CONTRACT_PORT",))
+
+
+def _wait(condition, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, T, Z...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _gone(pid: int) -> bool:
+    return _state(pid) in (None, "Z", "X")
+
+
+class PlacementContract:
+    def test_launch_starts_each_worker_with_its_env_port_and_log(self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        handles = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
+        assert [(h.index, h.name) for h in handles] == [(0, "w0"), (1, "w1")]
+        ports = [h.ports["CONTRACT_PORT"] for h in handles]
+        assert set(handles[0].ports) == {"CONTRACT_PORT"} and len(set(ports)) == 2
+        for handle, port in zip(handles, ports):
+            log = Path(handle.log_path)
+            want = f"listening {port} mark-of-{handle.name}"
+            assert _wait(lambda: log.exists() and want in log.read_text()), \
+                f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
+        assert placement.alive() == {"w0": True, "w1": True}
+
+    def test_kill_stops_that_worker_only(self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        w0, w1 = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
+        placement.kill("w0")
+        assert _wait(lambda: placement.alive() == {"w0": False, "w1": True}), placement.alive()
+        assert _gone(w0.pid) and not _gone(w1.pid)
+
+    def test_a_signal_reaches_the_workers_process_group(self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        (w0,) = placement.launch([_launch(tmp_path, "w0")])
+        placement.signal("w0", signal.SIGSTOP)
+        assert _wait(lambda: _state(w0.pid) == "T"), _state(w0.pid)
+        placement.signal("w0", signal.SIGCONT)
+        assert _wait(lambda: _state(w0.pid) not in ("T", None)), _state(w0.pid)
+        assert placement.alive() == {"w0": True}
+
+    def test_stop_ends_every_worker_even_a_paused_one_and_is_safe_to_repeat(
+            self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        handles = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
+        placement.signal("w1", signal.SIGSTOP)
+        placement.stop()
+        assert _wait(lambda: all(_gone(h.pid) for h in handles)), \
+            {h.name: _state(h.pid) for h in handles}
+        placement.stop()
+
+    def test_each_worker_leads_a_process_group_of_its_own(self, placement_under_test, tmp_path):
+        # A worker leads a process group of its own: what it starts is stopped with it.
+        placement: Placement = placement_under_test
+        (w0,) = placement.launch([_launch(tmp_path, "w0")])
+        assert _wait(lambda: _state(w0.pid) is not None)
+        assert os.getpgid(w0.pid) == w0.pid
