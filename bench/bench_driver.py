@@ -46,8 +46,8 @@ from rollout_fleet.adapters.http import HttpSettings  # noqa: E402
 from rollout_fleet.adapters.nemo_rl import GenerationConfig  # noqa: E402
 from rollout_fleet.core.rollout import RolloutRequest  # noqa: E402
 from rollout_fleet.core.wire import REQUEST_ID_HEADER, completion_body  # noqa: E402
-from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation  # noqa: E402
-from tests.driver.real_fleet import CONTROL_SECRET, SERVED_MODEL, RealFleet  # noqa: E402
+from rollout_fleet.wiring.driver import build_generation  # noqa: E402
+from tests.driver.real_fleet import SERVED_MODEL, start_local_fleet, stop_local_fleet  # noqa: E402
 
 MAX_NEW_TOKENS = 16
 MAX_MODEL_LEN = 128
@@ -96,8 +96,8 @@ async def run_driver(fleet, prompts, concurrency, client_kind):
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=MAX_MODEL_LEN,
                               max_new_tokens=MAX_NEW_TOKENS, max_concurrency=concurrency)
     generation = build_generation(
-        config, frontend_url=fleet.url, control_secret=CONTROL_SECRET,
-        workers=[WorkerEndpoint(f"w{i}", u) for i, u in enumerate(fleet.system_urls)],
+        config, frontend_url=fleet.frontend_url, control_secret=fleet.secret,
+        workers=fleet.endpoints(),
         http=HttpSettings(max_in_flight=concurrency, client=client_kind))
     warm, data = as_batch(prompts[:concurrency]), as_batch(prompts)
     async for _ in generation.generate_async(warm, greedy=True):
@@ -114,7 +114,7 @@ async def run_driver(fleet, prompts, concurrency, client_kind):
 
 
 async def run_bare_pooled(fleet, prompts, concurrency, _kind=None):
-    url = fleet.url + "/v1/completions"
+    url = fleet.frontend_url + "/v1/completions"
     bodies = wire_bodies(prompts, "bare")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         async def one(i):
@@ -129,7 +129,7 @@ async def run_bare_pooled(fleet, prompts, concurrency, _kind=None):
 
 
 async def run_session_per_request(fleet, prompts, concurrency, _kind=None):
-    url = fleet.url + "/v1/completions"
+    url = fleet.frontend_url + "/v1/completions"
     bodies = wire_bodies(prompts, "fresh")
 
     async def one(i):
@@ -145,7 +145,7 @@ async def run_session_per_request(fleet, prompts, concurrency, _kind=None):
 
 
 async def run_httpx_default(fleet, prompts, concurrency, _kind=None):
-    url = fleet.url + "/v1/completions"
+    url = fleet.frontend_url + "/v1/completions"
     bodies = wire_bodies(prompts, "httpx")
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=120) as client:
@@ -241,17 +241,17 @@ def main(argv=None) -> int:
         parser.error("--requests must be in [1, 20000] and --rounds in [1, 10]")
     deadline = time.monotonic() + args.time_budget_s
     with tempfile.TemporaryDirectory(prefix="bench-driver-") as run_dir:
-        fleet = RealFleet(Path(run_dir), num_workers=args.workers).start()
+        fleet = start_local_fleet(Path(run_dir), num_workers=args.workers)
         gc.collect()
         gc.freeze()
         try:
-            print(f"Dynamo frontend {fleet.url}, {args.workers} in-memory workers, "
+            print(f"Dynamo frontend {fleet.frontend_url}, {args.workers} in-memory workers, "
                   f"{MAX_NEW_TOKENS} tokens per rollout, prompts of 8-24 tokens")
             for concurrency in args.concurrency:
                 report(measure(fleet, args.requests, concurrency, args.rounds, deadline),
                        concurrency, args.requests)
         finally:
-            fleet.stop()
+            stop_local_fleet(fleet)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Load: thousands of rollouts in flight from one DynamoGeneration over a simulated fleet.
+"""Load: thousands of rollouts in flight from one DynamoGeneration over a local fleet.
 
 One run, loopback only: 8 memory-engine workers (a per-token delay stands in for a GPU) behind
 the real Dynamo frontend, for each router mode (round-robin, then Dynamo's KV router). For each,
@@ -208,17 +208,23 @@ FLEET_ENV = {"DYN_TCP_REQUEST_TIMEOUT": "120"}
 
 
 def measure_mode(mode: str, args, deadline: float) -> dict[str, list[dict]]:
-    from rollout_fleet.wiring.simfleet import SimFleet
+    from rollout_fleet.wiring.config import parse_config
+    from rollout_fleet.wiring.fleet import Fleet
 
     results: dict[str, list[dict]] = {key: [] for key in ROWS
                                       if args.warm or key != "driver/warm"}
     with tempfile.TemporaryDirectory(prefix=f"bench-load-{mode}-") as run_dir:
         started = time.monotonic()
-        with SimFleet(run_dir, workers=args.workers, token_delay_s=args.token_delay_s,
-                      context_length=MAX_MODEL_LEN, router_mode=mode, extra_env=FLEET_ENV) as fleet:
+        config = parse_config({
+            "placement": "local", "num_workers": args.workers, "served_model_name": "mem",
+            "engine": {"kind": "memory", "context_length": MAX_MODEL_LEN,
+                       "token_delay_s": args.token_delay_s},
+            "max_model_len": MAX_MODEL_LEN, "router": mode, "env": FLEET_ENV,
+            "run_dir": run_dir, "timeouts": {"start_s": 180}})
+        with Fleet.start(config) as fleet:
             print(f"\n[{mode}] {args.workers} workers up in {time.monotonic() - started:.1f} s "
-                  f"at {fleet.url}", flush=True)
-            spec = {"url": fleet.url, "secret": fleet.secret, "model": fleet.served_model_name,
+                  f"at {fleet.frontend_url}", flush=True)
+            spec = {"url": fleet.frontend_url, "secret": fleet.secret, "model": "mem",
                     "workers": [(w.worker_id, w.system_url) for w in fleet.endpoints()],
                     "rollouts": args.rollouts}
             for round_index in range(args.rounds):
@@ -228,7 +234,7 @@ def measure_mode(mode: str, args, deadline: float) -> dict[str, list[dict]]:
                         print("  time budget spent; skipping the rest", flush=True)
                         return results
                     child = {**spec, "client": client, "seed": round_index, "warm": args.warm}
-                    outcomes_before = frontend_outcomes(fleet.url)
+                    outcomes_before = frontend_outcomes(fleet.frontend_url)
                     try:
                         done = subprocess.run(
                             [sys.executable, __file__, "--child", json.dumps(child)],
@@ -240,7 +246,7 @@ def measure_mode(mode: str, args, deadline: float) -> dict[str, list[dict]]:
                     if done.returncode != 0:
                         raise RuntimeError(f"{client} child failed:\n{done.stderr[-3000:]}")
                     outcomes = {k: v - outcomes_before.get(k, 0)
-                                for k, v in frontend_outcomes(fleet.url).items()
+                                for k, v in frontend_outcomes(fleet.frontend_url).items()
                                 if v - outcomes_before.get(k, 0)}
                     for run, row in json.loads(done.stdout.strip().splitlines()[-1]).items():
                         results[f"{client}/{run}"].append(row)

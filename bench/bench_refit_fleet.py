@@ -75,7 +75,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from rollout_fleet.adapters.collective import TrainerRefitSession, init_group
-    from rollout_fleet.adapters.ray.supervisor import free_port
+    from rollout_fleet.adapters.shared import free_port
     from rollout_fleet.adapters.tiny_model import build_tiny_model
     from rollout_fleet.adapters.tiny_model.build import TinyModelSpec
     from rollout_fleet.wiring.config import parse_config

@@ -100,7 +100,7 @@ def _push(generation, fleet, state: dict[str, Any], host: str,
           timeout_s: float) -> tuple[dict[str, int], float]:
     from rollout_fleet.adapters.collective import TrainerRefitSession
     from rollout_fleet.adapters.collective.trainer import refit_info_of
-    from rollout_fleet.adapters.ray.supervisor import free_port
+    from rollout_fleet.adapters.shared import free_port
 
     started = time.monotonic()
     # Every worker checks names, shapes and dtypes against its engine: nothing moves on a mismatch.

@@ -38,7 +38,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from rollout_fleet.wiring.fleet_file import FleetFile
 
     stop = threading.Event()
-    ray_started = _start_ray(config)  # before our handlers: ray.init replaces SIGTERM's
+    # Before our handlers: ray.init replaces SIGTERM's.
+    ray_started = _start_ray(config) if config.placement == "ray" else False
     try:
         _stop_on_signals(stop)
         fleet = Fleet.start(config)  # stops what it started if it fails or is interrupted

@@ -65,6 +65,11 @@ class FleetConfig(_Strict):
     ranks_per_worker: int = Field(1, ge=1, description="tensor x pipeline parallel ranks")
     device: Literal["cpu", "gpu"] = "cpu"
     cpus_per_worker: float = Field(1.0, gt=0)
+    placement: Literal["ray", "local"] = Field(
+        "ray", description="ray: a placement group (one node or a cluster); local: child "
+        "processes on this machine")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="extra DYN_* settings for the frontend and every worker")
     discovery: Literal["file", "etcd"] = "file"
     router: Literal["round-robin", "random", "kv"] = Field(
         "round-robin", description="how the frontend picks a worker; kv: by cached prefix "
@@ -93,6 +98,8 @@ class FleetConfig(_Strict):
                 f"ranks_per_worker={_shown(self.ranks_per_worker)} disagrees with the engine's"
                 f" {engine_ranks} rank(s) (engine {_ranks_source(self.engine)}): every engine rank"
                 " joins the refit group, so the two must be equal")
+        if self.placement == "local" and self.ray_address is not None:
+            raise ValueError(f"ray_address={_shown(self.ray_address)}: a local placement uses no Ray")
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self

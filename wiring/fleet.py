@@ -1,5 +1,6 @@
-"""The fleet: N workers placed with Ray, one Dynamo frontend owned by the driver, discovery
-between them, and a shutdown that leaves nothing behind.
+"""The fleet: N workers started by a placement, one Dynamo frontend owned by the driver,
+discovery between them, and a shutdown that leaves nothing behind. The one composition root:
+the CLI, the demo, the benches and the tests all start their fleets here.
 
     fleet = Fleet.start(parse_config({...}))     # or load_config("fleet.toml")
     try:
@@ -7,6 +8,9 @@ between them, and a shutdown that leaves nothing behind.
         ...
     finally:
         fleet.shutdown()                          # safe to repeat; also runs on a failed start
+
+The placement is a port: ``placement = "ray"`` (a placement group, one node or a cluster) or
+``"local"`` (child processes on this machine) in the config, or any ``Placement`` passed in.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,46 +32,64 @@ from rollout_fleet.adapters.dynamo.env import dynamo_env
 from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend
 from rollout_fleet.adapters.http.settings import HttpSettings
-from rollout_fleet.adapters.ray.placement import RayPlacement
-from rollout_fleet.adapters.ray.supervisor import free_port
+from rollout_fleet.adapters.shared import free_port, read_tail
 from rollout_fleet.core.errors import RolloutFleetError
-from rollout_fleet.ports.placement import WorkerHandle, WorkerLaunch
+from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import ConfigError, FleetConfig
 from rollout_fleet.wiring.netns import in_private_netns
+from rollout_fleet.wiring.worker import FAILURE_MARK
 
 if TYPE_CHECKING:
     from rollout_fleet.adapters.nemo_rl import DynamoGeneration
+    from rollout_fleet.wiring.driver import WorkerEndpoint
 
 logger = logging.getLogger("rollout_fleet.fleet")
-_LOG_TAIL = 3000
+SYSTEM_PORT = "DYN_SYSTEM_PORT"  # each worker's system server: health, controls, metrics
+# The frontend lists the model once ONE worker registered; the others' registrations reach it
+# through the discovery folder within about 0.6 s (FACTS.md).
+_DISCOVERY_SETTLE_S = 1.5
 
 
 class FleetStartError(RolloutFleetError):
-    """The fleet did not come up; names the worker and carries the tail of its log."""
+    """The fleet did not come up; names the worker, its own error and its log."""
+
+
+def placement_for(config: FleetConfig) -> Placement:
+    """The placement the config names."""
+    if config.placement == "local":
+        from rollout_fleet.adapters.local import LocalPlacement
+
+        return LocalPlacement(bind_host=config.bind_host, stop_grace_s=config.timeouts.shutdown_s)
+    from rollout_fleet.adapters.ray import RayPlacement
+
+    return RayPlacement(address=config.ray_address, bundle=config.bundle,
+                        bind_host=config.bind_host, ready_timeout_s=config.timeouts.start_s)
 
 
 @attrs.define
 class Fleet:
     config: FleetConfig
+    placement: Placement
     run_dir: Path
     secret: str
-    model_path: str
+    model_path: str = ""
     frontend: DynamoFrontend | None = None
-    placement: RayPlacement | None = None
     etcd: LoopbackEtcd | None = None
     workers: list[WorkerHandle] = attrs.field(factory=list)
+    _discovery_env: dict[str, str] = attrs.field(factory=dict)
     _stopped: bool = False
     _own_run_dir: tempfile.TemporaryDirectory | None = None
 
     # -- start ---------------------------------------------------------------------------------
     @classmethod
-    def start(cls, config: FleetConfig) -> "Fleet":
+    def start(cls, config: FleetConfig, placement: Placement | None = None) -> "Fleet":
         """Start everything; on any failure, stop what was started and raise."""
         _check_network(config)
         own = None if config.run_dir else tempfile.TemporaryDirectory(prefix="rollout-fleet-")
         run_dir = Path(config.run_dir or own.name).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
-        fleet = cls(config, run_dir, secrets.token_hex(16), "", own_run_dir=own)
+        fleet = cls(config, placement or placement_for(config), run_dir, secrets.token_hex(16),
+                    own_run_dir=own)
         try:
             fleet._start()
         except BaseException:
@@ -77,26 +99,32 @@ class Fleet:
 
     def _start(self) -> None:
         self.model_path = self._model_folder()
-        discovery_env = self._discovery_env()
-        self.placement = RayPlacement(address=self.config.ray_address, bundle=self.config.bundle,
-                                      bind_host=self.config.bind_host,
-                                      ready_timeout_s=self.config.timeouts.start_s)
-        self.workers = list(self.placement.launch([self._launch(i, discovery_env)
+        self._discovery_env = self._start_discovery()
+        self.workers = list(self.placement.launch([self._launch(i)
                                                    for i in range(self.config.num_workers)]))
         port = self.config.frontend_port or free_port(self.config.bind_host)
-        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env={
-            **discovery_env, "DYN_ROUTER_MODE": self.config.router}).start()
+        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=self._frontend_env())
+        self.frontend.start()
         deadline = time.monotonic() + self.config.timeouts.start_s
         for worker in self.workers:
             self._wait_worker_ready(worker, deadline)
         self.frontend.wait_for_model(self.config.served_model_name,
                                      timeout_s=max(1.0, deadline - time.monotonic()))
+        if len(self.workers) > 1:
+            time.sleep(_DISCOVERY_SETTLE_S)
 
     def _model_folder(self) -> str:
+        engine = self.config.engine
         if self.config.model != "tiny":
             return str(Path(self.config.model).resolve())
-        if self.config.engine.get("kind") == "memory":
-            return ""  # the memory engine writes its own folder in each worker
+        if engine.get("kind") == "memory":
+            # Written once here, so the workers do not race to write it.
+            from rollout_fleet.adapters.memory.model_folder import write_model_folder
+
+            folder = self.run_dir / "model-memory"
+            if not (folder / "config.json").exists():
+                write_model_folder(folder, context_length=engine.get("context_length", 256))
+            return str(folder)
         from rollout_fleet.adapters.tiny_model import build_tiny_model
 
         folder = self.run_dir / "tiny-model"
@@ -104,7 +132,7 @@ class Fleet:
             build_tiny_model(folder)
         return str(folder)
 
-    def _discovery_env(self) -> dict[str, str]:
+    def _start_discovery(self) -> dict[str, str]:
         if self.config.discovery == "file":
             return {}
         endpoint = self.config.etcd_endpoint
@@ -115,8 +143,11 @@ class Fleet:
             endpoint = self.etcd.endpoint
         return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": endpoint}
 
-    def _launch(self, index: int, discovery_env: dict[str, str]) -> WorkerLaunch:
-        name = f"worker-{index}"
+    def _frontend_env(self) -> dict[str, str]:
+        return {"DYN_ROUTER_MODE": self.config.router, **self._discovery_env, **self.config.env}
+
+    def worker_config(self, index: int) -> dict[str, Any]:
+        """What worker ``index`` is told (python -m rollout_fleet.wiring.worker --config)."""
         engine = dict(self.config.engine)
         if self.config.device == "gpu" and engine.get("kind") == "vllm":
             engine.setdefault("device", "cuda")
@@ -129,35 +160,37 @@ class Fleet:
         kv_routing = self.config.router == "kv"
         if kv_routing and engine.get("kind") == "vllm":
             engine.setdefault("kv_events_port", free_port(self.config.bind_host))
-        worker_config = {
+        return {
             "engine": engine, "run_dir": str(self.run_dir), "kv_routing": kv_routing,
             "collective_backend": self.collective_backend,
             "namespace": "fleet", "served_model_name": self.config.served_model_name,
             "model_path": self.model_path or None, "control_secret": self.secret,
-            "worker_id": name, "env": discovery_env,
+            "worker_id": worker_name(index), "env": {**self._discovery_env, **self.config.env},
         }
+
+    def _launch(self, index: int) -> WorkerLaunch:
+        name = worker_name(index)
         config_path = self.run_dir / f"{name}.json"
-        config_path.write_text(json.dumps(worker_config, indent=1))
-        env = {**dynamo_env(self.run_dir), **discovery_env, "PYTHONUNBUFFERED": "1"}
+        config_path.write_text(json.dumps(self.worker_config(index), indent=1))
+        env = {**dynamo_env(self.run_dir), **self._discovery_env, **self.config.env,
+               "PYTHONUNBUFFERED": "1"}
         return WorkerLaunch(name=name, argv=(sys.executable, "-m", "rollout_fleet.wiring.worker",
                                              "--config", str(config_path)),
                             env=env, log_path=str(self.run_dir / f"{name}.log"),
-                            port_env=("DYN_SYSTEM_PORT",))
+                            port_env=(SYSTEM_PORT,))
 
     def _wait_worker_ready(self, worker: WorkerHandle, deadline: float) -> None:
         url = self.control_url(worker)
         while time.monotonic() < deadline:
             if not self.placement.alive().get(worker.name, False):
-                raise FleetStartError(f"{worker.name} exited while starting; "
-                                      f"log {worker.log_path}:\n{_tail(worker.log_path)}")
-            try:
-                call_control(url, "stats", self.secret, timeout_s=2.0)
+                raise FleetStartError(f"{worker.name} exited while starting: "
+                                      f"{worker_failure(worker.log_path)} (log {worker.log_path})")
+            if _health_ready(url):
                 return
-            except (OSError, ValueError):
-                time.sleep(0.25)
-        raise FleetStartError(f"{worker.name} did not answer at {url} within "
-                              f"{self.config.timeouts.start_s:.0f} s; log {worker.log_path}:\n"
-                              f"{_tail(worker.log_path)}")
+            time.sleep(0.25)
+        raise FleetStartError(f"{worker.name} was not ready at {url} within "
+                              f"{self.config.timeouts.start_s:.0f} s (log {worker.log_path}):\n"
+                              f"{read_tail(worker.log_path)}")
 
     # -- running -------------------------------------------------------------------------------
     @property
@@ -170,19 +203,26 @@ class Fleet:
         return "nccl" if self.config.device == "gpu" else "gloo"
 
     def control_url(self, worker: WorkerHandle) -> str:
-        return f"http://{worker.node_ip}:{worker.ports['DYN_SYSTEM_PORT']}"
+        return f"http://{worker.node_ip}:{worker.ports[SYSTEM_PORT]}"
 
     @property
     def control_urls(self) -> dict[str, str]:
         return {w.name: self.control_url(w) for w in self.workers}
 
-    def generation(self, **overrides: Any) -> "DynamoGeneration":
-        """A DynamoGeneration over this fleet (``overrides``: GenerationConfig fields).
+    def endpoints(self) -> list["WorkerEndpoint"]:
+        from rollout_fleet.wiring.driver import WorkerEndpoint
+
+        return [WorkerEndpoint(name, url) for name, url in self.control_urls.items()]
+
+    def generation(self, *, frontend_url: str | None = None, http: "HttpSettings | None" = None,
+                   **overrides: Any) -> "DynamoGeneration":
+        """A DynamoGeneration over this fleet (``overrides``: GenerationConfig fields;
+        ``frontend_url``: e.g. a proxy in front of the frontend).
 
         It does not own the fleet: ``fleet.shutdown()`` stops the fleet.
         """
         from rollout_fleet.adapters.nemo_rl import GenerationConfig
-        from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation
+        from rollout_fleet.wiring.driver import build_generation
 
         c = self.config
         settings = {
@@ -192,21 +232,54 @@ class Fleet:
             "retry": c.retry.policy(), "ranks_per_worker": c.ranks_per_worker,
             "sender_spec": c.sender_spec, "control_timeout_s": c.timeouts.refit_s,
         } | overrides
-        return build_generation(
-            GenerationConfig(**settings), frontend_url=self.frontend_url,
-            workers=[WorkerEndpoint(name, url) for name, url in self.control_urls.items()],
-            control_secret=self.secret, http=http_settings(c, settings["max_concurrency"]))
+        return build_generation(GenerationConfig(**settings),
+                                frontend_url=frontend_url or self.frontend_url,
+                                workers=self.endpoints(), control_secret=self.secret,
+                                http=http or http_settings(c, settings["max_concurrency"]))
 
     def dead_workers(self) -> list[str]:
         return sorted(name for name, alive in self.placement.alive().items() if not alive)
 
+    def process_groups(self) -> list[int]:
+        """The process group of every worker and of the frontend (each leads its own)."""
+        groups = [w.pid for w in self.workers]
+        if self.frontend is not None and self.frontend.process is not None:
+            groups.append(self.frontend.process.pid)
+        return groups
+
+    # -- fault drills --------------------------------------------------------------------------
     def kill_worker(self, name: str) -> None:
-        """Kill one worker's process now (fault drills)."""
+        """Kill one worker's process group now."""
         self.placement.kill(name)
+
+    def pause_worker(self, name: str) -> None:
+        """SIGSTOP one worker's process group: it keeps its sockets but answers nothing."""
+        self.placement.signal(name, signal.SIGSTOP)
+
+    def resume_worker(self, name: str) -> None:
+        self.placement.signal(name, signal.SIGCONT)
+
+    def kill_frontend(self) -> None:
+        """SIGKILL the frontend's process group (no drain, no goodbye)."""
+        process = self.frontend.process if self.frontend is not None else None
+        if process is None:
+            return
+        self.frontend.process = None
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+    def restart_frontend(self, timeout_s: float = 60.0) -> None:
+        """Start the frontend again on its port; wait until it lists the model."""
+        if self.frontend.process is None:
+            self.frontend.start()
+        self.frontend.wait_for_model(self.config.served_model_name, timeout_s=timeout_s)
 
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the frontend, the workers and their engines, the placement group, etcd. Idempotent."""
+        """Stop the frontend, the workers and their engines, the placement, etcd. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -223,8 +296,7 @@ class Fleet:
             self.frontend.stop(self.config.timeouts.shutdown_s)
 
     def _stop_workers(self) -> None:
-        if self.placement is not None:
-            self.placement.stop()
+        self.placement.stop()
 
     def _stop_etcd(self) -> None:
         if self.etcd is not None:
@@ -245,6 +317,10 @@ def http_settings(config: FleetConfig, max_in_flight: int) -> HttpSettings:
                         read_timeout_s=t.request_s, request_timeout_s=t.request_s)
 
 
+def worker_name(index: int) -> str:
+    return f"worker-{index}"
+
+
 def cores_for_worker(cores: list[int], num_workers: int, index: int) -> list[int]:
     """Worker ``index``'s share of ``cores``: an equal contiguous slice, or one core (shared
     round-robin) when there are more workers than cores."""
@@ -252,6 +328,15 @@ def cores_for_worker(cores: list[int], num_workers: int, index: int) -> list[int
     if share == 0:
         return [cores[index % len(cores)]]
     return cores[index * share:(index + 1) * share]
+
+
+def worker_failure(log_path: str) -> str:
+    """What a worker that failed to start said of it: its exception's own message (the line
+    the worker writes last), else the tail of its log."""
+    tail = read_tail(log_path, 64_000)
+    said = [line.removeprefix(FAILURE_MARK) for line in tail.splitlines()
+            if line.startswith(FAILURE_MARK)]
+    return said[-1] if said else f"no error reported; its log ends:\n{tail[-3000:]}"
 
 
 def call_control(control_url: str, name: str, secret: str, body: dict | None = None,
@@ -267,16 +352,24 @@ def call_control(control_url: str, name: str, secret: str, body: dict | None = N
     return data
 
 
+def _health_ready(control_url: str) -> bool:
+    """Dynamo's own readiness of a worker: its endpoint is registered and serving."""
+    try:
+        with urllib.request.urlopen(f"{control_url}/health", timeout=2.0) as answer:
+            return json.load(answer).get("status") == "ready"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _check_network(config: FleetConfig) -> None:
-    if config.ray_address is None and not in_private_netns():
+    if in_private_netns():
+        return
+    if config.placement == "ray" and config.ray_address is None:
         raise ConfigError(
             "a local Ray cluster binds every interface; start the fleet inside a private network "
             "namespace (the rollout-fleet command does this itself; or run under `unshare -n`), "
             "or join a cluster with ray_address")
-
-
-def _tail(path: str) -> str:
-    try:
-        return Path(path).read_text(errors="replace")[-_LOG_TAIL:]
-    except OSError:
-        return "(no log)"
+    if config.router == "kv":
+        raise ConfigError(
+            "router='kv': Dynamo's KV-event sockets bind 0.0.0.0; start the fleet inside a "
+            "private network namespace (unshare -n, loopback only)")

@@ -37,16 +37,19 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from rollout_fleet.core.engine import EnginePort
 from rollout_fleet.core.errors import InvalidValue
 
 logger = logging.getLogger("rollout_fleet.worker")
+# The last line a worker that fails writes: its exception's own message, which the fleet reports.
+FAILURE_MARK = "rollout-fleet worker failed: "
 
 Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 @attrs.frozen
 class BuiltEngine:
-    engine: Any  # an EnginePort
+    engine: EnginePort
     model_path: str
     controls: Mapping[str, Control] = attrs.field(factory=dict)
 
@@ -145,9 +148,7 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
             namespace=config.get("namespace", "fleet"), engine_env=env,
             enable_kv_routing=bool(config.get("kv_routing", False)))
     finally:
-        close = getattr(built.engine, "close", None)  # vLLM: stop its engine-core processes now
-        if close is not None:
-            await close()
+        await built.engine.close()  # vLLM: stop its engine-core processes now
 
 
 def load_config(text_or_path: str) -> dict[str, Any]:
@@ -171,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     # Before Dynamo is imported: its runtime reads the environment (DYN_LOG...) when it loads.
     os.environ.update(worker_env(config))
 
-    asyncio.run(_serve_until_sigterm(config, float(config.get("sigterm_grace_s", 15.0))))
+    try:
+        asyncio.run(_serve_until_sigterm(config, float(config.get("sigterm_grace_s", 15.0))))
+    except Exception as exc:  # noqa: BLE001 - reported in one line, the traceback logged above it
+        logger.exception("worker: failed")
+        message = " ".join(str(exc).split()) or "(no message)"
+        print(f"{FAILURE_MARK}{type(exc).__name__}: {message}", file=sys.stderr, flush=True)
+        return 1
     logger.info("worker: stopped")
     return 0
 

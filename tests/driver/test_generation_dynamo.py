@@ -11,7 +11,7 @@ from rollout_fleet.adapters.nemo_rl import GenerationConfig, stack_outputs
 from rollout_fleet.core.errors import HttpStatusError, WorkerFailures
 from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation
 from tests.driver.conftest import PAD, check_sample, collect, engine_answers, mixed_batch
-from tests.driver.real_fleet import CONTEXT_LENGTH, CONTROL_SECRET, SERVED_MODEL, RealFleet
+from tests.driver.real_fleet import CONTEXT_LENGTH, SERVED_MODEL, start_local_fleet, stop_local_fleet
 from tests.driver.test_generation_loopback import run_child
 
 pytestmark = pytest.mark.dynamo
@@ -20,15 +20,17 @@ CONFIG = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=2
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    fleet = RealFleet(tmp_path_factory.mktemp("driver-fleet"), num_workers=2, token_delay_s=0.002)
-    fleet.start()
+    fleet = start_local_fleet(tmp_path_factory.mktemp("driver-fleet"), num_workers=2,
+                              token_delay_s=0.002)
     yield fleet
-    fleet.stop()
+    stop_local_fleet(fleet)
 
 
-def driver(fleet, config=CONFIG, secret=CONTROL_SECRET):
-    return build_generation(config, frontend_url=fleet.url, control_secret=secret,
-                            workers=[WorkerEndpoint(f"w{i}", url) for i, url in enumerate(fleet.system_urls)])
+def driver(fleet, config=CONFIG, secret=None):
+    return build_generation(config, frontend_url=fleet.frontend_url,
+                            control_secret=fleet.secret if secret is None else secret,
+                            workers=[WorkerEndpoint(f"w{i}", url)
+                                     for i, url in enumerate(fleet.control_urls.values())])
 
 
 def test_64_mixed_prompts_through_the_real_frontend_are_the_engines_own_answers(fleet):
@@ -119,10 +121,10 @@ def test_faults_in_front_of_the_real_frontend_are_retried_with_one_request_id(fl
     from tests.driver.fault_proxy import FaultProxy
     from tests.http.loopback_frontend import Fault
 
-    proxy = FaultProxy(fleet.url)
+    proxy = FaultProxy(fleet.frontend_url)
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=24,
                               retry=RetryPolicy(max_attempts=4, base_delay_s=0.01, jitter=0.0))
-    generation = build_generation(config, frontend_url=proxy.url, control_secret=CONTROL_SECRET,
+    generation = build_generation(config, frontend_url=proxy.url, control_secret=fleet.secret,
                                   workers=[])
     try:
         proxy.faults.extend([Fault(503), Fault(429), Fault.connection_reset()])
@@ -147,10 +149,10 @@ def test_1000_concurrent_rollouts_through_the_real_frontend_stay_within_the_sock
     from rollout_fleet.adapters.http import HttpSettings
     from tests.driver.sockets import my_connections_to
 
-    frontend_port = urlsplit(fleet.url).port
+    frontend_port = urlsplit(fleet.frontend_url).port
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=8,
                               max_concurrency=1000)
-    generation = build_generation(config, frontend_url=fleet.url, control_secret=CONTROL_SECRET,
+    generation = build_generation(config, frontend_url=fleet.frontend_url, control_secret=fleet.secret,
                                   workers=[], http=HttpSettings(max_in_flight=32))
     peak = 0
 

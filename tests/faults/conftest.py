@@ -1,5 +1,5 @@
-"""Fault and trust tests: a simulated fleet (memory-engine workers + the real Dynamo frontend,
-plain child processes) per test, real processes killed or paused, a real proxy in the path."""
+"""Fault and trust tests: a fleet of memory-engine workers placed as local processes behind
+the real Dynamo frontend, per test; real processes killed or paused, a real proxy in the path."""
 
 from __future__ import annotations
 
@@ -7,32 +7,43 @@ import asyncio
 
 import pytest
 
-from rollout_fleet.wiring.simfleet import SimFleet
+from rollout_fleet.wiring.config import parse_config
+from rollout_fleet.wiring.fleet import Fleet
 from tests.driver.conftest import check_sample, engine_answers, mixed_batch
 from tests.support import leftover_processes
 
 SEED = 0
+CONTEXT_LENGTH = 256
+
+
+def local_memory_config(run_dir, *, workers: int = 2, token_delay_s: float = 0.0,
+                        router: str = "round-robin", env: dict | None = None):
+    """A fleet of ``workers`` memory engines placed as child processes of this one."""
+    return parse_config({
+        "placement": "local", "num_workers": workers, "served_model_name": "mem",
+        "engine": {"kind": "memory", "seed": SEED, "context_length": CONTEXT_LENGTH,
+                   "token_delay_s": token_delay_s},
+        "max_model_len": CONTEXT_LENGTH, "max_new_tokens": 16, "router": router,
+        "env": env or {}, "run_dir": str(run_dir), "timeouts": {"start_s": 180}})
 
 
 @pytest.fixture
 def start_fleet(tmp_path):
-    """``start_fleet(workers=2, token_delay_s=...)`` -> a started SimFleet, stopped afterwards
-    and checked: nothing of it left running."""
-    started: list[SimFleet] = []
+    """``start_fleet(workers=2, token_delay_s=...)`` -> a started local fleet, stopped
+    afterwards and checked: nothing of it left running."""
+    started: list[Fleet] = []
 
-    def start(**options) -> SimFleet:
-        options.setdefault("workers", 2)
-        options.setdefault("seed", SEED)
-        fleet = SimFleet(tmp_path / f"fleet-{len(started)}", **options)
+    def start(**options) -> Fleet:
+        fleet = Fleet.start(local_memory_config(tmp_path / f"fleet-{len(started)}", **options))
         started.append(fleet)
-        return fleet.start()
+        return fleet
 
     yield start
     groups = [g for fleet in started for g in fleet.process_groups()]
     for fleet in started:
-        fleet.stop()
+        fleet.shutdown()
     left = leftover_processes(groups, wait_s=10)
-    assert left == [], f"processes of the simulated fleet left behind: {left}"
+    assert left == [], f"processes of the fleet left behind: {left}"
 
 
 def check_batch_exactly_once(pairs, prompts, *, max_new_tokens, max_model_len):

@@ -46,7 +46,7 @@ def test_frontend_killed_and_restarted_mid_batch_every_rollout_finishes_once(sta
 
     def restart_later():
         time.sleep(1.0)  # down long enough for every in-flight and new attempt to fail
-        fleet.start_frontend(timeout_s=60)
+        fleet.restart_frontend(timeout_s=60)
         timeline["back"] = time.monotonic()
 
     try:
@@ -61,7 +61,7 @@ def test_frontend_killed_and_restarted_mid_batch_every_rollout_finishes_once(sta
 
 def test_frontend_down_longer_than_the_retry_budget_fails_with_a_clear_error(start_fleet):
     fleet = start_fleet(workers=2, token_delay_s=0.001)
-    url = fleet.url
+    url = fleet.frontend_url
     fleet.kill_frontend()
     prompts, data = mixed_batch(8, seed=12, max_len=20)
     short_budget = RetryPolicy(max_attempts=3, base_delay_s=0.05, jitter=0.2)
@@ -74,7 +74,7 @@ def test_frontend_down_longer_than_the_retry_budget_fails_with_a_clear_error(sta
         assert isinstance(error.last_error, TransportError)
         assert error.attempts == 3 and f"{url}/v1/completions" in str(error)
         # Once it is back, the same driver serves the whole batch.
-        fleet.start_frontend(timeout_s=60)
+        fleet.restart_frontend(timeout_s=60)
         pairs, error = run(collect_until_error(generation, data))
     finally:
         generation.shutdown()
@@ -97,20 +97,20 @@ def test_a_worker_that_stops_answering_times_out_and_its_rollouts_fail_over(star
         async for pair in generation.generate_async(data, greedy=True):
             pairs.append(pair)
             if len(pairs) == paused_at:
-                fleet.pause_worker(1)  # SIGSTOP: its sockets stay open, nothing answers
+                fleet.pause_worker("worker-1")  # SIGSTOP: its sockets stay open, nothing answers
         return pairs
 
     try:
         pairs = run(batch_with_a_stuck_worker())
-        stats_while_paused = _stats_of(fleet, 1)
+        stats_while_paused = _stats_of(fleet, "worker-1")
     finally:
-        fleet.resume_worker(1)
+        fleet.resume_worker("worker-1")
     try:
         # Once resumed, the worker learns that the driver gave up on its stuck rollouts (aborts).
         stats, deadline = {}, time.monotonic() + 15
         while (not stats.get("aborted_request_ids") or stats.get("in_flight")) \
                 and time.monotonic() < deadline:
-            stats = _stats_of(fleet, 1) or {}
+            stats = _stats_of(fleet, "worker-1") or {}
             time.sleep(0.2)
         assert stats.get("aborted_request_ids"), "the paused worker held no rollout the driver gave up on"
         check_batch_exactly_once(pairs, prompts, max_new_tokens=MAX_NEW, max_model_len=MAX_LEN)
@@ -127,10 +127,10 @@ def test_a_worker_that_stops_answering_times_out_and_its_rollouts_fail_over(star
     assert stats_while_paused is None, "the paused worker answered a control call"
 
 
-def _stats_of(fleet, index: int):
+def _stats_of(fleet, name: str):
     """The worker's own ``stats`` control answer, or None when it does not answer in 1 s."""
     body = json.dumps({"control_secret": fleet.secret}).encode()
-    request = urllib.request.Request(f"{fleet.workers[index].system_url}/engine/control/stats",
+    request = urllib.request.Request(f"{fleet.control_urls[name]}/engine/control/stats",
                                      data=body, headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=1.0) as answer:

@@ -36,7 +36,7 @@ def test_503_load_shedding_is_retried_with_backoff_and_jitter_in_the_policys_ban
         return Shed(retry_after="0") if attempt <= 2 else Forward()
 
     prompts, data = mixed_batch(24, seed=3, max_len=20)
-    with FaultProxy(fleet.frontend_port, plan) as proxy:
+    with FaultProxy(fleet.frontend.http_port, plan) as proxy:
         generation = fleet.generation(frontend_url=proxy.url, max_new_tokens=MAX_NEW,
                                       max_model_len=MAX_LEN, max_concurrency=24, retry=policy)
         try:
@@ -78,7 +78,7 @@ def test_corrupted_truncated_and_reset_answers_are_retried_and_the_batch_complet
 
     prompts, data = mixed_batch(32, seed=4, max_len=20)
     policy = RetryPolicy(max_attempts=3, base_delay_s=0.05, jitter=0.2)
-    with FaultProxy(fleet.frontend_port, plan) as proxy:
+    with FaultProxy(fleet.frontend.http_port, plan) as proxy:
         generation = fleet.generation(frontend_url=proxy.url, max_new_tokens=MAX_NEW,
                                       max_model_len=MAX_LEN, max_concurrency=32, retry=policy)
         try:
@@ -101,7 +101,7 @@ def test_a_rollout_whose_answer_is_always_corrupt_fails_clearly_and_the_driver_g
 
     prompts, data = mixed_batch(16, seed=6, max_len=20)
     policy = RetryPolicy(max_attempts=3, base_delay_s=0.05, jitter=0.2)
-    with FaultProxy(fleet.frontend_port, plan) as proxy:
+    with FaultProxy(fleet.frontend.http_port, plan) as proxy:
         generation = fleet.generation(frontend_url=proxy.url, max_new_tokens=MAX_NEW,
                                       max_model_len=MAX_LEN, max_concurrency=16, retry=policy)
         try:

@@ -63,6 +63,6 @@ def test_two_minutes_of_steady_load_grow_neither_memory_nor_sockets(start_fleet)
     # The pool holds at most one connection per allowed rollout (plus the control extras).
     assert max(s for _, _, s in samples) - sockets_before <= CONCURRENCY + 16
     # Each worker's engine served exactly what was sent: no rollout ran twice.
-    served = sum(post_control(w.system_url, "engine_stats", {"control_secret": fleet.secret})
-                 ["served_count"] for w in fleet.workers)
+    served = sum(post_control(url, "engine_stats", {"control_secret": fleet.secret})
+                 ["served_count"] for url in fleet.control_urls.values())
     assert served == batches * BATCH

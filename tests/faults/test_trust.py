@@ -23,7 +23,7 @@ from rollout_fleet.adapters.memory.engine import TinyBigramModel
 from rollout_fleet.core.errors import ControlRefused, RolloutFleetError
 from rollout_fleet.core.rollout import GREEDY
 from rollout_fleet.wiring.driver import build_generation
-from rollout_fleet.wiring.simfleet import free_loopback_port
+from rollout_fleet.adapters.shared import free_port
 from tests.driver.conftest import check_sample
 from tests.faults.conftest import collect_until_error, mixed_batch, run
 from tests.support import group_members, listening_sockets
@@ -98,11 +98,11 @@ def test_controls_without_the_secret_are_refused_and_change_nothing_then_the_own
                     body = dict(bodies[name])
                     if secret is not None:
                         body["control_secret"] = secret
-                    answer = post_control(worker.system_url, name, body)
+                    answer = post_control(fleet.control_url(worker), name, body)
                     assert answer.get("status") == "error" and "refused" in answer.get("message", ""), \
                         (worker.name, name, secret, answer)
         # A driver with the fleet's endpoints and a wrong secret is refused on every control.
-        stranger = build_generation(owner.config, frontend_url=fleet.url, workers=fleet.endpoints(),
+        stranger = build_generation(owner.config, frontend_url=fleet.frontend_url, workers=fleet.endpoints(),
                                     control_secret="not-the-secret")
         try:
             for call in (stranger.get_weight_versions, stranger.invalidate_kv_cache,
@@ -124,7 +124,7 @@ def test_controls_without_the_secret_are_refused_and_change_nothing_then_the_own
         # stranger's update and flush in the middle are still refused.
         new_weights = {name: torch.tensor(matrix, dtype=torch.float32) for name, matrix in
                        TinyBigramModel.from_seed(NEW_WEIGHTS_SEED).state_dict().items()}
-        port = free_loopback_port()
+        port = free_port()
         world_size = 1 + owner.get_inference_world_size()
         joining = owner.init_collective("127.0.0.1", port, world_size, train_world_size=1)
         with TrainerRefitSession("127.0.0.1", port, 0, world_size, timeout_s=60,
@@ -134,7 +134,7 @@ def test_controls_without_the_secret_are_refused_and_change_nothing_then_the_own
             info = owner.prepare_refit_info({n: (tuple(t.shape), "float32") for n, t in new_weights.items()})
             for worker in fleet.workers:
                 for name in ("update_weights", "flush_cache"):
-                    answer = post_control(worker.system_url, name, {"control_secret": "wrong"})
+                    answer = post_control(fleet.control_url(worker), name, {"control_secret": "wrong"})
                     assert answer.get("status") == "error" and "refused" in answer["message"]
             assert owner.get_weight_versions() == versions_before
             updates = owner.update_weights_from_collective()
@@ -169,12 +169,12 @@ def test_a_pickled_copy_carries_the_secret_and_works(start_fleet):
     assert fleet.secret not in repr(copy) and fleet.secret not in repr(copy._controls)
 
 
-def test_everything_the_simulated_fleet_opens_listens_on_loopback(start_fleet):
+def test_everything_a_local_fleet_opens_listens_on_loopback(start_fleet):
     fleet = start_fleet(workers=3, token_delay_s=0.001)
     pids = [pid for group in fleet.process_groups() for pid in group_members(group)]
     listeners = listening_sockets(pids)
     ports = {s.port for s in listeners}
-    assert fleet.frontend_port in ports
-    assert {w.system_port for w in fleet.workers} <= ports
+    assert fleet.frontend.http_port in ports
+    assert {w.ports["DYN_SYSTEM_PORT"] for w in fleet.workers} <= ports
     outside = [s for s in listeners if not s.is_loopback]
     assert outside == [], f"listening beyond loopback: {outside}"

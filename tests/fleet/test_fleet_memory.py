@@ -68,7 +68,10 @@ def test_a_failed_start_names_the_worker_and_cleans_up():
                            timeouts={"start_s": 60})
     with pytest.raises(FleetStartError) as info:
         Fleet.start(config)
-    assert "worker-0" in str(info.value) and "no_such_option" in str(info.value)
+    message = str(info.value)
+    assert "worker-0" in message and "no_such_option" in message
+    # The worker's own error, in one line, and where its log is; not a traceback's tail.
+    assert "Traceback" not in message and "worker-0.log" in message, message
     assert_nothing_left([], [], before)
 
 

@@ -102,7 +102,7 @@ class Trainer:
     """The trainer process (tests/refit/trainer_proc.py), one refit group for its life."""
 
     def __init__(self, generation, *, timeout_s: float = 60.0):
-        from rollout_fleet.adapters.ray.supervisor import free_port
+        from rollout_fleet.adapters.shared import free_port
 
         self.port = free_port("127.0.0.1")
         world_size = 1 + generation.get_inference_world_size()

@@ -36,7 +36,7 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     import ray
     import torch
     from rollout_fleet.adapters.collective import TrainerRefitSession
-    from rollout_fleet.adapters.ray.supervisor import free_port
+    from rollout_fleet.adapters.shared import free_port
     from rollout_fleet.wiring.config import parse_config
     from rollout_fleet.wiring.demo.report import header, row, write_outputs
     from rollout_fleet.wiring.demo.trainer import (

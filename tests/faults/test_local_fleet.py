@@ -1,32 +1,33 @@
-"""The simulated fleet itself: strict options, and Dynamo's KV router behind it (only inside a
-private network namespace, which the test command provides)."""
+"""A fleet placed as local processes: its config is strict, and Dynamo's KV router works behind
+it (only inside a private network namespace, which the test command provides)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.wiring.config import ConfigError
 from rollout_fleet.wiring.netns import in_private_netns
-from rollout_fleet.wiring.simfleet import SimFleet
-from tests.faults.conftest import check_batch_exactly_once, collect_until_error, mixed_batch, run
+from tests.faults.conftest import (
+    check_batch_exactly_once, collect_until_error, local_memory_config, mixed_batch, run,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
 
 
 @pytest.mark.parametrize("options, field", [
-    ({"workers": 0}, "workers"), ({"workers": True}, "workers"),
-    ({"router_mode": "fastest"}, "router_mode"), ({"token_delay_s": -1}, "token_delay_s"),
+    ({"workers": 0}, "num_workers"),
+    ({"router": "fastest"}, "router"),
 ])
 def test_bad_options_are_refused_by_name(tmp_path, options, field):
-    with pytest.raises(InvalidValue) as refused:
-        SimFleet(tmp_path, **options)
-    assert refused.value.field == field
+    with pytest.raises(ConfigError) as refused:
+        local_memory_config(tmp_path, **options)
+    assert field in str(refused.value)
 
 
 def test_the_kv_router_serves_every_rollout_once_inside_a_private_namespace(start_fleet):
     if not in_private_netns():
         pytest.fail("run through scripts/test.sh (or `unshare -n`): the KV router binds 0.0.0.0")
-    fleet = start_fleet(workers=3, token_delay_s=0.001, router_mode="kv")
+    fleet = start_fleet(workers=3, token_delay_s=0.001, router="kv")
     prompts, data = mixed_batch(48, seed=51, max_len=20)
     generation = fleet.generation(max_new_tokens=12, max_model_len=64, max_concurrency=16)
     try:
