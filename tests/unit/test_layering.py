@@ -68,13 +68,8 @@ def test_adapters_share_helpers_only_through_adapters_shared(tmp_path):
                                 "(adapters/shared may import only the standard library, attrs and core)"]
 
 
-# The refit services' duck types are being replaced where they live; until then they are the
-# only copies allowed.
-REFIT_PROTOCOLS_IN_REWORK = frozenset({"core/refit_service.py"})
-
-
 def test_each_port_is_declared_once_with_no_protocol_copies():
-    assert protocol_copies(ROOT, allowed=REFIT_PROTOCOLS_IN_REWORK) == []
+    assert protocol_copies(ROOT) == []
 
 
 def test_a_protocol_copy_of_a_port_is_caught(tmp_path):
