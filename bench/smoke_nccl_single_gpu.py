@@ -2,8 +2,7 @@
 
     python3 bench/smoke_nccl_single_gpu.py
 
-NCCL refuses two ranks on one device, so a real sender -> receiver run needs two GPUs (issue 9,
-nvidia-h200-x2). This runs what one GPU allows: the NCCL process group built from the TCPStore
+NCCL refuses two ranks on one device, so a real sender -> receiver run needs two GPUs. This runs what one GPU allows: the NCCL process group built from the TCPStore
 without init_process_group, the header all-reduce, packing on the GPU and the broadcasts with
 their bounded waits, and checks the global default group was never initialised.
 """
