@@ -15,10 +15,10 @@ import torch
 from rollout_fleet.adapters.collective import TrainerRefitSession
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel
 from rollout_fleet.adapters.memory.model_folder import write_model_folder
+from rollout_fleet.adapters.shared import free_port
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import GREEDY
 from rollout_fleet.wiring.nemo_rl import DynamoGeneration, read_nemo_rl_config
-from rollout_fleet.wiring.simfleet import free_loopback_port
 from tests.driver.conftest import PAD, collect, mixed_batch
 from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
 
@@ -222,7 +222,7 @@ def test_refit_through_the_nemo_rl_methods(dropin):
     prompts, data = mixed_batch(6, seed=11)
     new_weights = {name: torch.tensor(matrix, dtype=torch.float32)
                    for name, matrix in TinyBigramModel.from_seed(7).state_dict().items()}
-    port = free_loopback_port()
+    port = free_port()
     world_size = 1 + dropin.get_inference_world_size()
     joining = dropin.init_collective("127.0.0.1", port, world_size, train_world_size=1)
     with TrainerRefitSession("127.0.0.1", port, 0, world_size, timeout_s=60,
