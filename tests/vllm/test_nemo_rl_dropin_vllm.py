@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from rollout_fleet.adapters.collective import TrainerRefitSession
-from rollout_fleet.adapters.ray.supervisor import free_port
+from rollout_fleet.adapters.shared import free_port
 from rollout_fleet.wiring.nemo_rl import DynamoGeneration
 from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
 
