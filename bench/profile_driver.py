@@ -113,14 +113,14 @@ def charge(stats: dict) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
 
 
 async def profiled_batch(fleet, requests: int, concurrency: int) -> tuple[cProfile.Profile, float, float]:
-    from bench_driver import CONTROL_SECRET, SERVED_MODEL, HttpSettings, WorkerEndpoint, build_generation
+    from bench_driver import SERVED_MODEL, HttpSettings, build_generation
     from rollout_fleet.adapters.nemo_rl import GenerationConfig
 
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=MAX_MODEL_LEN,
                               max_new_tokens=MAX_NEW_TOKENS, max_concurrency=concurrency)
     generation = build_generation(
-        config, frontend_url=fleet.url, control_secret=CONTROL_SECRET,
-        workers=[WorkerEndpoint(f"w{i}", u) for i, u in enumerate(fleet.system_urls)],
+        config, frontend_url=fleet.frontend_url, control_secret=fleet.secret,
+        workers=fleet.endpoints(),
         http=HttpSettings(max_in_flight=concurrency, client="aiohttp"))
     prompts = make_prompts(requests)
     async for _ in generation.generate_async(as_batch(prompts[:concurrency]), greedy=True):
@@ -143,7 +143,7 @@ async def profiled_floor(fleet, requests: int, concurrency: int) -> tuple[cProfi
     import aiohttp
     from bench_driver import REQUEST_ID_HEADER, check_answer, gated, wire_bodies
 
-    url = fleet.url + "/v1/completions"
+    url = fleet.frontend_url + "/v1/completions"
     bodies = wire_bodies(make_prompts(requests), "floor")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         async def one(i):
@@ -179,7 +179,7 @@ def print_breakdown(title: str, profile, cpu: float, wall: float, args) -> None:
 
 
 def main(argv=None) -> int:
-    from tests.driver.real_fleet import RealFleet
+    from tests.driver.real_fleet import start_local_fleet, stop_local_fleet
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -191,14 +191,14 @@ def main(argv=None) -> int:
     if not 1 <= args.requests <= 20000:
         parser.error("--requests must be in [1, 20000]")
     with tempfile.TemporaryDirectory(prefix="profile-driver-") as run_dir:
-        fleet = RealFleet(Path(run_dir), num_workers=args.workers).start()
+        fleet = start_local_fleet(Path(run_dir), num_workers=args.workers)
         gc.collect()
         gc.freeze()
         try:
             driver_profile, *driver_run = asyncio.run(profiled_batch(fleet, args.requests, args.concurrency))
             floor_profile, *floor_run = asyncio.run(profiled_floor(fleet, args.requests, args.concurrency))
         finally:
-            fleet.stop()
+            stop_local_fleet(fleet)
     print_breakdown("driver (a)", driver_profile, *driver_run, args)
     print()
     print_breakdown("floor (b), bare pooled aiohttp", floor_profile, *floor_run, args)
