@@ -194,8 +194,8 @@ def test_a_refit_while_rollouts_are_in_flight_loses_nothing_and_tags_each(fleet,
         trainer.close()
 
 
-def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0) -> int:
-    """The rollouts the workers report in flight, once that is above 0."""
+def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0, at_least: int = 1) -> int:
+    """The rollouts the workers report in flight, once that is ``at_least``."""
     import time
 
     from rollout_fleet.wiring.fleet import call_control
@@ -204,9 +204,9 @@ def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0) -> int:
     while time.monotonic() < deadline:
         in_flight = sum(call_control(url, "stats", fleet.secret)["in_flight"]
                         for url in fleet.control_urls.values())
-        if in_flight > 0:
+        if in_flight >= at_least:
             return in_flight
-    raise AssertionError(f"no worker held a rollout within {timeout_s:.0f} s")
+    raise AssertionError(f"the workers did not hold {at_least} rollout(s) within {timeout_s:.0f} s")
 
 
 def test_a_trainer_dying_mid_transfer_fails_clearly_and_the_old_weights_stay(generation, models,
@@ -247,3 +247,151 @@ def test_a_pickled_copy_in_another_process_invalidates_every_cache(generation, r
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"]
     assert_serves(generation, reference, 0, count=2)
+
+
+LONG_ROLLOUT = 400  # tokens (of 512, prompts <= 40): the refit must land inside the rollouts
+IN_FLIGHT = 64
+GROUP_PROMPT_LEN = 40  # a GRPO-like group sharing a prompt of full KV blocks (block size 16)
+NEAR_TIE = 1e-4
+CHECKED_ROLLOUTS = 16  # of those that span the refit, checked token by token against transformers
+CHECKED_AFTER = 48  # tokens past the switch checked in recompute mode
+
+
+@pytest.fixture(scope="module")
+def transformers_models(models):
+    from transformers import LlamaForCausalLM
+
+    return {seed: LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for seed, path in models.items()}
+
+
+def greedy_reference(model, prompt, steps):
+    """transformers' greedy decode (KV cached), cut before the first near-tie: a token there
+    may legitimately differ between two implementations of one model."""
+    tokens, past, ids = [], None, torch.tensor([list(prompt)])
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            top = torch.topk(torch.log_softmax(out.logits[0, -1].float(), dim=-1), 2)
+            if float(top.values[0] - top.values[1]) < NEAR_TIE:
+                return tokens, False
+            tokens.append(int(top.indices[0]))
+            if tokens[-1] == 2:  # EOS
+                break
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens, True
+
+
+def _rollouts_across_a_refit(fleet, generation, trainer, models, mode, rng):
+    """64 long greedy rollouts sent on model A; a refit to model B in ``mode`` once the workers
+    hold them; then (while the long ones still run) a fresh rollout of the group's prompt."""
+    import collections
+    import time
+
+    from rollout_fleet.adapters.http import HttpCompletionsTransport, HttpWorkerControl
+    from rollout_fleet.core.refit_service import RefitCoordinator
+    from rollout_fleet.core.rollout import RolloutRequest
+    from rollout_fleet.core.rollout_client import RolloutClient
+
+    group_prompt = [rng.randrange(3, 512) for _ in range(GROUP_PROMPT_LEN)]
+    prompts = [group_prompt] * 8 + [[rng.randrange(3, 512) for _ in range(rng.randint(2, 12))]
+                                    for _ in range(IN_FLIGHT - 8)]
+
+    async def run():
+        client = RolloutClient(HttpCompletionsTransport(fleet.frontend_url), model="tiny")
+        coordinator = RefitCoordinator([HttpWorkerControl(name, url, secret=fleet.secret)
+                                        for name, url in fleet.control_urls.items()],
+                                       timeout_s=120)
+        rollouts = [asyncio.ensure_future(client.rollout(RolloutRequest(
+            f"{mode}-{i}-{rng.random()}", p, LONG_ROLLOUT))) for i, p in enumerate(prompts)]
+        # Every rollout at a worker, and some tokens on model A, before the refit pauses them.
+        await asyncio.to_thread(_wait_for_worker_in_flight, fleet, at_least=IN_FLIGHT * 3 // 4)
+        await asyncio.sleep(1.0)
+        started = time.monotonic()
+        # From this loop, not through Ray tasks: the pause reaches each worker at once.
+        updating = asyncio.ensure_future(coordinator.update_weights(mode))
+        await asyncio.sleep(0)
+        trainer.send(models[1])
+        await updating
+        refit_s = time.monotonic() - started
+        done = sum(r.done() for r in rollouts)
+        print(f"{mode}: refit {refit_s:.2f} s; {done} of {IN_FLIGHT} rollouts done by its end")
+        fresh = await client.rollout(RolloutRequest(f"{mode}-fresh", group_prompt, STEPS))
+        results = await asyncio.gather(*rollouts)
+        print(f"{mode}: versions per rollout", collections.Counter(
+            tuple(v for v, _ in r.weight_versions) for r in results))
+        return prompts, results, fresh
+
+    generation.prepare_refit_info(info_of(models[1]))
+    outcome = asyncio.run(run())
+    assert trainer.sent() == "sent"
+    return outcome
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_a_refit_without_draining_keeps_64_rollouts_going_and_tags_the_switch(
+        fleet, generation, models, transformers_models, mode):
+    """None of 64 long rollouts in flight is aborted or lost; versions per token show the
+    switch inside rollouts; the tokens before it are model A's greedy decode. In recompute
+    mode the tokens after it are model B's greedy continuation of the same prefix (checked
+    for up to 16 rollouts, 48 tokens past the switch, to bound the reference's time). In keep
+    mode those tokens are B's over the KV that A computed for the prefix (no reference
+    model reproduces that), and a rollout admitted after the refit is B's, even one whose
+    prompt blocks the old rollouts still hold."""
+    import random
+
+    trainer = Trainer(generation)
+    try:
+        generation.prepare_refit_info(info_of(models[0]))
+        refit(generation, trainer, models[0])  # from model A, drained
+        (version_a,) = set(generation.get_weight_versions().values())
+        version_b = version_a + 1
+        prompts, results, fresh = _rollouts_across_a_refit(
+            fleet, generation, trainer, models, mode, random.Random(11))
+        assert set(generation.get_weight_versions().values()) == {version_b}
+
+        assert len(results) == IN_FLIGHT
+        assert all(r.finish_reason.value != "abort" for r in results)
+        assert all(len(r.token_ids) == LONG_ROLLOUT or r.token_ids[-1] == 2 for r in results)
+        switched = [i for i, r in enumerate(results) if len(r.weight_versions) == 2]
+        assert switched, f"no rollout spans the refit: {[r.weight_versions for r in results]}"
+        for result in results:
+            assert [v for v, _ in result.weight_versions] in ([version_a], [version_b],
+                                                              [version_a, version_b])
+
+        model_a, model_b = transformers_models[0], transformers_models[1]
+        checked_after = 0
+        for index in switched[:CHECKED_ROLLOUTS]:  # transformers on 2 CPU cores: a sample
+            result, prompt = results[index], prompts[index]
+            before = result.weight_versions[0][1]
+            want, whole = greedy_reference(model_a, prompt, before)
+            assert list(result.token_ids[:len(want)]) == want, f"rollout {index} before the switch"
+            if mode == "recompute" and whole:
+                prefix = list(prompt) + list(result.token_ids[:before])
+                rest, _ = greedy_reference(model_b, prefix,
+                                           min(CHECKED_AFTER, len(result.token_ids) - before))
+                assert list(result.token_ids[before:before + len(rest)]) == rest, \
+                    f"rollout {index} after the switch is not model B's continuation"
+                checked_after += len(rest) > 0
+        # A rollout tagged with one version is that model's greedy decode (the tags are true).
+        for seed, version in ((0, version_a), (1, version_b)):
+            whole_runs = [i for i, r in enumerate(results) if r.weight_versions[0][0] == version
+                          and len(r.weight_versions) == 1][:4]
+            for index in whole_runs:
+                want, _ = greedy_reference(transformers_models[seed], prompts[index], 32)
+                assert list(results[index].token_ids[:len(want)]) == want, \
+                    f"rollout {index} tagged v{version} only is not model {seed}'s decode"
+        print(f"{mode}: {len(switched)} of {IN_FLIGHT} rollouts span the refit; "
+              f"{checked_after} checked against model B past the switch")
+        if mode == "recompute":
+            assert checked_after >= min(len(switched), CHECKED_ROLLOUTS) // 2, \
+                "too few rollouts checked past the switch"
+        want, _ = greedy_reference(model_b, prompts[0], STEPS)
+        assert list(fresh.token_ids[:len(want)]) == want and fresh.weight_versions == (
+            (version_b, len(fresh.token_ids)),)
+
+        generation.prepare_refit_info(info_of(models[0]))
+        refit(generation, trainer, models[0])  # back to A for the next tests
+    finally:
+        trainer.close()
