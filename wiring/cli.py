@@ -29,7 +29,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     reexec_in_private_netns()  # a local Ray binds every interface: keep it on loopback
     settings = DemoSettings(workers=args.workers, out_dir=args.out,
-                            progress=not args.quiet and sys.stderr.isatty())  # quiet in CI logs
+                            progress=not args.quiet and sys.stderr.isatty(),  # quiet in CI logs
+                            asynchronous=args.asynchronous)
     if args.ci:
         settings = attrs.evolve(settings, steps=2, prompts=4, group_size=4)
     if args.steps is not None:
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="out/demo", help="folder for demo.json (and demo.png)")
     demo.add_argument("--ci", action="store_true", help="the short form CI runs (2 steps)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal)")
+    demo.add_argument("--async", dest="asynchronous", action="store_true",
+                      help="one-step off-policy GRPO: the fleet generates the next batch while "
+                           "the trainer trains, and refits swap weights under rollouts in flight")
     demo.add_argument("--in-memory", action="store_true",
                       help="the in-memory demo: core services only, no Ray, Dynamo or vLLM")
     demo.set_defaults(run=_demo)

@@ -9,7 +9,8 @@ from typing import Any
 
 COLUMNS = (("step", "{:>4}"), ("mean_reward", "{:>11.3f}"), ("rollouts_per_s", "{:>14.1f}"),
            ("tokens_per_s", "{:>12.1f}"), ("refit_s", "{:>8.2f}"), ("mismatch_mean", "{:>13.2e}"),
-           ("mismatch_max", "{:>12.2e}"), ("weight_versions", "{:>15}"))
+           ("mismatch_max", "{:>12.2e}"), ("weight_versions", "{:>15}"),
+           ("off_policy_tokens", "{:>17.2f}"))
 
 
 def header() -> str:

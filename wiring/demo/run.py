@@ -26,6 +26,9 @@ class DemoSettings:
     out_dir: str = "out/demo"
     engine: str = "vllm"
     progress: bool = True
+    # One-step off-policy: the fleet generates batch k+1 while the trainer trains on batch k,
+    # and each refit swaps weights under the rollouts in flight (keep mode).
+    asynchronous: bool = False
 
 
 class DemoFailed(RolloutFleetError):
@@ -75,26 +78,26 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
         info = generation.prepare_refit_info(trainer.state_dict_info())
 
         print(header(), flush=True)
-        for step in range(1, settings.steps + 1):
-            figures: dict[str, Any] = {"step": step}
-            scored, seconds = _rollouts(generation, prompts, settings, reward)
-            tokens = sum(len(s.tokens) for s in scored)
-            figures["mean_reward"] = sum(s.reward for s in scored) / len(scored)
-            figures["rollouts_per_s"] = len(scored) / seconds
-            figures["tokens_per_s"] = tokens / seconds
-            figures["mismatch_mean"], figures["mismatch_max"] = trainer.mismatch(scored)
-            figures["loss"] = trainer.step(scored, settings.group_size)
-            refit_started = time.perf_counter()
-            updating = generation.update_weights_from_collective()
-            session.send_state_dict(trainer.state_dict(), info)
-            ray.get(updating, timeout=300)
-            generation.invalidate_kv_cache()
-            figures["refit_s"] = time.perf_counter() - refit_started
-            versions = generation.get_weight_versions()
-            figures["weight_versions"] = [versions[w] for w in sorted(versions)]
-            steps.append(figures)
-            print(row(figures), flush=True)
-            _check_step(figures, step, settings)
+        loop_started = time.perf_counter()
+        if settings.asynchronous:
+            steps = _async_steps(generation, trainer, session, info, prompts, settings, reward)
+        else:
+            for step in range(1, settings.steps + 1):
+                scored, seconds = _rollouts(generation, prompts, settings, reward)
+                figures = _batch_figures(step, scored, seconds, trainer)
+                figures["loss"] = trainer.step(scored, settings.group_size)
+                refit_started = time.perf_counter()
+                updating = generation.update_weights_from_collective()
+                session.send_state_dict(trainer.state_dict(), info)
+                ray.get(updating, timeout=300)
+                generation.invalidate_kv_cache()
+                figures["refit_s"] = time.perf_counter() - refit_started
+                versions = generation.get_weight_versions()
+                figures["weight_versions"] = [versions[w] for w in sorted(versions)]
+                steps.append(figures)
+                print(row(figures), flush=True)
+                _check_step(figures, step, settings)
+        _summary(steps, time.perf_counter() - loop_started, settings)
     finally:
         if session is not None:
             session.close()
@@ -104,6 +107,67 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     json_path, png_path = write_outputs(steps, Path(settings.out_dir), attrs.asdict(settings))
     print(f"figures: {json_path}  plot: {png_path}")
     return steps
+
+
+def _async_steps(generation, trainer, session, info, prompts, settings: DemoSettings, reward):
+    """One-step off-policy GRPO: while the fleet generates the next batch (on the weights of
+    the last refit), the trainer trains on the batch just finished, then refits in keep mode:
+    the next batch's rollouts in flight go on under the new weights, and their per-token
+    versions say which weights sampled each token."""
+    import concurrent.futures
+
+    import ray
+    from rollout_fleet.wiring.demo.report import row
+
+    steps: list[dict[str, Any]] = []
+    quiet = attrs.evolve(settings, progress=False)  # the bar would cross the table's rows
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="demo-rollouts") as fleet_side:
+        pending = fleet_side.submit(_rollouts, generation, prompts, quiet, reward)
+        for step in range(1, settings.steps + 1):
+            scored, seconds = pending.result()
+            trainer_version = step - 1  # the weights the trainer holds before this step
+            if step < settings.steps:  # the next batch runs while this one trains
+                pending = fleet_side.submit(_rollouts, generation, prompts, quiet, reward)
+            figures = _batch_figures(step, scored, seconds, trainer)
+            figures["off_policy_tokens"] = _share_older_than(scored, trainer_version)
+            figures["loss"] = trainer.step(scored, settings.group_size)
+            refit_started = time.perf_counter()
+            updating = generation.update_weights_from_collective("keep")
+            session.send_state_dict(trainer.state_dict(), info)
+            ray.get(updating, timeout=300)
+            figures["refit_s"] = time.perf_counter() - refit_started
+            versions = generation.get_weight_versions()
+            figures["weight_versions"] = [versions[w] for w in sorted(versions)]
+            steps.append(figures)
+            print(row(figures), flush=True)
+            _check_step(figures, step, settings)
+    return steps
+
+
+def _batch_figures(step: int, scored, seconds: float, trainer) -> dict[str, Any]:
+    tokens = sum(len(s.tokens) for s in scored)
+    figures: dict[str, Any] = {"step": step}
+    figures["mean_reward"] = sum(s.reward for s in scored) / len(scored)
+    figures["rollouts_per_s"] = len(scored) / seconds
+    figures["tokens_per_s"] = tokens / seconds
+    figures["mismatch_mean"], figures["mismatch_max"] = trainer.mismatch(scored)
+    return figures
+
+
+def _share_older_than(scored, version: int) -> float:
+    """The share of generated tokens that weights older than ``version`` sampled."""
+    versions = [v for s in scored for v in s.versions]
+    return sum(v < version for v in versions) / len(versions) if versions else 0.0
+
+
+def _summary(steps: list[dict[str, Any]], seconds: float, settings: DemoSettings) -> None:
+    """Rollouts per second of the whole loop (generation, training and refits together)."""
+    rollouts = len(steps) * settings.prompts * settings.group_size
+    mode = "async (one step off-policy, keep refits)" if settings.asynchronous else "synchronous"
+    print(f"{mode}: {rollouts} rollouts in {seconds:.1f} s = {rollouts / seconds:.1f} rollouts/s "
+          f"over the whole loop; reward {steps[0]['mean_reward']:.3f} -> "
+          f"{steps[-1]['mean_reward']:.3f}", flush=True)
+    steps[-1]["loop_rollouts_per_s"] = rollouts / seconds
 
 
 def _prompts(settings: DemoSettings, vocab_size: int) -> list[list[int]]:
@@ -131,7 +195,8 @@ def _rollouts(generation, prompts, settings: DemoSettings, reward):
             start = settings.prompt_len
             tokens = tuple(sample["output_ids"][0, start:start + n].tolist())
             logprobs = tuple(sample["logprobs"][0, start:start + n].tolist())
-            scored[index] = Scored(tuple(batch[index]), tokens, logprobs, reward(tokens))
+            versions = tuple(sample["weight_versions"][0, start:start + n].tolist())
+            scored[index] = Scored(tuple(batch[index]), tokens, logprobs, reward(tokens), versions)
             bar.update(1)
 
     started = time.perf_counter()
@@ -150,6 +215,7 @@ def _check_step(figures: dict[str, Any], step: int, settings: DemoSettings) -> N
     if figures["weight_versions"] != [step] * settings.workers:
         raise DemoFailed(f"step {step}: the refit did not reach every worker "
                          f"(weight versions {figures['weight_versions']}, expected {step} each)")
-    if figures["mismatch_max"] > settings.mismatch_bound:
+    # Off-policy tokens differ from the trainer's weights by design: checked when synchronous.
+    if not settings.asynchronous and figures["mismatch_max"] > settings.mismatch_bound:
         raise DemoFailed(f"step {step}: train/inference logprob mismatch "
                          f"{figures['mismatch_max']:.2e} exceeds {settings.mismatch_bound:.0e}")

@@ -22,6 +22,7 @@ class Scored:
     tokens: tuple[int, ...]
     fleet_logprobs: tuple[float, ...]
     reward: float
+    versions: tuple[int, ...] = ()  # the weight version that sampled each token
 
 
 class TargetTokenReward:
