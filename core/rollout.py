@@ -88,6 +88,14 @@ def version_runs(field: str):
     """
 
     def convert(value: Any) -> VersionRuns:
+        # Fast path (every answer on the driver's hot path, twice): none or one run of plain ints.
+        if type(value) in _PLAIN_SEQUENCES and len(value) <= 1:
+            if not value:
+                return ()
+            run = value[0]
+            if type(run) in _PLAIN_SEQUENCES and len(run) == 2 and type(run[0]) is int \
+                    and type(run[1]) is int and run[0] >= 0 and run[1] >= 1:
+                return ((run[0], run[1]),)
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise InvalidValue(field, value, "must be a list of [version, n_tokens] pairs")
         runs: list[tuple[int, int]] = []

@@ -12,8 +12,21 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from rollout_fleet.core.errors import AnnotationError, SpecVersionError, UnreadableBody, WireError
-from rollout_fleet.core.rollout import FinishReason, RolloutRequest, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.core.errors import (
+    AnnotationError,
+    InvalidValue,
+    SpecVersionError,
+    UnreadableBody,
+    WireError,
+)
+from rollout_fleet.core.rollout import (
+    FinishReason,
+    RolloutRequest,
+    SamplingSpec,
+    ServedRollout,
+    Usage,
+    version_runs,
+)
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX,
     RolloutSpec,
@@ -284,10 +297,29 @@ def test_weight_versions_survive_the_wire_and_tag_every_token(served):
     ([[1, True], [2, 1]], "weight_versions[0][1]"),
     ([[1, 1, 1]], "weight_versions[0]"),
     ("11", "weight_versions"),
+    ([[1, 0]], "weight_versions[0][1]"),  # one run: the fast path must refuse as the loop does
+    ([[True, 2]], "weight_versions[0][0]"),
+    ([[1.0, 2]], "weight_versions[0][0]"),
+    ([[1, 2.0]], "weight_versions[0][1]"),
+    ([[1]], "weight_versions[0]"),
+    (["12"], "weight_versions[0]"),
 ])
 def test_engine_data_refuses_bad_weight_versions(runs, culprit):
     with pytest.raises(WireError, match=re.escape(culprit)):
         served_from_engine_data({**VALID_ENGINE_DATA, "weight_versions": runs})
+
+
+@given(st.one_of(st.integers(-3, 3), st.booleans(), st.floats(allow_nan=False), st.text(max_size=2)),
+       st.one_of(st.integers(-3, 3), st.booleans(), st.floats(allow_nan=False), st.text(max_size=2)),
+       st.sampled_from([list, tuple]))
+def test_one_version_run_is_kept_or_refused_by_its_field(version, count, kind):
+    convert = version_runs("weight_versions")
+    valid = type(version) is int and type(count) is int and version >= 0 and count >= 1
+    if valid:
+        assert convert([kind((version, count))]) == ((version, count),)
+    else:
+        with pytest.raises(InvalidValue, match=re.escape("weight_versions[0]")):
+            convert([kind((version, count))])
 
 
 def test_engine_data_without_runs_tags_the_whole_rollout_with_its_version():
