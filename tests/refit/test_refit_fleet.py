@@ -303,6 +303,10 @@ def _rollouts_across_a_refit(fleet, generation, trainer, models, mode, rng):
         coordinator = RefitCoordinator([HttpWorkerControl(name, url, secret=fleet.secret)
                                         for name, url in fleet.control_urls.items()],
                                        timeout_s=120)
+        # The same shapes once, short: a fresh engine's first big batch is slow to start, and
+        # the refit must find the long rollouts generating, not still waiting for it.
+        await asyncio.gather(*(client.rollout(RolloutRequest(f"{mode}-warm-{i}-{rng.random()}", p, 4))
+                               for i, p in enumerate(prompts)))
         rollouts = [asyncio.ensure_future(client.rollout(RolloutRequest(
             f"{mode}-{i}-{rng.random()}", p, LONG_ROLLOUT))) for i, p in enumerate(prompts)]
         # Every rollout at a worker, and some tokens on model A, before the refit pauses them.
