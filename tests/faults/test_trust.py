@@ -70,7 +70,6 @@ def expected_answers(prompts, weights: dict | None, version: int = 0):
         if weights is not None:
             engine.model = TinyBigramModel(weights["embed.weight"].tolist(),
                                            weights["lm_head.weight"].tolist())
-            engine._version = 1  # as the fleet's workers after one refit: tokens tagged 1
         return [await engine.serve_rollout(p, request_id=f"own-{i}", sampling=GREEDY,
                                            max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)]
     return [attrs.evolve(answer, weight_version=version,
