@@ -141,10 +141,74 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def parse_config(data: Any, source: str = "config") -> FleetConfig:
+    """The checked config: its fields, its engine's options and its model folder, before any
+    process starts. ConfigError names the source, the field and the value."""
     try:
-        return FleetConfig.model_validate(data)
+        config = FleetConfig.model_validate(data)
     except pydantic.ValidationError as exc:
         raise ConfigError(f"{source}: {_problems(exc)}") from None
+    try:
+        engine_config(config)
+    except InvalidValue as exc:
+        raise ConfigError(f"{source}: {exc.field}: {exc.rule} (got {_shown(exc.value)})") from None
+    return config
+
+
+ENGINE_KINDS = ("memory", "vllm")
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+
+
+def engine_config(config: FleetConfig) -> Any:
+    """The typed settings of the config's engine (MemoryEngineConfig or VllmEngineConfig);
+    InvalidValue names the field (``engine.<option>``, ``model``) and the value."""
+    options = dict(config.engine)
+    kind = options.pop("kind")
+    try:
+        if kind == "memory":
+            from rollout_fleet.adapters.memory.config import MemoryEngineConfig
+
+            return MemoryEngineConfig.from_mapping(options)
+        if kind == "vllm":
+            return _vllm_config(config, options)
+    except InvalidValue as exc:
+        if exc.field == "model" or exc.field.startswith("engine."):
+            raise
+        field = exc.field if exc.field != "vllm config" else _first(exc.value)
+        raise InvalidValue(f"engine.{field}", exc.value if field == exc.field else options.get(field),
+                           exc.rule) from None
+    except (TypeError, ValueError) as exc:  # a value of the wrong shape for an unchecked field
+        raise InvalidValue("engine", options, str(exc)) from None
+    raise InvalidValue("engine.kind", kind, f"must be one of {', '.join(ENGINE_KINDS)}")
+
+
+def _vllm_config(config: FleetConfig, options: dict[str, Any]) -> Any:
+    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+
+    seed = options.pop("tiny_model_seed", 0)  # the worker builds the tiny model from it
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidValue("tiny_model_seed", seed, "must be an int >= 0")
+    if "model" in options:
+        check_model_folder("engine.model", options["model"])
+    elif config.model != "tiny":
+        check_model_folder("model", config.model)
+    return VllmEngineConfig.from_mapping({"model": config.model, **options})
+
+
+def check_model_folder(field: str, folder: Any) -> None:
+    """A Hugging Face style folder: a config.json and at least one weights file."""
+    if not isinstance(folder, str) or not folder:
+        raise InvalidValue(field, folder, "must be a model folder")
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise InvalidValue(field, folder, "is not a folder" if path.exists() else "does not exist")
+    if not (path / "config.json").is_file():
+        raise InvalidValue(field, folder, "holds no config.json: not a model folder")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise InvalidValue(field, folder, f"holds no weights ({', '.join(WEIGHT_FILES)})")
+
+
+def _first(value: Any) -> str:
+    return str(value[0]) if isinstance(value, list) and value else str(value)
 
 
 def load_config(path: str | Path) -> FleetConfig:

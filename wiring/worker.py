@@ -56,15 +56,14 @@ class BuiltEngine:
 
 def _memory_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | None) -> BuiltEngine:
     from rollout_fleet.adapters.collective import join_receiver
-    from rollout_fleet.adapters.memory.engine import MemoryEngine
+    from rollout_fleet.adapters.memory.config import MemoryEngineConfig
     from rollout_fleet.adapters.memory.model_folder import write_model_folder
 
-    known = {"seed", "context_length", "token_delay_s", "max_num_seqs", "kv_block_size", "refit_ranks"}
-    unknown = sorted(set(options) - known - {"kind"})
-    if unknown:
-        raise InvalidValue("engine", unknown, f"unknown option(s) of the memory engine; known: {sorted(known)}")
-    engine = MemoryEngine(**{k: v for k, v in options.items() if k in known},
-                          join_receiver=join_receiver)
+    try:
+        settings = MemoryEngineConfig.from_mapping({k: v for k, v in options.items() if k != "kind"})
+    except InvalidValue as exc:
+        raise InvalidValue(f"engine.{exc.field}", exc.value, exc.rule) from None
+    engine = settings.engine(join_receiver=join_receiver)
     if model_path is None:
         model_path = str(write_model_folder(run_dir / "model-memory",
                                             context_length=engine.context_length))

@@ -61,6 +61,18 @@ def test_serve_config_with_a_bad_value(tmp_path):
     assert_one_line_error(run_cli("serve", "--config", config), "num_workers", "0")
 
 
+@pytest.mark.parametrize("toml, words", [
+    ('engine = { kind = "vllm", enforce_eagr = true }\n', ("engine.enforce_eagr", "True")),
+    ('model = "/no/such/model"\nengine = { kind = "vllm" }\n', ("model", "/no/such/model", "does not exist")),
+    ('engine = { kind = "memory", token_delay_s = -1 }\n', ("engine.token_delay_s", "-1")),
+])
+def test_serve_config_with_a_bad_engine_is_refused_before_anything_starts(tmp_path, toml, words):
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n' + toml)
+    assert_one_line_error(run_cli("serve", "--config", config), "fleet.toml", *words)
+    assert not (tmp_path / "run").exists(), "something started before the config was refused"
+
+
 def test_serve_config_that_is_not_toml(tmp_path):
     config = tmp_path / "fleet.toml"
     config.write_text("num_workers = = 2\n[[\n")

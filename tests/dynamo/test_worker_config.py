@@ -27,7 +27,8 @@ def test_memory_kind_builds_the_engine_and_its_model_folder(tmp_path):
 
 @pytest.mark.parametrize("config,field", [
     ({"engine": {"kind": "tpu-magic"}, "run_dir": "/tmp"}, "engine.kind"),
-    ({"engine": {"kind": "memory", "sede": 1}, "run_dir": "/tmp"}, "engine"),
+    ({"engine": {"kind": "memory", "sede": 1}, "run_dir": "/tmp"}, "engine.sede"),
+    ({"engine": {"kind": "memory", "token_delay_s": -1}, "run_dir": "/tmp"}, "engine.token_delay_s"),
     ({"engine": {"kind": "memory"}}, "run_dir"),
 ])
 def test_bad_config_names_the_field(config, field):

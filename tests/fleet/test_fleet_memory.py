@@ -62,16 +62,25 @@ def _stats(fleet):
     return [call_control(url, "stats", fleet.secret) for url in fleet.control_urls.values()]
 
 
-def test_a_failed_start_names_the_worker_and_cleans_up():
+def test_a_failed_start_names_the_worker_its_own_error_and_log_and_cleans_up():
     before = own_children_before()
-    config = memory_config(engine={"kind": "memory", "no_such_option": 1}, num_workers=1,
+    # Valid as a config, refused by Dynamo's runtime inside the worker.
+    config = memory_config(num_workers=1, env={"DYN_DISCOVERY_BACKEND": "no-such-backend"},
                            timeouts={"start_s": 60})
     with pytest.raises(FleetStartError) as info:
         Fleet.start(config)
     message = str(info.value)
-    assert "worker-0" in message and "no_such_option" in message
+    assert message.startswith("worker-0 exited while starting: ") and "no-such-backend" in message
     # The worker's own error, in one line, and where its log is; not a traceback's tail.
-    assert "Traceback" not in message and "worker-0.log" in message, message
+    assert "Traceback" not in message and "\n" not in message and "worker-0.log" in message, message
+    assert_nothing_left([], [], before)
+
+
+def test_a_misspelt_engine_option_is_refused_before_anything_starts():
+    before = own_children_before()
+    with pytest.raises(ConfigError) as info:
+        memory_config(engine={"kind": "memory", "no_such_option": 1})
+    assert "engine.no_such_option" in str(info.value)
     assert_nothing_left([], [], before)
 
 
