@@ -202,9 +202,13 @@ class VllmEngine(EnginePort, RefitTarget):
             loaded = time.perf_counter()
             self._torn = None
             version = await self._commit_new_weights(mode)
-        log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s, cache reset"
-                 " %.3f s", version, len(info.tensors), info.total_bytes / 2**20, loaded - started,
-                 time.perf_counter() - loaded)
+        reset = time.perf_counter()
+        ranks = await self._engine.collective_rpc("rollout_fleet_refit_stats")
+        log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s (per rank: %s),"
+                 " cache reset %.3f s", version, len(info.tensors), info.total_bytes / 2**20,
+                 loaded - started, ", ".join(
+                     f"{rank.get('seconds', 0):.3f} s, {rank.get('waiting_s', 0):.3f} s waiting"
+                     " for the wire" for rank in ranks), reset - loaded)
         return version
 
     def weight_version(self) -> int:

@@ -93,6 +93,7 @@ class RefitStats:
     tensors: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    waiting_s: float = 0.0  # of which waiting for the next tensor to arrive (the wire)
     rolled_back: bool = False
     torn: bool = False
 
@@ -171,15 +172,20 @@ class PackedTransferEngine:
         info = RefitInfo.from_wire(update_info.refit_info)
         started = time.perf_counter()
         received: list[tuple[str, Any]] = []
+        waiting = [0.0]
         try:
-            self.model.load_weights(_recording(self.receiver.receive(info), received))
+            self.model.load_weights(_recording(self.receiver.receive(info), received, waiting))
             if len(received) != len(info.tensors):
                 raise RefitError(f"the model's load_weights stopped after {len(received)} of"
                                  f" {len(info.tensors)} tensors")
         except BaseException as error:
             self._recover(error, loaded=len(received))
             raise
-        self.stats = RefitStats(len(received), info.total_bytes, time.perf_counter() - started)
+        self.stats = RefitStats(len(received), info.total_bytes, time.perf_counter() - started,
+                                waiting[0])
+        log.info("refit received and loaded: %d tensors, %.0f MiB in %.3f s (%.3f s of it waiting"
+                 " for the wire)", self.stats.tensors, self.stats.nbytes / 2**20,
+                 self.stats.seconds, self.stats.waiting_s)
         if self.rollback == "last_good":
             self._last_good = received
 
@@ -240,8 +246,15 @@ class PackedTransferEngine:
         return tensors
 
 
-def _recording(stream: Iterator[tuple[str, Any]], into: list) -> Iterator[tuple[str, Any]]:
-    for item in stream:
+def _recording(stream: Iterator[tuple[str, Any]], into: list, waiting: list[float]
+               ) -> Iterator[tuple[str, Any]]:
+    """Pass the stream on, keeping each item and adding the time spent waiting for it."""
+    while True:
+        asked = time.perf_counter()
+        item = next(stream, None)
+        waiting[0] += time.perf_counter() - asked
+        if item is None:
+            return
         into.append(item)
         yield item
 
