@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from rollout_fleet.core.errors import ContextLimitExceeded, InvalidValue, shown
+from rollout_fleet.core.validate import check_int_at_least
 
 
 class ContextLimitPolicy(str, enum.Enum):
@@ -23,8 +24,7 @@ def token_budget(
     """``min(max_new_tokens, max_model_len - prompt_len)``; 0 only under the EMPTY policy."""
     for field, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
                          ("max_model_len", max_model_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidValue(field, value, "must be an int >= 0")
+        check_int_at_least(field, value, 0)
     if max_model_len < 1:
         raise InvalidValue("max_model_len", max_model_len, "must be >= 1")
     try:

@@ -8,8 +8,10 @@ from typing import Any
 import attrs
 from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch, shown
 from rollout_fleet.core.validate import (
+    check_int_at_least,
     finite_at_least,
     int_at_least,
+    is_int,
     non_empty_str,
     positive_int,
 )
@@ -62,7 +64,7 @@ def _shape(value: Any, field: str) -> tuple[int, ...]:
     except TypeError:
         raise InvalidValue(field, value, "a shape is a sequence of ints") from None
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        if not is_int(d) or d < 0:
             raise InvalidValue(field, value, "every dimension is an int >= 0")
     return dims
 
@@ -154,10 +156,6 @@ class RefitInfo:
                                    f"the engine's parameter has dtype {known.dtype}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @attrs.frozen
 class CollectiveSenderSpec:
     """The packed-buffer geometry both ends of a refit must share."""
@@ -202,8 +200,7 @@ def plan_buckets(tensors: Sequence[TensorMeta], buffer_bytes: int) -> tuple[Buck
     its buffer (so a buffer holds at most ``buffer_bytes`` plus one tensor, and a tensor larger
     than a buffer travels alone). Empty tensors ride along at no cost.
     """
-    if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1:
-        raise InvalidValue("buffer_bytes", buffer_bytes, "must be an int >= 1")
+    check_int_at_least("buffer_bytes", buffer_bytes, 1)
     buckets: list[Bucket] = []
     entries: list[BucketEntry] = []
     end = 0
@@ -236,9 +233,9 @@ class RankLayout:
         return self.train_world_size + self.num_workers * self.ranks_per_worker
 
     def worker_rank(self, worker_index: int, local_rank: int = 0) -> int:
-        if not _is_int(worker_index) or not 0 <= worker_index < self.num_workers:
+        if not is_int(worker_index) or not 0 <= worker_index < self.num_workers:
             raise InvalidValue("worker_index", worker_index, f"must be in [0, {self.num_workers})")
-        if not _is_int(local_rank) or not 0 <= local_rank < self.ranks_per_worker:
+        if not is_int(local_rank) or not 0 <= local_rank < self.ranks_per_worker:
             raise InvalidValue("local_rank", local_rank, f"must be in [0, {self.ranks_per_worker})")
         return self.train_world_size + worker_index * self.ranks_per_worker + local_rank
 
@@ -288,7 +285,7 @@ class GroupJoin:
 
     def rank(self, engine_rank: int) -> int:
         """The group rank of engine rank ``engine_rank`` of this worker."""
-        if not _is_int(engine_rank) or not 0 <= engine_rank < self.ranks_per_worker:
+        if not is_int(engine_rank) or not 0 <= engine_rank < self.ranks_per_worker:
             raise InvalidValue("engine_rank", engine_rank,
                                f"must be in [0, {self.ranks_per_worker})")
         return self.first_rank + engine_rank

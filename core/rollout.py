@@ -9,7 +9,9 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.validate import int_at_least, is_finite_number, non_empty_str
+from rollout_fleet.core.validate import (
+    check_int_at_least, check_int_in, int_at_least, is_finite_number, is_int, is_real, non_empty_str,
+)
 
 
 class FinishReason(str, enum.Enum):
@@ -46,8 +48,7 @@ def token_ids_tuple(field: str):
             except TypeError:
                 raise InvalidValue(field, value, "must be a sequence of token IDs") from None
         for index, token in enumerate(value):
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise InvalidValue(f"{field}[{index}]", token, "token IDs are non-negative ints")
+            check_int_at_least(f"{field}[{index}]", token, 0, "token IDs are non-negative ints")
         return tuple(value)
 
     return convert
@@ -67,7 +68,7 @@ def logprobs_tuple(field: str):
             raise InvalidValue(field, value, "must be a sequence of floats") from None
         out = []
         for index, lp in enumerate(items):
-            if isinstance(lp, bool) or not isinstance(lp, (int, float)):
+            if not is_real(lp):
                 raise InvalidValue(f"{field}[{index}]", lp, "logprobs are floats")
             if not is_finite_number(lp) or lp > 0.0:
                 raise InvalidValue(f"{field}[{index}]", lp, "logprobs are finite and <= 0")
@@ -103,10 +104,8 @@ def version_runs(field: str):
             if isinstance(run, (str, bytes)) or not isinstance(run, Sequence) or len(run) != 2:
                 raise InvalidValue(f"{field}[{index}]", run, "must be a [version, n_tokens] pair")
             version, count = run
-            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-                raise InvalidValue(f"{field}[{index}][0]", version, "a weight version is an int >= 0")
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise InvalidValue(f"{field}[{index}][1]", count, "a token count is an int >= 1")
+            check_int_at_least(f"{field}[{index}][0]", version, 0, "a weight version is an int >= 0")
+            check_int_at_least(f"{field}[{index}][1]", count, 1, "a token count is an int >= 1")
             if runs and runs[-1][0] == version:
                 runs[-1] = (version, runs[-1][1] + count)
             else:
@@ -161,15 +160,12 @@ class SamplingSpec:
             raise InvalidValue("greedy", self.greedy, "must be a bool")
         if not is_finite_number(self.temperature) or self.temperature <= 0:
             raise InvalidValue("temperature", self.temperature, "must be a finite float > 0")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidValue("top_p", self.top_p, "must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
-                or (self.top_k != -1 and self.top_k < 1):
+        if not is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
             raise InvalidValue("top_k", self.top_k, "must be -1 (off) or an int >= 1")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
-            raise InvalidValue("seed", self.seed, "must be None or an int in [0, 2**63)")
+        if self.seed is not None:
+            check_int_in("seed", self.seed, 0, 2**63 - 1, "must be None or an int in [0, 2**63)")
 
 
 GREEDY = SamplingSpec()

@@ -21,19 +21,16 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.validate import check_int_at_least
 
 
 class StalenessGate:
     """Admissions and refits of one driver, on one event loop."""
 
     def __init__(self, max_staleness: int | None = None, current_version: int = 0) -> None:
-        if max_staleness is not None and (isinstance(max_staleness, bool)
-                                          or not isinstance(max_staleness, int) or max_staleness < 0):
-            raise InvalidValue("max_staleness", max_staleness, "must be None or an int >= 0")
-        if isinstance(current_version, bool) or not isinstance(current_version, int) \
-                or current_version < 0:
-            raise InvalidValue("current_version", current_version, "must be an int >= 0")
+        if max_staleness is not None:
+            check_int_at_least("max_staleness", max_staleness, 0, "must be None or an int >= 0")
+        check_int_at_least("current_version", current_version, 0)
         self.max_staleness = max_staleness
         self.current_version = current_version
         self._in_flight: collections.Counter[int] = collections.Counter()  # version -> rollouts

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rollout_fleet.core.errors import InvalidValue, TooManyStopStrings
+from rollout_fleet.core.validate import check_int_at_least
 
 MAX_STOP_STRINGS = 32
 
@@ -15,8 +16,7 @@ def merge_stop_strings(
     cap: int = MAX_STOP_STRINGS,
 ) -> tuple[str, ...]:
     """Union in first-seen order (configured first); raise past ``cap``."""
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-        raise InvalidValue("stop string cap", cap, "must be an int >= 0")
+    check_int_at_least("stop string cap", cap, 0)
     merged: dict[str, None] = {}
     for field, group in (("stop_strings (configured)", configured),
                          ("stop_strings (per sample)", per_sample)):

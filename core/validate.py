@@ -1,4 +1,7 @@
-"""attrs validators shared by every value class: each names the field and the value it refuses."""
+"""Checks shared by every value class: each names the field and the value it refuses.
+
+Plain functions (``check_*``) raise at once; the attrs validators wrap them.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from rollout_fleet.core.errors import InvalidValue
 
 def is_finite_number(value: Any) -> bool:
     """A non-bool int or float that is finite as a float (huge ints overflow: not finite)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_real(value):
         return False
     try:
         return math.isfinite(value)
@@ -18,10 +21,33 @@ def is_finite_number(value: Any) -> bool:
         return False
 
 
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a count to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A non-bool int or float (finite or not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int_at_least(field: str, value: Any, low: int, rule: str | None = None) -> int:
+    """``value`` when it is an int >= ``low``; else InvalidValue naming field and value."""
+    if not is_int(value) or value < low:
+        raise InvalidValue(field, value, rule or f"must be an int >= {low}")
+    return value
+
+
+def check_int_in(field: str, value: Any, low: int, high: int, rule: str | None = None) -> int:
+    """``value`` when it is an int in ``low..high`` (both included)."""
+    if not is_int(value) or not low <= value <= high:
+        raise InvalidValue(field, value, rule or f"must be an int in {low}..{high}")
+    return value
+
+
 def int_at_least(field: str, low: int):
     def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InvalidValue(field, value, f"must be an int >= {low}")
+        check_int_at_least(field, value, low)
     return check
 
 

@@ -20,6 +20,7 @@ import attrs
 
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec
+from rollout_fleet.core.validate import check_int_at_least, is_int
 
 _LINE_KEYS = {"prompt_token_ids", "text", "id", "stop_strings", "max_new_tokens"}
 
@@ -155,10 +156,10 @@ def _parse_line(line: str, where: str, index: int, tokenizer: Any) -> Prompt:
     except InvalidValue as exc:
         raise InvalidValue(f"{where}: {exc.field}", exc.value, exc.rule) from None
     budget = data.get("max_new_tokens")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise InvalidValue(f"{where}: max_new_tokens", budget, "must be an int >= 1")
+    if budget is not None:
+        check_int_at_least(f"{where}: max_new_tokens", budget, 1)
     prompt_id = data.get("id", index)
-    if isinstance(prompt_id, bool) or not isinstance(prompt_id, (str, int)) or prompt_id == "":
+    if not (is_int(prompt_id) or (isinstance(prompt_id, str) and prompt_id)):
         raise InvalidValue(f"{where}: id", prompt_id, "must be a non-empty string or an int")
     return Prompt(str(prompt_id), request.prompt_token_ids,
                   request.stop_strings if "stop_strings" in data else None, budget)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
+from rollout_fleet.core.validate import check_int_at_least
 
 
 class ConfigError(RolloutFleetError, ValueError):
@@ -185,8 +186,7 @@ def _vllm_config(config: FleetConfig, options: dict[str, Any]) -> Any:
     from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 
     seed = options.pop("tiny_model_seed", 0)  # the worker builds the tiny model from it
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise InvalidValue("tiny_model_seed", seed, "must be an int >= 0")
+    check_int_at_least("tiny_model_seed", seed, 0)
     if "model" in options:
         check_model_folder("engine.model", options["model"])
     elif config.model != "tiny":

@@ -33,6 +33,7 @@ from dynamo.common.backend import (
 from dynamo.common.backend.publisher import ZmqSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 from rollout_fleet.core.errors import AnnotationError, EngineRejected, InvalidValue
+from rollout_fleet.core.validate import check_int_at_least
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX,
@@ -239,8 +240,7 @@ class DynamoEngineAdapter(LLMEngine):
 
     def _plain_budget(self, prompt_len: int, max_tokens: Any) -> int:
         wanted = PLAIN_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
-            raise InvalidValue("max_tokens", wanted, "must be an int >= 1")
+        check_int_at_least("max_tokens", wanted, 1)
         if self._facts is not None:
             room = self._facts.context_length - prompt_len
             if room < 1:
@@ -346,9 +346,8 @@ class _PlainOptions:
         _refuse_unoffered(options, stop, output)
         _refuse_choices(options)
         logprobs = output.get("logprobs")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or logprobs < 0):
-            raise InvalidValue("logprobs", logprobs, "must be an int >= 0")
+        if logprobs is not None:
+            check_int_at_least("logprobs", logprobs, 0)
         keywords: dict[str, Any] = {}
         if logprobs:
             keywords["top_logprobs"] = logprobs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.validate import check_int_in
 
 LOOPBACK = "127.0.0.1"
 MAX_SYSTEM_PORT = 32767  # DYN_SYSTEM_PORT is parsed as an i16
@@ -38,9 +38,7 @@ def dynamo_env(run_dir: str | Path, *, system_port: int | None = None,
         "HF_HUB_OFFLINE": "1",
     }
     if system_port is not None:
-        if isinstance(system_port, bool) or not isinstance(system_port, int) \
-                or not 0 < system_port <= MAX_SYSTEM_PORT:
-            raise InvalidValue("system_port", system_port,
-                               f"Dynamo reads it as a signed 16-bit int: 1..{MAX_SYSTEM_PORT}")
+        check_int_in("system_port", system_port, 1, MAX_SYSTEM_PORT,
+                     f"Dynamo reads it as a signed 16-bit int: 1..{MAX_SYSTEM_PORT}")
         env["DYN_SYSTEM_PORT"] = str(system_port)
     return env

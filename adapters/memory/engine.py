@@ -28,6 +28,7 @@ from rollout_fleet.core.refit import (
     refit_mode,
 )
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.core.validate import is_int
 from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
@@ -184,8 +185,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
                             stop_token_ids: Sequence[int] = ()) -> ServedRollout:
         self._check_input(prompt_token_ids, max_new_tokens)
-        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) \
-                or not 0 <= top_logprobs <= len(VOCAB):
+        if not is_int(top_logprobs) or not 0 <= top_logprobs <= len(VOCAB):
             raise EngineRejected(f"top_logprobs={top_logprobs!r}: must be an int in 0..{len(VOCAB)}")
         rng = random.Random(sampling.seed) if sampling.seed is not None else random.Random()
         await self._admitting.wait()  # closed only while a drain-mode refit swaps
@@ -283,7 +283,7 @@ class MemoryEngine(EnginePort, RefitTarget):
     def _check_input(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if not prompt:
             raise EngineRejected("prompt_token_ids is empty")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < len(VOCAB)]
+        bad = [t for t in prompt if not is_int(t) or not 0 <= t < len(VOCAB)]
         if bad:
             raise EngineRejected(f"prompt_token_ids has IDs outside the vocabulary [0, {len(VOCAB)}): {bad[:5]}")
         if max_new_tokens < 1:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.validate import check_int_at_least
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"  # trained first, so their IDs are 0, 1, 2
 CORPUS_FILE = "corpus.txt"
@@ -106,8 +107,7 @@ def build_tiny_model(directory: str | os.PathLike, seed: int = 0,
     from safetensors.torch import save_file
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise InvalidValue("seed", seed, "must be an int >= 0")
+    check_int_at_least("seed", seed, 0)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     llama_config(spec).save_pretrained(out)
