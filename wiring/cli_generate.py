@@ -184,12 +184,12 @@ def _progress_bar(total: int, *, quiet: bool):
 
 async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, concurrency: int, *,
                     model: str, max_new_tokens: int, max_model_len: int, done=None) -> list:
-    from rollout_fleet.adapters.http import HttpCompletionsTransport, HttpSettings
-    from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+    from rollout_fleet.core.rollout_client import RolloutLimits
+    from rollout_fleet.wiring.driver import build_frontend_client
 
     concurrency = min(concurrency, len(prompts))
-    transport = HttpCompletionsTransport(url, HttpSettings(max_in_flight=concurrency))
-    client = RolloutClient(transport, model=model)
+    frontend = build_frontend_client(url, model=model, max_in_flight=concurrency)
+    client = frontend.client
     limits = RolloutLimits(max_model_len=max_model_len, max_new_tokens=max_new_tokens)
     gate = asyncio.Semaphore(concurrency)
 
@@ -216,7 +216,7 @@ async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, con
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
     finally:
-        await transport.aclose()
+        await frontend.aclose()
 
 
 def _result_line(prompt: Prompt, result: Any, tokenizer: Any) -> dict[str, Any]:

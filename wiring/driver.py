@@ -1,8 +1,11 @@
-"""Build a DynamoGeneration from a config: an existing frontend URL and the workers' system ports.
+"""The composition root of every driver: what sends rollouts and refits to a fleet.
 
-The composition root of the driver: the http adapter's transport, control and metrics clients
-(all sharing one pooled client per event loop) under the nemo_rl adapter's DynamoGeneration.
-A fleet built by this project hands its own URLs here (and itself as ``owned``).
+``build_generation``: the http adapter's transport, control and metrics clients (all sharing
+one pooled client per event loop) under the nemo_rl adapter's DynamoGeneration, for an existing
+frontend URL and the workers' system ports. A fleet built by this project hands its own URLs
+here (and itself as ``owned``). ``build_frontend_client``: rollouts alone, straight to a
+frontend (``rollout-fleet generate``). ``build_memory_driver``: the same services over in-memory
+engines (the in-memory demo).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from rollout_fleet.adapters.http.transport import check_base_url
 from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.refit_service import RefitCoordinator, WorkerRefit
+from rollout_fleet.core.rollout_client import CompletionsTransport, RolloutClient
 
 
 @attrs.frozen
@@ -50,3 +55,37 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
                   for w in workers],
         metrics=[HttpWorkerMetrics(w.worker_id, w.system_url, clients=clients) for w in workers],
         owned=owned, clock=clock)
+
+
+@attrs.frozen
+class FrontendClient:
+    """Rollouts straight to a frontend, without worker controls; ``aclose`` frees the pool."""
+
+    client: RolloutClient
+    transport: CompletionsTransport
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
+
+
+def build_frontend_client(frontend_url: str, *, model: str, max_in_flight: int) -> FrontendClient:
+    transport = HttpCompletionsTransport(frontend_url, HttpSettings(max_in_flight=max_in_flight))
+    return FrontendClient(RolloutClient(transport, model=model), transport)
+
+
+@attrs.frozen
+class MemoryDriver:
+    """One rollout client per in-memory engine and a refit coordinator over all of them."""
+
+    clients: tuple[RolloutClient, ...]
+    refits: RefitCoordinator
+
+
+def build_memory_driver(engines: Sequence, *, model: str = "memory",
+                        refit_timeout_s: float = 30) -> MemoryDriver:
+    from rollout_fleet.adapters.memory import EngineCompletionsTransport, LocalWorkerControl
+
+    clients = tuple(RolloutClient(EngineCompletionsTransport(e), model=model) for e in engines)
+    controls = [LocalWorkerControl(f"worker-{i}", WorkerRefit(e).controls())
+                for i, e in enumerate(engines)]
+    return MemoryDriver(clients, RefitCoordinator(controls, timeout_s=refit_timeout_s))

@@ -1,7 +1,8 @@
 """The in-memory demo: rollouts through the core's client, one refit, rollouts again.
 
 Runs anywhere the core runs (no Dynamo, no vLLM): the same services the fleet uses, wired to
-the in-memory engine, transport, control channel and collective.
+the in-memory engine, transport, control channel and collective, composed by
+``wiring/driver.py``'s ``build_memory_driver``.
 """
 
 from __future__ import annotations
@@ -9,19 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rollout_fleet.adapters.memory import (
-    EngineCompletionsTransport,
-    LocalWorkerControl,
-    MemoryCollective,
-    MemoryEngine,
-    MemoryWeightSender,
-    TinyBigramModel,
-)
+from rollout_fleet.adapters.memory import MemoryCollective, MemoryEngine, MemoryWeightSender, TinyBigramModel
 from rollout_fleet.adapters.memory.engine import VOCAB, decode
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
-from rollout_fleet.core.refit_service import RefitCoordinator, WorkerRefit
 from rollout_fleet.core.rollout import SamplingSpec
-from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+from rollout_fleet.core.rollout_client import RolloutLimits
+from rollout_fleet.wiring.driver import build_memory_driver
 
 TARGET = frozenset(i for i, piece in enumerate(VOCAB) if piece and piece[0] in "aeiou")
 
@@ -34,7 +28,8 @@ def reward(token_ids) -> float:
 async def run_memory_demo(num_workers: int = 2, prompts: int = 8, group: int = 4) -> dict:
     group_ = MemoryCollective()  # the refit group's in-memory stand-in
     engines = [MemoryEngine(seed=0, join_receiver=group_.join_receiver) for _ in range(num_workers)]
-    clients = [RolloutClient(EngineCompletionsTransport(e), model="memory") for e in engines]
+    driver = build_memory_driver(engines, model="memory", refit_timeout_s=30)
+    clients = driver.clients
     limits = RolloutLimits(max_model_len=128, max_new_tokens=24)
     prompt_ids = [[1 + (i * 5) % 40, 2 + (i * 3) % 40] for i in range(prompts)]
 
@@ -50,9 +45,7 @@ async def run_memory_demo(num_workers: int = 2, prompts: int = 8, group: int = 4
         seconds = time.perf_counter() - started
         return results, seconds
 
-    workers = [WorkerRefit(e) for e in engines]
-    coordinator = RefitCoordinator([LocalWorkerControl(f"worker-{i}", w.controls())
-                                    for i, w in enumerate(workers)], timeout_s=30)
+    coordinator = driver.refits
     spec = CollectiveSenderSpec(buffer_bytes=1 << 20, num_buffers=2)
     figures = {}
     results, seconds = await batch("before")
