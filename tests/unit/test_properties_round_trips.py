@@ -1,5 +1,6 @@
 """Round trips of the parsers the commands read: a valid value written out reads back as the
-same value (the fleet config as JSON and TOML, the fleet file, a prompts line)."""
+same value (the fleet config as JSON and TOML, the fleet file, a prompts line, a worker's
+``--config``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from rollout_fleet.wiring.cli_generate import _parse_line
 from rollout_fleet.wiring.config import load_config
 from rollout_fleet.wiring.fleet_file import FleetFile
+from rollout_fleet.wiring.worker import load_config as load_worker_config
 
 names = st.text(string.ascii_letters + string.digits + "-_./ é", min_size=1, max_size=12)
 positive = st.integers(1, 2**31)
@@ -101,3 +103,25 @@ def test_a_valid_prompts_line_reads_back_as_the_prompt_written(line, index):
     assert prompt.max_new_tokens == line.get("max_new_tokens")
     want_stops = line.get("stop_strings")
     assert prompt.stop_strings == (None if want_stops is None else tuple(want_stops))
+
+
+json_scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**63)
+                | st.floats(allow_nan=False, allow_infinity=False) | names)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(names, inner, max_size=4), max_leaves=24)
+worker_configs = st.dictionaries(names, json_values, max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(worker_configs, st.sampled_from(["inline", "indented", "file"]))
+def test_a_worker_config_reads_back_as_the_object_written(config, form):
+    text = json.dumps(config, ensure_ascii=False)
+    if form == "indented":
+        text = "\n  " + json.dumps(config, indent=2)
+    if form != "file":
+        assert load_worker_config(text) == config
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "worker.json"
+        path.write_text(text, encoding="utf-8")
+        assert load_worker_config(str(path)) == config
