@@ -113,15 +113,21 @@ async def run_driver(fleet, prompts, concurrency, client_kind):
     return elapsed
 
 
+def bare_post(session, url: str, bodies):
+    """(b)'s one request: POST the i-th prepared body and check the answer, nothing else."""
+    async def one(i):
+        rid, body = bodies[i]
+        async with session.post(url, data=body, headers={
+                "content-type": "application/json", REQUEST_ID_HEADER: rid}) as answer:
+            check_answer(answer.status, await answer.read())
+    return one
+
+
 async def run_bare_pooled(fleet, prompts, concurrency, _kind=None):
     url = fleet.frontend_url + "/v1/completions"
     bodies = wire_bodies(prompts, "bare")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-        async def one(i):
-            rid, body = bodies[i]
-            async with session.post(url, data=body, headers={
-                    "content-type": "application/json", REQUEST_ID_HEADER: rid}) as answer:
-                check_answer(answer.status, await answer.read())
+        one = bare_post(session, url, bodies)
         await gated(concurrency, concurrency, one)  # warm the pool
         t0, c0 = time.perf_counter(), time.process_time()
         await gated(concurrency, len(bodies), one)

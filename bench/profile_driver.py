@@ -141,16 +141,12 @@ async def profiled_batch(fleet, requests: int, concurrency: int) -> tuple[cProfi
 async def profiled_floor(fleet, requests: int, concurrency: int) -> tuple[cProfile.Profile, float, float]:
     """bench_driver's (b), the bare pooled aiohttp loop, on the same bodies, profiled alike."""
     import aiohttp
-    from bench_driver import REQUEST_ID_HEADER, check_answer, gated, wire_bodies
+    from bench_driver import bare_post, gated, wire_bodies
 
     url = fleet.frontend_url + "/v1/completions"
     bodies = wire_bodies(make_prompts(requests), "floor")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-        async def one(i):
-            rid, body = bodies[i]
-            async with session.post(url, data=body, headers={
-                    "content-type": "application/json", REQUEST_ID_HEADER: rid}) as answer:
-                check_answer(answer.status, await answer.read())
+        one = bare_post(session, url, bodies)
         await gated(concurrency, concurrency, one)  # warm the pool
         profile = cProfile.Profile(time.process_time)
         cpu0, wall0 = time.process_time(), time.perf_counter()

@@ -86,14 +86,7 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
                 scored, seconds = _rollouts(generation, prompts, settings, reward)
                 figures = _batch_figures(step, scored, seconds, trainer)
                 figures["loss"] = trainer.step(scored, settings.group_size)
-                refit_started = time.perf_counter()
-                updating = generation.update_weights_from_collective()
-                session.send_state_dict(trainer.state_dict(), info)
-                ray.get(updating, timeout=300)
-                generation.invalidate_kv_cache()
-                figures["refit_s"] = time.perf_counter() - refit_started
-                versions = generation.get_weight_versions()
-                figures["weight_versions"] = [versions[w] for w in sorted(versions)]
+                figures.update(_refit(generation, trainer, session, info, mode=None))
                 steps.append(figures)
                 print(row(figures), flush=True)
                 _check_step(figures, step, settings)
@@ -116,7 +109,6 @@ def _async_steps(generation, trainer, session, info, prompts, settings: DemoSett
     versions say which weights sampled each token."""
     import concurrent.futures
 
-    import ray
     from rollout_fleet.wiring.demo.report import row
 
     steps: list[dict[str, Any]] = []
@@ -131,17 +123,28 @@ def _async_steps(generation, trainer, session, info, prompts, settings: DemoSett
             figures = _batch_figures(step, scored, seconds, trainer)
             figures["off_policy_tokens"] = _share_older_than(scored, trainer_version)
             figures["loss"] = trainer.step(scored, settings.group_size)
-            refit_started = time.perf_counter()
-            updating = generation.update_weights_from_collective("keep")
-            session.send_state_dict(trainer.state_dict(), info)
-            ray.get(updating, timeout=300)
-            figures["refit_s"] = time.perf_counter() - refit_started
-            versions = generation.get_weight_versions()
-            figures["weight_versions"] = [versions[w] for w in sorted(versions)]
+            figures.update(_refit(generation, trainer, session, info, mode="keep"))
             steps.append(figures)
             print(row(figures), flush=True)
             _check_step(figures, step, settings)
     return steps
+
+
+def _refit(generation, trainer, session, info, *, mode: str | None) -> dict[str, Any]:
+    """Send the trainer's weights to every worker; ``mode`` None drains and then invalidates
+    every cache, "keep" lets rollouts in flight go on. Its seconds and the workers' versions."""
+    import ray
+
+    started = time.perf_counter()
+    updating = (generation.update_weights_from_collective() if mode is None
+                else generation.update_weights_from_collective(mode))
+    session.send_state_dict(trainer.state_dict(), info)
+    ray.get(updating, timeout=300)
+    if mode is None:
+        generation.invalidate_kv_cache()
+    seconds = time.perf_counter() - started
+    versions = generation.get_weight_versions()
+    return {"refit_s": seconds, "weight_versions": [versions[w] for w in sorted(versions)]}
 
 
 def _batch_figures(step: int, scored, seconds: float, trainer) -> dict[str, Any]:
