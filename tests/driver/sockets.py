@@ -17,7 +17,9 @@ def my_connections_to(port: int) -> int:
             continue
         if target.startswith("socket:["):
             mine.add(target[len("socket:["):-1])
-    count = 0
+    # Counted by inode: the kernel emits /proc/net/tcp in chunks while the table changes, so
+    # one socket can be listed twice in a single read.
+    counted = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -28,5 +30,5 @@ def my_connections_to(port: int) -> int:
             fields = row.split()
             remote_port = int(fields[2].split(":")[1], 16)
             if remote_port == port and fields[3] == _ESTABLISHED and fields[9] in mine:
-                count += 1
-    return count
+                counted.add(fields[9])
+    return len(counted)
