@@ -12,6 +12,11 @@ the gate keeps it at most k by pacing, never by discarding work:
   waits only for rollouts two versions old.
 
 ``None`` (the default) bounds nothing: refits and admissions never wait.
+
+One gate serves a whole driver: rollouts may be admitted from any event loop or thread (each
+``generate_async`` caller's loop), and a refit may be held from a plain thread (the trainer's
+synchronous ``update_weights_from_collective``). State sits under one lock; a waiter is woken on
+its own loop (or thread) whenever the state changes, and checks again.
 """
 
 from __future__ import annotations
@@ -19,13 +24,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
 
+from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.validate import check_int_at_least
 
 
+class StalenessTimeout(RolloutFleetError):
+    """A refit waited longer than it was allowed for old rollouts to finish."""
+
+
 class StalenessGate:
-    """Admissions and refits of one driver, on one event loop."""
+    """Admissions and refits of one driver, from any loop or thread."""
 
     def __init__(self, max_staleness: int | None = None, current_version: int = 0) -> None:
         if max_staleness is not None:
@@ -34,10 +46,14 @@ class StalenessGate:
         self.max_staleness = max_staleness
         self.current_version = current_version
         self._in_flight: collections.Counter[int] = collections.Counter()  # version -> rollouts
-        self._refits_pending = 0  # waiting for old rollouts, or loading
-        self._changed: asyncio.Condition | None = None
-        self._one_refit: asyncio.Lock | None = None
+        self._refit_pending = False  # waiting for old rollouts, or loading: one at a time
+        self._lock = threading.Lock()
+        self._waiters: list[Callable[[], None]] = []  # each wakes one waiter to check again
         self.max_lag_seen = 0  # the largest lag this gate let happen (for reports)
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_staleness is not None
 
     @property
     def oldest_in_flight(self) -> int | None:
@@ -47,48 +63,73 @@ class StalenessGate:
         oldest = self.oldest_in_flight
         return 0 if oldest is None else self.current_version - oldest
 
+    # -- rollouts -------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def rollout(self) -> AsyncIterator[int]:
         """Hold one admission for the rollout run inside; yields the version it is admitted at."""
-        changed = self._condition()
-        async with changed:
-            await changed.wait_for(self._admits)
-            version = self.current_version
-            self._in_flight[version] += 1
+        version = await self._await(self._try_admit)
         try:
             yield version
         finally:
-            async with changed:
+            with self._lock:
                 self._in_flight[version] -= 1
                 if not self._in_flight[version]:
                     del self._in_flight[version]
-                changed.notify_all()
+            self._wake_all()
 
+    def _try_admit(self) -> int | None:  # called under the lock
+        if not self._admits():
+            return None
+        version = self.current_version
+        self._in_flight[version] += 1
+        return version
+
+    # -- refits ---------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def refit(self) -> AsyncIterator[int]:
         """Hold the version's advance: waits until the rollouts in flight stay within the bound
         after it; yields the new version, which becomes current when the block succeeds."""
-        changed = self._condition()
-        async with self._one_refit:  # refits advance the version one at a time
-            async with self._refit_slot(changed) as new_version:
-                yield new_version
-
-    @contextlib.asynccontextmanager
-    async def _refit_slot(self, changed: asyncio.Condition) -> AsyncIterator[int]:
-        async with changed:
-            self._refits_pending += 1
+        await self._await(self._try_hold_refit)
+        succeeded = False
         try:
-            async with changed:
-                await changed.wait_for(self._refit_fits)
-            new_version = self.current_version + 1
+            new_version = await self._await(self._try_start_refit)
             yield new_version
-            self.current_version = new_version
-            self.max_lag_seen = max(self.max_lag_seen, self.lag())
+            succeeded = True
         finally:
-            async with changed:
-                self._refits_pending -= 1
-                changed.notify_all()
+            self._end_refit(succeeded)
 
+    def begin_refit(self, timeout_s: float | None = None) -> int:
+        """The blocking form, for a trainer's thread: returns the new version once the refit
+        fits; ``end_refit`` must follow. Never call it from a loop that admits rollouts."""
+        self._block(self._try_hold_refit, timeout_s)
+        try:
+            return self._block(self._try_start_refit, timeout_s)
+        except BaseException:
+            self._end_refit(False)
+            raise
+
+    def end_refit(self, succeeded: bool) -> None:
+        """The version advances only when the refit succeeded (a failed one kept the old)."""
+        self._end_refit(succeeded)
+
+    def _try_hold_refit(self) -> bool | None:  # called under the lock
+        if self._refit_pending:
+            return None
+        self._refit_pending = True
+        return True
+
+    def _try_start_refit(self) -> int | None:  # called under the lock
+        return self.current_version + 1 if self._refit_fits() else None
+
+    def _end_refit(self, succeeded: bool) -> None:
+        with self._lock:
+            if succeeded:
+                self.current_version += 1
+                self.max_lag_seen = max(self.max_lag_seen, self.lag())
+            self._refit_pending = False
+        self._wake_all()
+
+    # -- the rules ------------------------------------------------------------------------------
     def _admits(self) -> bool:
         # A rollout admitted now is at the current version, one behind once a pending refit
         # lands: with a bound of 0 it waits for the refit (else a steady stream of rollouts
@@ -96,15 +137,53 @@ class StalenessGate:
         if self.max_staleness is None:
             return True
         return self.lag() <= self.max_staleness and (
-            self._refits_pending == 0 or self.max_staleness >= 1)
+            not self._refit_pending or self.max_staleness >= 1)
 
     def _refit_fits(self) -> bool:
         oldest = self.oldest_in_flight
         return (self.max_staleness is None or oldest is None
                 or self.current_version + 1 - oldest <= self.max_staleness)
 
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:  # made on first use, inside the loop that will use it
-            self._changed = asyncio.Condition()
-            self._one_refit = asyncio.Lock()
-        return self._changed
+    # -- waiting --------------------------------------------------------------------------------
+    async def _await(self, attempt):
+        loop = asyncio.get_running_loop()
+        while True:
+            woken = loop.create_future()
+            with self._lock:
+                outcome = attempt()
+                if outcome is not None:
+                    return outcome
+                self._waiters.append(lambda: loop.call_soon_threadsafe(_settle, woken))
+            await woken
+
+    def _block(self, attempt, timeout_s: float | None):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            woken = threading.Event()
+            with self._lock:
+                outcome = attempt()
+                if outcome is not None:
+                    return outcome
+                self._waiters.append(woken.set)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not woken.wait(left)):
+                raise StalenessTimeout(
+                    f"a refit waited {timeout_s:.0f} s for rollouts older than the staleness "
+                    f"bound ({self.max_staleness}) to finish")
+            if left is None:
+                woken.wait()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            try:
+                wake()
+            except RuntimeError:  # that waiter's loop has closed: nobody is left to wake
+                pass
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+

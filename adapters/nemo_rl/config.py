@@ -8,7 +8,7 @@ from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout import GREEDY, SamplingSpec
 from rollout_fleet.core.stop_strings import merge_stop_strings
-from rollout_fleet.core.validate import finite_at_least, non_empty_str, positive_int
+from rollout_fleet.core.validate import finite_at_least, int_at_least, non_empty_str, positive_int
 
 
 @attrs.frozen
@@ -32,6 +32,10 @@ class GenerationConfig:
     ranks_per_worker: int = attrs.field(default=1, validator=positive_int("ranks_per_worker"))
     sender_spec: CollectiveSenderSpec = attrs.field(factory=CollectiveSenderSpec)
     control_timeout_s: float = attrs.field(default=600.0, validator=finite_at_least("control_timeout_s", strictly=True))
+    # Asynchronous RL: how many refits behind the newest weights a rollout in flight may fall
+    # (core/staleness.py); the driver paces admissions and refits to keep it. None: no bound.
+    max_staleness: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(int_at_least("max_staleness", 0)))
     # > 0: sample every worker's metrics this often while the driver lives; 0: only on demand.
     metrics_interval_s: float = attrs.field(default=0.0, validator=finite_at_least("metrics_interval_s"))
 

@@ -31,6 +31,7 @@ from rollout_fleet.core.rollout import (
     SamplingSpec,
 )
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+from rollout_fleet.core.staleness import StalenessGate
 from rollout_fleet.ports.completions import CompletionsTransport
 from rollout_fleet.ports.control import WorkerControl
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
@@ -72,7 +73,8 @@ class DynamoGeneration:
         self._ids = itertools.count()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
         self._helper = HelperLoop("dynamo-generation")
-        self._fleet_refit = FleetRefit(self._refit, self._helper, config.sender_spec)
+        self._gate = StalenessGate(config.max_staleness)
+        self._fleet_refit = FleetRefit(self._refit, self._helper, config.sender_spec, self._gate)
         self._sampler = None
         self._started_at = time.monotonic()
         self._timelines = _empty_timelines(self._metrics)
@@ -102,7 +104,7 @@ class DynamoGeneration:
             # rollout. The semaphore still bounds every generate_async on this loop together.
             for index, request in pending:
                 try:
-                    async with semaphore:
+                    async with semaphore, self._admission():
                         result = await self._client.rollout(request)
                 except Exception as exc:  # handed to the consumer, which raises it
                     finished.put_nowait((index, exc))
@@ -121,6 +123,10 @@ class DynamoGeneration:
         finally:
             for sender in senders:
                 sender.cancel()
+
+    def _admission(self):
+        """The staleness bound's hold on one rollout (nothing to hold when there is none)."""
+        return self._gate.rollout() if self._gate.bounded else _NO_HOLD
 
     def _requests(self, batch, sampling) -> list[RolloutRequest]:
         requests = []
@@ -272,7 +278,9 @@ class DynamoGeneration:
         """Every worker receives the trainer's broadcast and loads it; one future per worker.
         ``mode`` says what happens to rollouts in flight: ``drain`` (the default: they finish
         on the old weights first), ``keep`` or ``recompute`` (they continue on the new ones;
-        docs/async-rl.md)."""
+        docs/async-rl.md). With ``max_staleness`` set, this blocks first until no rollout in
+        flight would fall further behind than the bound (call it from the trainer's thread,
+        not from a loop that runs ``generate_async``)."""
         self._check_open()
         return self._fleet_refit.update_weights_from_collective(mode)
 
@@ -300,6 +308,17 @@ class DynamoGeneration:
     def __repr__(self) -> str:
         kind = "copy" if self.is_copy else "owner"
         return f"DynamoGeneration({self.frontend_url!r}, workers={list(self.worker_ids)}, {kind})"
+
+
+class _NoHold:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        return None
+
+
+_NO_HOLD = _NoHold()
 
 
 def _seeded_for(sampling: SamplingSpec, number: int) -> SamplingSpec:

@@ -11,7 +11,9 @@ running in the driver (a fleet placed by Ray, or NeMo-RL's own), they are Ray Ob
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import concurrent.futures
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
@@ -22,14 +24,16 @@ from rollout_fleet.core.refit_service import (
     RefitCoordinator,
     run_control_call,
 )
+from rollout_fleet.core.staleness import StalenessGate
 
 
 class FleetRefit:
     def __init__(self, coordinator: RefitCoordinator, helper: HelperLoop,
-                 sender_spec: CollectiveSenderSpec) -> None:
+                 sender_spec: CollectiveSenderSpec, gate: StalenessGate | None = None) -> None:
         self._coordinator = coordinator
         self._helper = helper
         self._spec = sender_spec
+        self._gate = gate if gate is not None else StalenessGate()
         self.refit_info: RefitInfo | None = None
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
@@ -47,7 +51,19 @@ class FleetRefit:
     def update_weights_from_collective(self, mode: str | None = None) -> list:
         if self.refit_info is None:
             raise RefitError("update_weights_from_collective before prepare_refit_info")
-        return self._launch(self._coordinator.update_weights_plan(mode))
+        plan = self._coordinator.update_weights_plan(mode)  # refuses a bad mode before waiting
+        if not self._gate.bounded:
+            return self._launch(plan)
+        # The version advances when every worker has loaded the new weights; until then the
+        # rollouts admitted count as the old version's (the safe side of the bound).
+        self._gate.begin_refit(timeout_s=self._coordinator.control_timeout_s)
+        try:
+            futures = self._launch(plan)
+        except BaseException:
+            self._gate.end_refit(False)
+            raise
+        _when_all_done(futures, self._gate.end_refit)
+        return futures
 
     def weight_versions(self) -> dict[str, int]:
         return self._helper.run(self._coordinator.weight_versions())
@@ -59,6 +75,25 @@ class FleetRefit:
             task = _remote_control_call(ray)
             return [task.remote(call, timeout_s) for call in plan]
         return [self._helper.spawn(run_control_call(call, timeout_s)) for call in plan]
+
+
+def _when_all_done(futures: Sequence[Any], callback: Callable[[bool], None]) -> None:
+    """``callback(all succeeded)`` once every future (concurrent or a Ray ObjectRef) is done."""
+    waiting = [f if isinstance(f, concurrent.futures.Future) else f.future() for f in futures]
+    left = [len(waiting)]
+    lock = threading.Lock()
+
+    def one_done(_future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        callback(all(not f.cancelled() and f.exception() is None for f in waiting))
+
+    if not waiting:
+        callback(True)
+    for future in waiting:
+        future.add_done_callback(one_done)
 
 
 def _ray_if_running():

@@ -41,3 +41,26 @@ def test_the_ci_demo_refits_every_worker_each_step_within_the_mismatch_bound(tmp
         assert 0.0 <= step["mean_reward"] <= 1.0
         assert step["rollouts_per_s"] > 0 and step["tokens_per_s"] > 0 and step["refit_s"] > 0
     assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.dynamo
+def test_the_async_ci_demo_refits_in_keep_mode_one_step_off_policy(tmp_path):
+    if not in_private_netns():
+        pytest.fail("the demo starts a local Ray cluster: run it inside `unshare -n`")
+    result = run_cli("demo", "--ci", "--async", "--quiet", "--out", tmp_path, timeout_s=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "async (one step off-policy, keep refits)" in result.stdout
+    figures = json.loads((tmp_path / "demo.json").read_text())
+    meta, steps = figures["meta"], figures["steps"]
+    assert meta["asynchronous"] is True
+    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["weight_versions"] for s in steps] == [[1, 1], [2, 2]]
+    # Step 1's batch ran before any refit: all of it on the trainer's weights.
+    assert steps[0]["off_policy_tokens"] == 0.0
+    assert steps[0]["mismatch_max"] <= meta["mismatch_bound"]
+    for step in steps:
+        assert 0.0 <= step["off_policy_tokens"] <= 1.0 and 0.0 <= step["mean_reward"] <= 1.0
+        assert step["rollouts_per_s"] > 0 and step["refit_s"] > 0
+    assert steps[-1]["loop_rollouts_per_s"] > 0

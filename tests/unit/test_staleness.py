@@ -88,3 +88,66 @@ def test_a_bad_bound_is_refused_by_name(bad):
     with pytest.raises(InvalidValue) as refused:
         StalenessGate(bad)
     assert refused.value.field == "max_staleness"
+
+
+def test_one_gate_paces_rollouts_on_two_loops_and_a_blocking_refit_from_a_third_thread():
+    """The driver's shape: generate_async callers on their own loops, the trainer's refit from
+    a plain thread. Each rollout records the versions current when it started and ended."""
+    import threading
+    import time
+
+    gate = StalenessGate(1)
+    spans, errors = [], []
+
+    async def rollouts(count):
+        for _ in range(count):
+            async with gate.rollout() as admitted:
+                await asyncio.sleep(0.002)
+                spans.append(gate.current_version - admitted)
+
+    def loop_thread(count):
+        try:
+            asyncio.run(rollouts(count))
+        except BaseException as exc:  # reported below: a thread's error is otherwise lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop_thread, args=(150,)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    refits = 0
+    while any(t.is_alive() for t in threads):
+        new_version = gate.begin_refit(timeout_s=30)
+        time.sleep(0.003)  # the transfer
+        gate.end_refit(True)
+        refits += 1
+        assert gate.current_version == new_version
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(spans) == 300
+    assert refits > 2 and max(spans) <= 1 and gate.max_lag_seen <= 1
+
+
+def test_a_failed_refit_keeps_the_version_and_a_stuck_one_times_out_by_name():
+    from rollout_fleet.core.staleness import StalenessTimeout
+
+    gate = StalenessGate(0)
+    assert gate.begin_refit(timeout_s=1) == 1
+    gate.end_refit(False)
+    assert gate.current_version == 0
+
+    async def hold_old_rollout_then_refit():
+        async with gate.rollout():
+            await asyncio.sleep(0)
+            return await asyncio.to_thread(_refit_within, gate, 0.2)
+
+    error = asyncio.run(hold_old_rollout_then_refit())
+    assert isinstance(error, StalenessTimeout) and "staleness bound (0)" in str(error)
+    assert gate.current_version == 0 and gate.begin_refit(timeout_s=1) == 1  # nothing held on
+
+
+def _refit_within(gate, timeout_s):
+    try:
+        gate.begin_refit(timeout_s=timeout_s)
+    except Exception as exc:
+        return exc
+    return None

@@ -63,7 +63,8 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     try:
         print(f"fleet up in {time.perf_counter() - started:.1f} s: frontend {fleet.frontend_url}",
               flush=True)
-        generation = fleet.generation()
+        # Off-policy by at most one step: a refit waits for rollouts two versions old.
+        generation = fleet.generation(max_staleness=1 if settings.asynchronous else None)
         trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
                                 seed=settings.seed)
         reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
