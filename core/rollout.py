@@ -267,13 +267,15 @@ class RolloutResult:
 
     @classmethod
     def from_served(cls, request_id: str, served: ServedRollout, attempts: int = 1) -> "RolloutResult":
-        return cls(
-            request_id=request_id,
-            token_ids=served.token_ids,
-            logprobs=served.logprobs,
-            finish_reason=served.finish_reason,
-            routed_experts=served.routed_experts,
-            weight_version=served.weight_version,
-            attempts=attempts,
-            weight_versions=served.weight_versions,
-        )
+        """The result of one served answer. ``served`` was checked when it was built, so its
+        fields are taken as they are (each answer is validated once, not twice: the driver's
+        hot path)."""
+        check_int_at_least("attempts", attempts, 1)
+        result = object.__new__(cls)
+        for name, value in (("request_id", request_id), ("token_ids", served.token_ids),
+                            ("logprobs", served.logprobs), ("finish_reason", served.finish_reason),
+                            ("routed_experts", served.routed_experts),
+                            ("weight_version", served.weight_version), ("attempts", attempts),
+                            ("weight_versions", served.weight_versions)):
+            object.__setattr__(result, name, value)
+        return result

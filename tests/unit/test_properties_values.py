@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import attrs
+
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -90,6 +92,11 @@ def test_any_served_rollout_builds_or_raises_invalid_value(ids, logprobs, finish
         assert isinstance(served.finish_reason, FinishReason)
         result = RolloutResult.from_served("r", served)
         assert (result.token_ids, result.logprobs) == (served.token_ids, served.logprobs)
+        # Taken without a second check, it equals what the checked constructor builds.
+        checked = RolloutResult("r", served.token_ids, served.logprobs, served.finish_reason,
+                                served.routed_experts, served.weight_version, 1,
+                                served.weight_versions)
+        assert result == checked and attrs.asdict(result) == attrs.asdict(checked)
 
 
 @given(maybe)

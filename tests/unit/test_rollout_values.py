@@ -96,3 +96,13 @@ def test_result_from_served_keeps_everything_and_truncated_means_length():
     assert (result.request_id, result.token_ids, result.logprobs) == ("r9", (4,), (-1.0,))
     assert result.truncated and result.weight_version == 3 and result.attempts == 2
     assert not RolloutResult.from_served("r", served()).truncated
+
+
+def test_result_from_served_sets_every_field_and_refuses_a_bad_attempt_count():
+    import attrs
+
+    result = RolloutResult.from_served("r", served(), attempts=3)
+    assert {f.name for f in attrs.fields(RolloutResult)} <= set(attrs.asdict(result))
+    with pytest.raises(InvalidValue) as refused:
+        RolloutResult.from_served("r", served(), attempts=0)
+    assert refused.value.field == "attempts"
