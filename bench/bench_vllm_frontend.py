@@ -26,7 +26,10 @@ Shapes: 64 prompts x 32 new tokens, and 256 prompts x 64 new tokens (16-token pr
 tokens/s per round, and fleet/direct on the medians and on each way's best round (on a shared
 machine other processes only take throughput away). Target: >= 0.9. Each fleet round also
 prints its admission: when, after the client started the batch, the engine saw the first, the
-median and the last rollout arrive.
+median and the last rollout arrive. Every round also prints the CPU seconds each process
+spent (``CpuMeter``: this process, vLLM's engine core, the frontend, the client), and the
+summary gives their medians per 1,000 tokens for each way: on 2 cores, CPU that the frontend,
+the client and the worker's glue use is CPU the engine core does not get.
 
     .venv/bin/python bench/bench_vllm_frontend.py [--rounds 5] [--shapes 64x32 256x64]
         [--layout sequential|interleaved]
@@ -150,10 +153,10 @@ async def client_main(url: str, count: int, new_tokens: int, tag: str) -> None:
         await post_all(session, url, make_requests(count, 1, f"pool-{tag}"))
         requests = make_requests(count, new_tokens, tag)
         started_at = time.time()  # wall clock: the engine's process stamps arrivals with it
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         served = await post_all(session, url, requests)
-        elapsed = time.perf_counter() - start
-    print(json.dumps({"elapsed": elapsed, "started_at": started_at,
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    print(json.dumps({"elapsed": elapsed, "started_at": started_at, "cpu_s": cpu,
                       "tokens": [list(s.token_ids) for s in served]}))
 
 
@@ -188,6 +191,7 @@ class Fleet:
         self.frontend = DynamoFrontend(run_dir, http_port=free_port())
         self.serving = None
         self.clock = ArrivalClock(self.engine)
+        self.client_cpu_s = 0.0  # the last timed batch's, as its process measured it
 
     async def start(self) -> "Fleet":
         from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, start_dynamo_endpoint
@@ -211,6 +215,7 @@ class Fleet:
         if child.returncode != 0:
             raise RuntimeError(f"the client process failed with code {child.returncode}")
         answer = json.loads(out.decode().strip().splitlines()[-1])
+        self.client_cpu_s = answer["cpu_s"]
         return (answer["elapsed"], [tuple(t) for t in answer["tokens"]],
                 self.clock.admission(tag, answer["started_at"]))
 
@@ -223,15 +228,62 @@ class Fleet:
 
 
 # -- measuring --------------------------------------------------------------------------------------
+PARTS = ("caller/host", "engine core", "frontend", "client")
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of each process of one way over one round.
+
+    caller/host: this process. For bare vLLM it is the caller and vLLM's AsyncLLM front; for
+    the fleet it is the worker's host process: Dynamo's runtime and glue, the project's engine
+    adapter and the same AsyncLLM front. engine core: vLLM's engine-core processes (children of
+    this one). frontend: Dynamo's frontend process (the fleet only). client: the fleet's HTTP
+    client process, as it measured its timed batch (bare vLLM has none).
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+
+    def snapshot(self, frontend_pid: int | None) -> dict[str, float]:
+        frontend = set()
+        if frontend_pid is not None:
+            with contextlib.suppress(self._psutil.Error):
+                root = self._psutil.Process(frontend_pid)
+                frontend = {root, *root.children(recursive=True)}
+        frontend_pids = {p.pid for p in frontend}
+        engine = [c for c in self._me.children(recursive=True) if c.pid not in frontend_pids]
+        return {"caller/host": self._cpu(self._me), "engine core": sum(map(self._cpu, engine)),
+                "frontend": sum(map(self._cpu, frontend))}
+
+    def _cpu(self, process) -> float:
+        try:
+            times = process.cpu_times()
+        except self._psutil.Error:  # gone since it was listed
+            return 0.0
+        return times.user + times.system
+
+
 class Tally:
     def __init__(self, shapes) -> None:
         self.rates = {(shape, way): [] for shape in shapes for way in WAYS}
         self.tokens: dict[tuple, list] = {}  # (shape, round, way) -> tokens per prompt
+        self.cpu = {(shape, way): [] for shape in shapes for way in WAYS}  # ms per 1k tokens
+        self.meter = CpuMeter()
 
     async def round(self, runner, way: str, shape, round_index: int) -> None:
         count, new_tokens = shape
+        frontend_pid = runner.frontend.process.pid if way == "fleet" else None
+        before = self.meter.snapshot(frontend_pid)
         elapsed, tokens, note = await runner.run(count, new_tokens, f"{way}-{count}-{round_index}")
+        after = self.meter.snapshot(frontend_pid)
         total = sum(len(t) for t in tokens)
+        spent = {part: after[part] - before[part] for part in after}
+        spent["client"] = runner.client_cpu_s if way == "fleet" else 0.0
+        self.cpu[shape, way].append({part: 1e6 * spent[part] / total for part in PARTS})
+        note += "; CPU s " + ", ".join(f"{part} {spent[part]:.2f}" for part in PARTS)
         self.rates[shape, way].append(total / elapsed)
         self.tokens[shape, round_index, way] = tokens
         print(f"  {count}x{new_tokens} round {round_index} {way:6s}: {total} tokens in {elapsed:.2f} s"
@@ -250,7 +302,19 @@ class Tally:
                        f"fleet {med_f:,.0f} tokens/s, fleet/direct = {med_f / med_d:.3f}; best runs "
                        f"{max(direct):,.0f} vs {max(fleet):,.0f} = {max(fleet) / max(direct):.3f} "
                        f"(target >= 0.9)")
+            out.append(self.cpu_line(count, new_tokens))
         return out
+
+    def cpu_line(self, count: int, new_tokens: int) -> str:
+        """Median CPU ms per 1,000 generated tokens, by process, each way, side by side."""
+        cells = []
+        for way in WAYS:
+            rounds = self.cpu[(count, new_tokens), way]
+            medians = {part: statistics.median(r[part] for r in rounds) for part in PARTS}
+            total = statistics.median(sum(r.values()) for r in rounds)
+            cells.append(f"{way}: " + ", ".join(f"{part} {medians[part]:.0f}" for part in PARTS)
+                         + f", all {total:.0f}")
+        return f"  CPU ms per 1k tokens (medians) {'; '.join(cells)}"
 
 
 async def warm(runner, way: str, shapes) -> None:

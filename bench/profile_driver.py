@@ -79,7 +79,7 @@ def bucket_of(func: tuple[str, int, str]) -> str | None:
     return None  # generic: charged to its callers
 
 
-def charge(stats: dict) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+def charge(stats: dict, bucket_of=bucket_of) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Seconds of own time per bucket (generic functions charged up to their callers), and
     per bucket the seconds of each function that landed there."""
     memo: dict = {}

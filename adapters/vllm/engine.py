@@ -473,7 +473,10 @@ def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: 
     common = dict(max_tokens=max_new_tokens, logprobs=top_logprobs, stop=list(stop_strings) or None,
                   stop_token_ids=list(stop_token_ids) or None,
                   detokenize=bool(stop_strings),  # text is only needed to find stop strings
-                  output_kind=RequestOutputKind.FINAL_ONLY)
+                  output_kind=RequestOutputKind.FINAL_ONLY,
+                  # Built for this one request and never reused: vLLM may take it as it is
+                  # instead of deep-copying it (measured: ~6% of the worker host's main thread).
+                  skip_clone=True)
     if sampling.greedy:
         return SamplingParams(temperature=0.0, **common)
     return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
