@@ -19,6 +19,11 @@ class WorkerLaunch:
 
     ``port_env`` names environment variables that must each hold a free port on the node the
     worker lands on; the placement picks them there (so it works across machines).
+
+    ``secret`` (the fleet's control secret) reaches the worker as one line on its standard
+    input, and never in its arguments, environment or log: those other users of the node can
+    read. The placement carries it to the worker's node so that nothing else can read it on
+    the way (RayPlacement seals it for the supervising actor's own key).
     """
 
     name: str
@@ -26,6 +31,7 @@ class WorkerLaunch:
     env: Mapping[str, str] = attrs.field(factory=dict)
     log_path: str = ""
     port_env: tuple[str, ...] = ()
+    secret: str | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen

@@ -11,6 +11,10 @@ the CLI, the demo, the benches and the tests all start their fleets here.
 
 The placement is a port: ``placement = "ray"`` (a placement group, one node or a cluster) or
 ``"local"`` (child processes on this machine) in the config, or any ``Placement`` passed in.
+
+Trust: the fleet makes a fresh control secret; each worker gets it on its standard input from
+the placement (never in a file, an argument, the environment or a Ray object in the clear),
+and the run folder is the owner's alone (0700; the worker configs in it 0600).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class Fleet:
     config: FleetConfig
     placement: Placement
     run_dir: Path
-    secret: str
+    secret: str = attrs.field(repr=False)
     model_path: str = ""
     frontend: DynamoFrontend | None = None
     etcd: LoopbackEtcd | None = None
@@ -86,8 +90,7 @@ class Fleet:
         """Start everything; on any failure, stop what was started and raise."""
         _check_network(config)
         own = None if config.run_dir else tempfile.TemporaryDirectory(prefix="rollout-fleet-")
-        run_dir = Path(config.run_dir or own.name).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = private_folder(Path(config.run_dir or own.name).resolve())
         fleet = cls(config, placement or placement_for(config), run_dir, secrets.token_hex(16),
                     own_run_dir=own)
         try:
@@ -164,20 +167,20 @@ class Fleet:
             "engine": engine, "run_dir": str(self.run_dir), "kv_routing": kv_routing,
             "collective_backend": self.collective_backend,
             "namespace": "fleet", "served_model_name": self.config.served_model_name,
-            "model_path": self.model_path or None, "control_secret": self.secret,
+            "model_path": self.model_path or None,
             "worker_id": worker_name(index), "env": {**self._discovery_env, **self.config.env},
         }
 
     def _launch(self, index: int) -> WorkerLaunch:
         name = worker_name(index)
-        config_path = self.run_dir / f"{name}.json"
-        config_path.write_text(json.dumps(self.worker_config(index), indent=1))
+        config_path = write_private(self.run_dir / f"{name}.json",
+                                    json.dumps(self.worker_config(index), indent=1))
         env = {**dynamo_env(self.run_dir), **self._discovery_env, **self.config.env,
                "PYTHONUNBUFFERED": "1"}
         return WorkerLaunch(name=name, argv=(sys.executable, "-m", "rollout_fleet.wiring.worker",
-                                             "--config", str(config_path)),
+                                             "--config", str(config_path), "--control-secret-stdin"),
                             env=env, log_path=str(self.run_dir / f"{name}.log"),
-                            port_env=(SYSTEM_PORT,))
+                            port_env=(SYSTEM_PORT,), secret=self.secret)
 
     def _wait_worker_ready(self, worker: WorkerHandle, deadline: float) -> None:
         url = self.control_url(worker)
@@ -315,6 +318,27 @@ def http_settings(config: FleetConfig, max_in_flight: int) -> HttpSettings:
     t = config.timeouts
     return HttpSettings(max_in_flight=max_in_flight, connect_timeout_s=t.connect_s,
                         read_timeout_s=t.request_s, request_timeout_s=t.request_s)
+
+
+def private_folder(path: Path) -> Path:
+    """``path`` created if need be, and made the owner's alone (0700): the run folder holds
+    the workers' logs and configs and the fleet file."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.chmod(path, 0o700)
+    except PermissionError:
+        raise ConfigError(f"run_dir: {str(path)!r} belongs to another user; the fleet makes its "
+                          "run folder readable by its owner only") from None
+    return path
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to a file only its owner can read (0600, also when it existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    return path
 
 
 def worker_name(index: int) -> str:

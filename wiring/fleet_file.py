@@ -27,7 +27,7 @@ _FLAG = "--fleet-file"
 class FleetFile:
     frontend_url: str
     control_urls: dict[str, str]
-    secret: str
+    secret: str = attrs.field(repr=False)
     netns_pid: int
     served_model_name: str = "tiny"
     max_model_len: int = 512

@@ -2,7 +2,7 @@
 
 Run as a process::
 
-    python -m rollout_fleet.wiring.worker --config worker.json   # or --config '{"engine": ...}'
+    python -m rollout_fleet.wiring.worker --config worker.json --control-secret-stdin
 
 or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON object)::
 
@@ -13,7 +13,8 @@ or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON ob
       "served_model_name": "mem",
       "model_path": null,              # optional: the memory engine writes its own folder
       "system_port": 18081,            # POST /engine/control/<name> is served here
-      "control_secret": null,          # when set, every control body must carry it
+      "control_secret": null,          # every control body must carry it (or --control-secret-stdin)
+      "insecure_controls": false,      # true: no secret, controls open to anyone (tests only)
       "kv_routing": false,             # publish the engine's KV events to a KV router
       "sigterm_grace_s": 15            # after SIGTERM, exit anyway if still running by then
     }
@@ -21,6 +22,11 @@ or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON ob
 An engine kind is one entry of ``ENGINE_FACTORIES``; it returns the engine, its model folder and
 any extra controls the worker should serve. The worker runs until SIGTERM (Dynamo drains and
 unregisters, then this returns).
+
+The control secret is required: a worker without one refuses to start unless its config says
+``insecure_controls``. The fleet never writes it into the config (a file) nor the command line
+or environment (which other users of the node can read): with ``--control-secret-stdin`` the
+worker reads it as the first line of its standard input, which the placement writes.
 """
 
 from __future__ import annotations
@@ -135,8 +141,9 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
     """
     from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, start_dynamo_endpoint
 
+    secret = control_secret(config)
     built = build_engine(config)
-    adapter = DynamoEngineAdapter(built.engine, control_secret=config.get("control_secret"),
+    adapter = DynamoEngineAdapter(built.engine, control_secret=secret,
                                   controls={**built.controls, **refit_controls(built.engine, config)})
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
@@ -148,6 +155,37 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
             enable_kv_routing=bool(config.get("kv_routing", False)))
     finally:
         await built.engine.close()  # vLLM: stop its engine-core processes now
+
+
+def control_secret(config: Mapping[str, Any]) -> str | None:
+    """The secret every control must carry; None only with ``insecure_controls = true``."""
+    secret, insecure = config.get("control_secret"), config.get("insecure_controls", False)
+    if not isinstance(insecure, bool):
+        raise InvalidValue("insecure_controls", insecure, "must be true or false")
+    if secret is None and insecure:
+        return None
+    if secret is None:
+        raise InvalidValue("control_secret", None,
+                           "is required: without it anyone who reaches the worker's system port "
+                           "could refit or abort it (set insecure_controls = true to run without, "
+                           "in tests only)")
+    if not isinstance(secret, str) or not secret.strip():
+        raise InvalidValue("control_secret", "(hidden)", "must be a non-empty string")
+    if insecure:
+        raise InvalidValue("insecure_controls", insecure, "contradicts the control_secret given")
+    return secret
+
+
+def read_secret_from_stdin() -> str:
+    """The first line of standard input (the placement's pipe); stdin is then /dev/null, so the
+    engine's child processes inherit nothing of it."""
+    line = sys.stdin.readline().strip()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if not line:
+        raise InvalidValue("control_secret", None, "--control-secret-stdin: standard input held no secret")
+    return line
 
 
 def load_config(text_or_path: str) -> dict[str, Any]:
@@ -165,9 +203,18 @@ def load_config(text_or_path: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rollout_fleet.wiring.worker")
     parser.add_argument("--config", required=True, help="a JSON object, or a file holding one")
+    parser.add_argument("--control-secret-stdin", action="store_true",
+                        help="read the control secret from the first line of standard input")
     args = parser.parse_args(argv)
-    config = load_config(args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = load_config(args.config)
+        if args.control_secret_stdin:
+            config["control_secret"] = read_secret_from_stdin()
+        control_secret(config)  # refuse now, before Dynamo or an engine starts
+    except InvalidValue as exc:
+        print(f"{FAILURE_MARK}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
     # Before Dynamo is imported: its runtime reads the environment (DYN_LOG...) when it loads.
     os.environ.update(worker_env(config))
 

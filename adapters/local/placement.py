@@ -8,7 +8,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from rollout_fleet.adapters.shared import free_port, stop_process_group
-from rollout_fleet.adapters.shared.processes import signal_group
+from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_stdin, signal_group
+from rollout_fleet.adapters.shared.shm import SegmentWatch
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 
@@ -19,12 +20,15 @@ class LocalPlacement(Placement):
     A worker stays in this process's session, in a process group of its own: Linux's autogroup
     scheduler gives each session its own CPU share, and workers in sessions of their own waited
     for the CPU behind busy-polling neighbours. It is stopped (and signalled) by its group.
+    Its control secret goes to its standard input; the /dev/shm segments its processes used
+    are removed when it stops or is killed (adapters/shared/shm.py).
     """
 
     def __init__(self, *, bind_host: str = "127.0.0.1", stop_grace_s: float = 15.0) -> None:
         self._bind_host = bind_host
         self._stop_grace_s = stop_grace_s
         self._processes: dict[str, subprocess.Popen] = {}
+        self._segments = SegmentWatch()
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
         names = [launch.name for launch in launches]
@@ -44,9 +48,11 @@ class LocalPlacement(Placement):
                 os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
             with open(launch.log_path or os.devnull, "ab") as log:
                 process = subprocess.Popen(list(launch.argv), env=env, stdout=log,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           stderr=subprocess.STDOUT, stdin=secret_stdin(launch.secret),
                                            process_group=0)
+            hand_over_secret(process, launch.secret)
             self._processes[launch.name] = process
+            self._segments.track(launch.name, process.pid)
             handles.append(WorkerHandle(index, launch.name, process.pid, self._bind_host, ports,
                                         launch.log_path))
         return handles
@@ -56,19 +62,25 @@ class LocalPlacement(Placement):
 
     def kill(self, name: str) -> None:
         process = self._process(name)
+        self._segments.scan()  # what it uses now, to remove once it is dead
         signal_group(process.pid, signal.SIGKILL)
         process.wait()
+        self._segments.release(name)
 
     def signal(self, name: str, signum: int) -> None:
         signal_group(self._process(name).pid, signum)
 
     def stop(self) -> None:
         processes = list(self._processes.values())
+        self._segments.scan()
         for process in processes:  # all at once first: each drains in parallel
             for sig in (signal.SIGCONT, signal.SIGTERM):
                 signal_group(process.pid, sig)
         for process in processes:
             stop_process_group(process, self._stop_grace_s)
+        for name in self._processes:
+            self._segments.release(name)
+        self._segments.close()
         self._processes.clear()
 
     def _process(self, name: str) -> subprocess.Popen:

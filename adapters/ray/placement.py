@@ -7,6 +7,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollout_fleet.adapters.ray.sealed import seal
 from rollout_fleet.adapters.ray.supervisor import ProcessSupervisor
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
@@ -60,8 +61,11 @@ class RayPlacement(Placement):
                     placement_group=self._group, placement_group_bundle_index=index),
             ).remote()
             self._actors[launch.name] = actor
+            # Sealed for this actor's own key: no Ray object holds the secret itself.
+            sealed = None if launch.secret is None else seal(
+                launch.secret, ray.get(actor.public_key.remote(), timeout=self._ready_timeout_s))
             started = ray.get(actor.start.remote(launch.argv, dict(launch.env), launch.log_path,
-                                                 launch.port_env, self._bind_host))
+                                                 launch.port_env, self._bind_host, sealed))
             handle = WorkerHandle(index, launch.name, started["pid"], started["node_ip"],
                                   started["ports"], launch.log_path)
             self._handles[launch.name] = handle

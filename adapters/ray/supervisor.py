@@ -4,6 +4,10 @@ The actor holds the bundle's resources (CPUs, or GPUs: Ray sets CUDA_VISIBLE_DEV
 actor, and the child inherits it); the worker itself is a plain child process, so Dynamo's
 runtime owns a real main thread and signals, its log goes to a file, and it is stopped by its
 process group. PR_SET_PDEATHSIG kills the child if the actor dies first.
+
+The actor is also the worker's agent on its node: it opens the control secret sealed for it
+(adapters/ray/sealed.py) and writes it to the worker's standard input, and it removes the
+shared-memory segments the worker's processes leave in /dev/shm (adapters/shared/shm.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 
+from rollout_fleet.adapters.ray.sealed import SecretOpener
 from rollout_fleet.adapters.shared import free_port
+from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_stdin
+from rollout_fleet.adapters.shared.shm import SegmentWatch
 
 _PR_SET_PDEATHSIG = 1
 
@@ -30,23 +37,36 @@ class ProcessSupervisor:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
+        self._opener = SecretOpener()
+        self._segments = SegmentWatch()
+
+    def public_key(self) -> bytes:
+        """What the driver seals the control secret for."""
+        return self._opener.public_key()
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: str,
-              port_env: Sequence[str], bind_host: str) -> dict:
+              port_env: Sequence[str], bind_host: str, sealed_secret: bytes | None = None) -> dict:
+        secret = None if sealed_secret is None else self._opener.open(sealed_secret)
         ports = {name: free_port(bind_host) for name in port_env}
         full_env = {**os.environ, **env, **{name: str(port) for name, port in ports.items()}}
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         with open(log_path, "ab") as log:
             self._process = subprocess.Popen(list(argv), env=full_env, stdout=log,
-                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             stderr=subprocess.STDOUT, stdin=secret_stdin(secret),
                                              preexec_fn=_new_session_dying_with_parent)
+        hand_over_secret(self._process, secret)
+        self._segments.track("worker", self._process.pid)
         return {"pid": self._process.pid, "node_ip": _node_ip(), "ports": ports}
 
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
     def kill(self) -> None:
+        self._segments.scan()  # what it uses now, to remove once it is dead
         self._signal(signal.SIGKILL)
+        if self._process is not None:
+            self._process.wait()
+            self._segments.release("worker")
 
     def signal(self, signum: int) -> None:
         self._signal(signum)
@@ -55,6 +75,7 @@ class ProcessSupervisor:
         """SIGTERM the worker's process group, SIGKILL it after ``grace_s``; its exit code."""
         if self._process is None:
             return None
+        self._segments.scan()
         self._signal(signal.SIGCONT)  # a paused group cannot act on SIGTERM
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -62,6 +83,8 @@ class ProcessSupervisor:
             time.sleep(0.05)
         self._signal(signal.SIGKILL)
         code = self._process.wait()
+        self._segments.release("worker")
+        self._segments.close()
         return code
 
     def _signal(self, sig: int) -> None:

@@ -46,3 +46,20 @@ def read_tail(path: str | Path, size: int = LOG_TAIL_BYTES) -> str:
             return log.read().decode("utf-8", "replace")
     except OSError:
         return "(no log)"
+
+
+def secret_stdin(secret: str | None) -> int:
+    """The ``stdin`` for a child that is handed ``secret`` (a pipe) or nothing (/dev/null)."""
+    return subprocess.DEVNULL if secret is None else subprocess.PIPE
+
+
+def hand_over_secret(process: subprocess.Popen, secret: str | None) -> None:
+    """Write ``secret`` as one line to the child's standard input and close the pipe: unlike an
+    argument or the environment, no other process of the node can read it there."""
+    if secret is None or process.stdin is None:
+        return
+    try:
+        process.stdin.write(secret.encode() + b"\n")
+        process.stdin.close()
+    except BrokenPipeError:
+        pass  # the child is already gone; the fleet reports why from its log

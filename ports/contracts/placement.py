@@ -26,6 +26,26 @@ time.sleep(600)
 """
 
 
+# A worker that reads its secret from standard input and shows only a digest of it.
+_SECRET_WORKER = """
+import hashlib, sys, time
+line = sys.stdin.readline().strip()
+print("secret digest", hashlib.sha256(line.encode()).hexdigest(), flush=True)
+time.sleep(600)
+"""
+
+
+# A worker that leaves a shared-memory segment behind when it dies, as vLLM's engine core does.
+_SEGMENT_WORKER = """
+import time
+from multiprocessing import resource_tracker, shared_memory
+segment = shared_memory.SharedMemory(create=True, size=4096)
+resource_tracker.unregister(segment._name, "shared_memory")  # nothing removes it at exit
+print("segment", segment.name, flush=True)
+time.sleep(600)
+"""
+
+
 def _launch(tmp_path: Path, name: str) -> WorkerLaunch:
     return WorkerLaunch(name=name, argv=(sys.executable, "-c", _WORKER),
                         env={"CONTRACT_MARK": f"mark-of-{name}"},
@@ -67,6 +87,48 @@ class PlacementContract:
             assert _wait(lambda: log.exists() and want in log.read_text()), \
                 f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
         assert placement.alive() == {"w0": True, "w1": True}
+
+    def test_the_secret_reaches_the_worker_on_stdin_only(self, placement_under_test, tmp_path):
+        import hashlib
+
+        placement: Placement = placement_under_test
+        secret = os.urandom(16).hex()
+        launch = WorkerLaunch(name="w0", argv=(sys.executable, "-c", _SECRET_WORKER),
+                              log_path=str(tmp_path / "w0.log"), secret=secret)
+        assert secret not in repr(launch)
+        (handle,) = placement.launch([launch])
+        log = Path(handle.log_path)
+        want = f"secret digest {hashlib.sha256(secret.encode()).hexdigest()}"
+        assert _wait(lambda: log.exists() and want in log.read_text()), \
+            log.read_text() if log.exists() else "(no log)"
+        for part in ("cmdline", "environ"):
+            with open(f"/proc/{handle.pid}/{part}", "rb") as seen:
+                assert secret.encode() not in seen.read(), part
+
+    def test_segments_a_worker_leaves_in_dev_shm_are_removed_and_no_others(
+            self, placement_under_test, tmp_path):
+        from multiprocessing import shared_memory
+
+        placement: Placement = placement_under_test
+        handles = placement.launch([WorkerLaunch(name=name, argv=(sys.executable, "-c", _SEGMENT_WORKER),
+                                                 log_path=str(tmp_path / f"{name}.log"))
+                                    for name in ("w0", "w1")])
+        segments = {}
+        for handle in handles:
+            log = Path(handle.log_path)
+            assert _wait(lambda: log.exists() and "segment" in log.read_text()), handle.name
+            segments[handle.name] = Path("/dev/shm") / log.read_text().split()[1]
+        not_theirs = shared_memory.SharedMemory(create=True, size=4096)  # this process's own
+        try:
+            assert all(path.exists() for path in segments.values())
+            placement.kill("w0")
+            assert not segments["w0"].exists() and segments["w1"].exists()
+            placement.stop()
+            assert not segments["w1"].exists()
+            assert Path("/dev/shm", not_theirs.name.lstrip("/")).exists()
+        finally:
+            not_theirs.close()
+            not_theirs.unlink()
 
     def test_kill_stops_that_worker_only(self, placement_under_test, tmp_path):
         placement: Placement = placement_under_test

@@ -52,3 +52,32 @@ def test_worker_env_is_loopback_and_checks_the_system_port(tmp_path):
     assert len(hosts) >= 5 and set(hosts.values()) == {"127.0.0.1"}
     with pytest.raises(InvalidValue, match="signed 16-bit"):
         worker_env({"run_dir": str(tmp_path), "system_port": 40000})
+
+
+def _worker(config: dict, *flags: str, stdin: str = "", timeout_s: float = 120):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rollout_fleet.wiring.worker",
+                           "--config", json.dumps(config), *flags],
+                          input=stdin, capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.parametrize("extra,flags,stdin,field", [
+    ({}, (), "", "control_secret=None: is required"),                      # no secret at all
+    ({}, ("--control-secret-stdin",), "", "standard input held no secret"),
+    ({"control_secret": ""}, (), "", "control_secret=(hidden): must be a non-empty string"),
+    ({"insecure_controls": "yes"}, (), "", "insecure_controls=yes: must be true or false"),
+    ({"insecure_controls": True}, ("--control-secret-stdin",), "s3cr3t-value\n",
+     "insecure_controls=True: contradicts"),
+], ids=["missing", "empty-stdin", "empty", "not-a-bool", "both"])
+def test_a_worker_without_a_usable_secret_refuses_to_start_naming_the_field(
+        tmp_path, extra, flags, stdin, field):
+    config = {"engine": {"kind": "memory"}, "run_dir": str(tmp_path), "served_model_name": "m",
+              **extra}
+    result = _worker(config, *flags, stdin=stdin)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("rollout-fleet worker failed: InvalidValue: ") and field in lines[0]
+    assert "s3cr3t-value" not in result.stderr + result.stdout  # never echoed
+    assert not (tmp_path / "home").exists()  # refused before anything started

@@ -1,0 +1,166 @@
+"""Shared-memory files that a worker's processes leave in /dev/shm.
+
+vLLM's message queues between its processes are Python ``SharedMemory`` segments
+(``/dev/shm/psm_*``). A killed engine core, and at times a clean exit, leaves its segment
+behind (~160 MiB). A tracker records the segments a worker's processes map or hold open while
+they live (from ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``) and removes those that remain
+once no process of the worker uses them. It never removes a file it did not see in the
+worker's processes, nor one that was replaced by another of the same name since (the inode
+must match).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "psm_"
+
+
+class SharedMemoryTracker:
+    """The segments of one worker: the process group it leads and every descendant."""
+
+    def __init__(self, root_pid: int, *, shm_dir: str = SHM_DIR, prefix: str = SEGMENT_PREFIX) -> None:
+        self.root_pid = root_pid
+        self._dir = shm_dir.rstrip("/") + "/"
+        self._prefix = prefix
+        self._seen: dict[str, int] = {}  # path -> inode, while the worker used it
+        self._unused_once: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def seen(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._seen)
+
+    def scan(self) -> None:
+        """Record what the worker's processes use now, and remove a recorded segment that no
+        process of the worker has used in two scans in a row (its engine core died)."""
+        in_use = {}
+        for pid in worker_processes(self.root_pid):
+            in_use.update(self._segments_of(pid))
+        with self._lock:
+            self._seen.update(in_use)
+            unused = set(self._seen) - set(in_use)
+            for path in unused & self._unused_once:
+                self._remove(path)
+            self._unused_once = unused - self._unused_once
+
+    def remove_all(self) -> list[str]:
+        """Once the worker has stopped: remove every recorded segment still there."""
+        with self._lock:
+            removed = [path for path in list(self._seen) if self._remove(path)]
+            self._unused_once.clear()
+        return removed
+
+    def _remove(self, path: str) -> bool:
+        inode = self._seen.pop(path)
+        try:
+            if os.stat(path).st_ino != inode:
+                return False  # another file of the same name since: not the worker's
+            os.unlink(path)
+        except OSError:
+            return False  # already gone (vLLM removes its own on a clean exit)
+        return True
+
+    def _segments_of(self, pid: int) -> dict[str, int]:
+        found = {}
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and self._is_segment(fields[5].rstrip("\n")):
+                        found[fields[5].rstrip("\n")] = int(fields[4])
+        except OSError:
+            pass  # gone meanwhile
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return found
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if self._is_segment(target):
+                    found[target] = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+            except OSError:
+                continue
+        return found
+
+    def _is_segment(self, path: str) -> bool:
+        # An unlinked segment reads "/dev/shm/psm_x (deleted)": nothing left to remove.
+        return path.startswith(self._dir + self._prefix) and "/" not in path[len(self._dir):] \
+            and not path.endswith(" (deleted)")
+
+
+class SegmentWatch:
+    """Scans a set of trackers every ``interval_s`` on a daemon thread until ``close``."""
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        self._trackers: dict[str, SharedMemoryTracker] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._interval_s = interval_s
+        self._thread: threading.Thread | None = None
+
+    def track(self, name: str, root_pid: int) -> SharedMemoryTracker:
+        tracker = SharedMemoryTracker(root_pid)
+        with self._lock:
+            self._trackers[name] = tracker
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shm-watch", daemon=True)
+                self._thread.start()
+        return tracker
+
+    def scan(self) -> None:
+        with self._lock:
+            trackers = list(self._trackers.values())
+        for tracker in trackers:
+            tracker.scan()
+
+    def release(self, name: str) -> list[str]:
+        """The worker ``name`` has stopped: remove what it left, stop tracking it."""
+        with self._lock:
+            tracker = self._trackers.pop(name, None)
+        return tracker.remove_all() if tracker is not None else []
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self._closed.clear()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self._interval_s):
+            self.scan()
+
+
+def worker_processes(root_pid: int) -> Iterator[int]:
+    """``root_pid``, the members of the process group it leads, and all their descendants
+    (a child whose parent died is still in the group)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None:
+                table[int(entry)] = stat
+    found = {pid for pid, (_ppid, group) in table.items() if pid == root_pid or group == root_pid}
+    grew = True
+    while grew:
+        children = {pid for pid, (ppid, _group) in table.items() if ppid in found} - found
+        found |= children
+        grew = bool(children)
+    return iter(sorted(found))
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, process group) of a live process, None when gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else (int(fields[1]), int(fields[2]))
