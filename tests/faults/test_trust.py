@@ -1,4 +1,5 @@
-"""Trust: the control channel answers only the fleet's owner, and the fleet listens on loopback.
+"""Trust: the control channel answers only the fleet's owner, the secret shows up in no command
+line, environment, log or file others can read, and the fleet listens on loopback.
 
 Workers run the memory engine, whose weights can be refit, so "changed nothing" is checked on
 what matters: the weight version each worker reports and the greedy outputs of a fixed batch.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
 import urllib.request
 
@@ -26,7 +28,8 @@ from rollout_fleet.wiring.driver import build_generation
 from rollout_fleet.adapters.shared import free_port
 from tests.driver.conftest import check_sample
 from tests.faults.conftest import collect_until_error, mixed_batch, run
-from tests.support import group_members, listening_sockets
+from tests.support import listening_sockets
+from tests.support.trust import descendants, open_to_others, secret_leaks
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo, pytest.mark.collective]
 MAX_NEW, MAX_LEN = 12, 64
@@ -169,12 +172,22 @@ def test_a_pickled_copy_carries_the_secret_and_works(start_fleet):
     assert fleet.secret not in repr(copy) and fleet.secret not in repr(copy._controls)
 
 
-def test_everything_a_local_fleet_opens_listens_on_loopback(start_fleet):
+def test_a_local_fleet_listens_on_loopback_only_and_shows_its_secret_nowhere(start_fleet):
     fleet = start_fleet(workers=3, token_delay_s=0.001)
-    pids = [pid for group in fleet.process_groups() for pid in group_members(group)]
+    for worker in fleet.workers:  # the right secret and a wrong one: both may be logged
+        assert post_control(fleet.control_url(worker), "stats",
+                            {"control_secret": fleet.secret})["status"] == "ok"
+        assert post_control(fleet.control_url(worker), "stats",
+                            {"control_secret": fleet.secret[::-1]})["status"] == "error"
+    # Every process of the fleet: the frontend, each worker and whatever it started.
+    pids = descendants(os.getpid())
+    assert {w.pid for w in fleet.workers} | {fleet.frontend.process.pid} <= set(pids)
     listeners = listening_sockets(pids)
     ports = {s.port for s in listeners}
     assert fleet.frontend.http_port in ports
     assert {w.ports["DYN_SYSTEM_PORT"] for w in fleet.workers} <= ports
     outside = [s for s in listeners if not s.is_loopback]
     assert outside == [], f"listening beyond loopback: {outside}"
+    assert secret_leaks(fleet.secret, [os.getpid(), *pids], [fleet.run_dir]) == []
+    assert open_to_others(fleet.run_dir) == []
+    assert len(list(fleet.run_dir.glob("worker-*.json"))) == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from tests.driver.conftest import check_sample, collect, engine_answers, mixed_b
 from tests.fleet.helpers import (
     assert_nothing_left, fleet_ports, non_loopback_fleet_listeners, own_children_before,
 )
+from tests.support.net import listening_sockets
+from tests.support.trust import descendants, open_to_others, secret_leaks
 
 pytestmark = pytest.mark.ray
 MAX_MODEL_LEN, MAX_NEW = 128, 12
@@ -36,6 +39,7 @@ def test_a_fleet_serves_rollouts_equal_to_the_engine_and_stops_clean(discovery):
         generation = fleet.generation()
         prompts, data = mixed_batch(128, seed=3)
         pairs = asyncio.run(collect(generation, data, greedy=True))
+        _check_trust(fleet)
         answers = engine_answers(prompts, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN)
         assert sorted(i for i, _ in pairs) == list(range(128))
         for index, sample in pairs:
@@ -54,6 +58,21 @@ def test_a_fleet_serves_rollouts_equal_to_the_engine_and_stops_clean(discovery):
         fleet.shutdown()
         fleet.shutdown()  # safe to repeat
     assert_nothing_left(pgids, ports, before)
+
+
+def _check_trust(fleet):
+    """Every process this test started (Ray's daemons and actors, each worker and what it
+    started, the frontend, etcd) listens on loopback only, and the control secret is in no
+    command line, environment, file of the run folder or Ray's session logs."""
+    import ray
+
+    pids = descendants(os.getpid())
+    listeners = listening_sockets(pids)
+    assert {w.pid for w in fleet.workers} <= {s.pid for s in listeners}
+    assert [s for s in listeners if not s.is_loopback] == []
+    ray_session = ray._private.worker._global_node.get_session_dir_path()
+    assert secret_leaks(fleet.secret, [os.getpid(), *pids], [fleet.run_dir, ray_session]) == []
+    assert open_to_others(fleet.run_dir) == []
 
 
 def _stats(fleet):
