@@ -107,8 +107,6 @@ class PlacementContract:
 
     def test_segments_a_worker_leaves_in_dev_shm_are_removed_and_no_others(
             self, placement_under_test, tmp_path):
-        from multiprocessing import shared_memory
-
         placement: Placement = placement_under_test
         handles = placement.launch([WorkerLaunch(name=name, argv=(sys.executable, "-c", _SEGMENT_WORKER),
                                                  log_path=str(tmp_path / f"{name}.log"))
@@ -118,17 +116,17 @@ class PlacementContract:
             log = Path(handle.log_path)
             assert _wait(lambda: log.exists() and "segment" in log.read_text()), handle.name
             segments[handle.name] = Path("/dev/shm") / log.read_text().split()[1]
-        not_theirs = shared_memory.SharedMemory(create=True, size=4096)  # this process's own
+        not_theirs = Path("/dev/shm", f"psm_{os.urandom(4).hex()}")  # another program's
+        not_theirs.write_bytes(b"not a worker's")
         try:
             assert all(path.exists() for path in segments.values())
             placement.kill("w0")
             assert not segments["w0"].exists() and segments["w1"].exists()
             placement.stop()
             assert not segments["w1"].exists()
-            assert Path("/dev/shm", not_theirs.name.lstrip("/")).exists()
+            assert not_theirs.read_bytes() == b"not a worker's"
         finally:
-            not_theirs.close()
-            not_theirs.unlink()
+            not_theirs.unlink(missing_ok=True)
 
     def test_kill_stops_that_worker_only(self, placement_under_test, tmp_path):
         placement: Placement = placement_under_test
