@@ -229,7 +229,7 @@ class ServedRollout:
             raise InvalidValue("top_logprobs", f"{len(self.top_logprobs)} positions",
                                f"need one per generated token ({len(self.token_ids)} tokens)")
         if self.weight_version is not None:
-            int_at_least("weight_version", 0)(self, None, self.weight_version)
+            check_int_at_least("weight_version", self.weight_version, 0)
         _check_version_runs(self.token_ids, self.weight_versions)
         if self.usage.completion_tokens != len(self.token_ids):
             raise InvalidValue("usage.completion_tokens", self.usage.completion_tokens,

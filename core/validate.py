@@ -33,6 +33,8 @@ def is_real(value: Any) -> bool:
 
 def check_int_at_least(field: str, value: Any, low: int, rule: str | None = None) -> int:
     """``value`` when it is an int >= ``low``; else InvalidValue naming field and value."""
+    if type(value) is int and value >= low:  # the common case, on every rollout's hot path
+        return value
     if not is_int(value) or value < low:
         raise InvalidValue(field, value, rule or f"must be an int >= {low}")
     return value
@@ -40,6 +42,8 @@ def check_int_at_least(field: str, value: Any, low: int, rule: str | None = None
 
 def check_int_in(field: str, value: Any, low: int, high: int, rule: str | None = None) -> int:
     """``value`` when it is an int in ``low..high`` (both included)."""
+    if type(value) is int and low <= value <= high:
+        return value
     if not is_int(value) or not low <= value <= high:
         raise InvalidValue(field, value, rule or f"must be an int in {low}..{high}")
     return value
