@@ -24,6 +24,9 @@ class WorkerLaunch:
     input, and never in its arguments, environment or log: those other users of the node can
     read. The placement carries it to the worker's node so that nothing else can read it on
     the way (RayPlacement seals it for the supervising actor's own key).
+
+    ``host_env`` names a variable that must hold the address the worker binds its servers to:
+    the placement's bind address, or the node's own cluster address when workers bind per node.
     """
 
     name: str
@@ -32,6 +35,7 @@ class WorkerLaunch:
     log_path: str = ""
     port_env: tuple[str, ...] = ()
     secret: str | None = attrs.field(default=None, repr=False)
+    host_env: str = ""
 
 
 @attrs.frozen
@@ -39,9 +43,10 @@ class WorkerHandle:
     index: int
     name: str
     pid: int
-    node_ip: str
+    node_ip: str  # the address the worker's servers bind (and are reached at)
     ports: Mapping[str, int]  # port_env name -> the port chosen on the worker's node
     log_path: str
+    node_id: str = ""  # the placement's name for the node it runs on ("" when it has none)
 
 
 class Placement(ABC):

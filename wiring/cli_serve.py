@@ -76,6 +76,8 @@ def _start_ray(config) -> bool:
         return False
     options = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     if config.ray_address:
+        if config.spans_nodes:  # join from this node's cluster address (RayPlacement does too)
+            options["_node_ip_address"] = config.bind_host
         ray.init(address=config.ray_address, **options)
     else:
         cpus = max(os.cpu_count() or 1, int(config.num_workers * config.cpus_per_worker))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from rollout_fleet.adapters.dynamo.env import check_bind_host, is_loopback
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
@@ -77,7 +78,15 @@ class FleetConfig(_Strict):
         "(vLLM workers publish KV events; inside a private network namespace)")
     etcd_endpoint: str | None = Field(None, description="an etcd to use; None starts one on loopback")
     ray_address: str | None = Field(None, description="join this Ray cluster; None starts a local one")
-    bind_host: str = Field("127.0.0.1", description="the interface every fleet server listens on")
+    bind_host: str = Field(
+        "127.0.0.1", description="this (the driver's) node's address: the frontend, etcd and the "
+        "trainer's end of the refit group listen there; with ray_address and an address on the "
+        "cluster network, each worker binds its own node's cluster address")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description="more Ray resources each worker reserves (custom "
+        "resources pin workers to the nodes that offer them)")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how Ray spreads the workers' bundles over nodes")
     frontend_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     run_dir: str | None = Field(None, description="logs, discovery, model copies; None: a temp folder")
     max_in_flight: int = Field(1024, ge=1, description="rollouts in flight from one driver")
@@ -101,6 +110,23 @@ class FleetConfig(_Strict):
                 " joins the refit group, so the two must be equal")
         if self.placement == "local" and self.ray_address is not None:
             raise ValueError(f"ray_address={_shown(self.ray_address)}: a local placement uses no Ray")
+        try:
+            check_bind_host("bind_host", self.bind_host)
+        except InvalidValue as exc:
+            raise ValueError(f"bind_host={_shown(self.bind_host)}: {exc.rule}") from None
+        if self.spans_nodes and self.discovery == "file":
+            raise ValueError(
+                f"discovery='file' with bind_host={_shown(self.bind_host)} and ray_address="
+                f"{_shown(self.ray_address)}: a discovery folder is one machine's; a fleet "
+                "across nodes needs discovery='etcd'")
+        reserved = sorted(set(self.resources_per_worker) & {"CPU", "GPU"})
+        if reserved:
+            raise ValueError(f"resources_per_worker.{reserved[0]}: set it with cpus_per_worker, "
+                             "device and ranks_per_worker")
+        bad = {k: v for k, v in self.resources_per_worker.items() if not v > 0}
+        if bad:
+            name, value = next(iter(bad.items()))
+            raise ValueError(f"resources_per_worker.{name}={_shown(value)}: must be > 0")
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self
@@ -111,10 +137,20 @@ class FleetConfig(_Strict):
         return self.refit.spec(self.engine.get("refit_protocol", PACKED_PROTOCOL))
 
     @property
+    def spans_nodes(self) -> bool:
+        """Workers may run on other nodes of a Ray cluster: each binds its own node's address
+        there (found by Ray on that node), discovery is etcd, and the driver's node serves
+        the frontend, etcd and the trainer's end of the refit group on ``bind_host``. A fleet
+        on loopback stays on this machine."""
+        return self.placement == "ray" and self.ray_address is not None \
+            and not is_loopback(self.bind_host)
+
+    @property
     def bundle(self) -> dict[str, float]:
+        extra = dict(self.resources_per_worker)
         if self.device == "gpu":
-            return {"GPU": float(self.ranks_per_worker), "CPU": self.cpus_per_worker}
-        return {"CPU": self.cpus_per_worker}
+            return {"GPU": float(self.ranks_per_worker), "CPU": self.cpus_per_worker, **extra}
+        return {"CPU": self.cpus_per_worker, **extra}
 
 
 def _engine_ranks(engine: dict[str, Any]) -> Any:

@@ -15,6 +15,10 @@ The placement is a port: ``placement = "ray"`` (a placement group, one node or a
 Trust: the fleet makes a fresh control secret; each worker gets it on its standard input from
 the placement (never in a file, an argument, the environment or a Ray object in the clear),
 and the run folder is the owner's alone (0700; the worker configs in it 0600).
+
+Across nodes (``ray_address`` and a ``bind_host`` on the cluster network: ``spans_nodes``) the
+frontend, etcd and the trainer's end of the refit group stay on the driver's node at
+``bind_host``; each worker binds its own node's cluster address, which Ray finds on that node.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.shared import free_port, read_tail
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
-from rollout_fleet.wiring.config import ConfigError, FleetConfig
+from rollout_fleet.wiring.config import ConfigError, FleetConfig, port_in_use
 from rollout_fleet.wiring.netns import in_private_netns
-from rollout_fleet.wiring.worker import FAILURE_MARK
+from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK
 
 if TYPE_CHECKING:
     from rollout_fleet.adapters.nemo_rl import DynamoGeneration
@@ -67,7 +71,8 @@ def placement_for(config: FleetConfig) -> Placement:
     from rollout_fleet.adapters.ray import RayPlacement
 
     return RayPlacement(address=config.ray_address, bundle=config.bundle,
-                        bind_host=config.bind_host, ready_timeout_s=config.timeouts.start_s)
+                        strategy=config.placement_strategy, bind_host=config.bind_host,
+                        bind_per_node=config.spans_nodes, ready_timeout_s=config.timeouts.start_s)
 
 
 @attrs.define
@@ -106,7 +111,8 @@ class Fleet:
         self.workers = list(self.placement.launch([self._launch(i)
                                                    for i in range(self.config.num_workers)]))
         port = self.config.frontend_port or free_port(self.config.bind_host)
-        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=self._frontend_env())
+        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=self._frontend_env(),
+                                       host=self.config.bind_host)
         self.frontend.start()
         deadline = time.monotonic() + self.config.timeouts.start_s
         for worker in self.workers:
@@ -180,7 +186,7 @@ class Fleet:
         return WorkerLaunch(name=name, argv=(sys.executable, "-m", "rollout_fleet.wiring.worker",
                                              "--config", str(config_path), "--control-secret-stdin"),
                             env=env, log_path=str(self.run_dir / f"{name}.log"),
-                            port_env=(SYSTEM_PORT,), secret=self.secret)
+                            port_env=(SYSTEM_PORT,), secret=self.secret, host_env=BIND_HOST_ENV)
 
     def _wait_worker_ready(self, worker: WorkerHandle, deadline: float) -> None:
         url = self.control_url(worker)
@@ -386,6 +392,9 @@ def _health_ready(control_url: str) -> bool:
 
 
 def _check_network(config: FleetConfig) -> None:
+    if port_in_use(config.bind_host, 0):
+        raise ConfigError(f"bind_host={config.bind_host!r} is not an address of this machine "
+                          "(nothing can listen there): give the driver node's own address")
     if in_private_netns():
         return
     if config.placement == "ray" and config.ray_address is None:

@@ -16,6 +16,7 @@ or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON ob
       "control_secret": null,          # every control body must carry it (or --control-secret-stdin)
       "insecure_controls": false,      # true: no secret, controls open to anyone (tests only)
       "kv_routing": false,             # publish the engine's KV events to a KV router
+      "bind_host": "127.0.0.1",        # where its servers listen ($ROLLOUT_FLEET_BIND_HOST wins)
       "sigterm_grace_s": 15            # after SIGTERM, exit anyway if still running by then
     }
 
@@ -49,6 +50,9 @@ from rollout_fleet.core.errors import InvalidValue
 logger = logging.getLogger("rollout_fleet.worker")
 # The last line a worker that fails writes: its exception's own message, which the fleet reports.
 FAILURE_MARK = "rollout-fleet worker failed: "
+# Set by the placement: the address this worker's servers bind (its node's cluster address
+# when the fleet spans nodes); the config's ``bind_host``, else loopback, when it is unset.
+BIND_HOST_ENV = "ROLLOUT_FLEET_BIND_HOST"
 
 Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -77,7 +81,8 @@ def _memory_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | 
     async def engine_stats(_body: dict[str, Any]) -> dict[str, Any]:
         # What reached the engine itself (tests read it through the control channel).
         return {"aborted_ids": list(engine.aborted_ids[-256:]), "served_count": engine.served_count,
-                "in_flight": sorted(engine.in_flight), "started_as": engine.started_as}
+                "in_flight": sorted(engine.in_flight), "started_as": engine.started_as,
+                "cache_resets": engine.cache_resets}
 
     return BuiltEngine(engine, model_path, {"engine_stats": engine_stats})
 
@@ -127,8 +132,9 @@ def worker_env(config: Mapping[str, Any]) -> dict[str, str]:
     """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start)."""
     from rollout_fleet.adapters.dynamo.env import dynamo_env
 
+    host = os.environ.get(BIND_HOST_ENV) or config.get("bind_host") or "127.0.0.1"
     env = dynamo_env(_required(config, "run_dir"), system_port=config.get("system_port"),
-                     log_level=config.get("log_level", "warn"))
+                     log_level=config.get("log_level", "warn"), host=host)
     env.update(config.get("env") or {})  # the fleet's discovery choice (etcd) and the like
     return env
 

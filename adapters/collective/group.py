@@ -130,6 +130,21 @@ class CollectiveGroup:
             self.broken = "closed"
 
 
+def own_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (the store's): the address gloo binds
+    its pairs to and other ranks connect to. The store's host itself on rank 0's node (and on
+    one machine); a worker on another node gets its own node's address, not rank 0's. No
+    packet is sent: connecting a UDP socket only picks the route."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+        except OSError as exc:
+            raise RefitError(f"refit group: no route from this node to the group's host {host}:"
+                             f" {exc}") from exc
+        return probe.getsockname()[0]
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else repr(exc)
@@ -332,7 +347,7 @@ def _process_group(store: Any, backend: str, host: str, data_rank: int, data_siz
 
             options = ProcessGroupGloo._Options()
             options._timeout = timeout
-            options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+            options._devices = [ProcessGroupGloo.create_device(hostname=own_address_towards(host))]
             return ProcessGroupGloo(prefixed, data_rank, data_size, options)
         # A failed NCCL collective should raise here, not kill the worker process.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")

@@ -1,4 +1,5 @@
-"""The environment that runs Dynamo on loopback with no etcd and no NATS (see FACTS.md).
+"""The environment that runs Dynamo with no NATS (see FACTS.md): on loopback with file
+discovery on one machine, or on one node's cluster address (etcd discovery) across nodes.
 
 Pure: builds a dict; the frontend launcher gives it to its child, the worker entry point puts it
 into its own ``os.environ`` before the Dynamo runtime starts (the runtime reads it once).
@@ -6,32 +7,57 @@ into its own ``os.environ`` before the Dynamo runtime starts (the runtime reads 
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
+from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.validate import check_int_in
 
 LOOPBACK = "127.0.0.1"
 MAX_SYSTEM_PORT = 32767  # DYN_SYSTEM_PORT is parsed as an i16
 
 
+def check_bind_host(field: str, host: object) -> str:
+    """An IP address literal of one interface: never the wildcard (0.0.0.0, ::), which would
+    open every server of the fleet on every network the node is on."""
+    try:
+        address = ipaddress.ip_address(host) if isinstance(host, str) else None
+    except ValueError:
+        address = None
+    if address is None:
+        raise InvalidValue(field, host, "must be an IP address of this node (e.g. 127.0.0.1, "
+                           "or its address on the cluster network)")
+    if address.is_unspecified:
+        raise InvalidValue(field, host, "binds every interface; give the node's own address "
+                           "on the cluster network (or 127.0.0.1 on one machine)")
+    return host
+
+
+def is_loopback(host: str) -> bool:
+    return ipaddress.ip_address(host).is_loopback
+
+
 def dynamo_env(run_dir: str | Path, *, system_port: int | None = None,
-               log_level: str = "warn") -> dict[str, str]:
+               log_level: str = "warn", host: str = LOOPBACK) -> dict[str, str]:
     """DYN_* variables for one process of a run whose discovery folder lives in ``run_dir``.
 
     ``system_port``: the worker's system server (health, ``/engine/control/<name>``); None
-    leaves it off (the frontend needs none).
+    leaves it off (the frontend needs none). ``host``: the address every server of this
+    process binds and advertises: loopback on one machine, this node's cluster address when
+    the fleet spans nodes (other nodes connect to its request plane and response stream).
     """
+    check_bind_host("host", host)
     run_dir = Path(run_dir)
     env = {
         "DYN_DISCOVERY_BACKEND": "file",
         "DYN_FILE_KV": str(run_dir / "discovery"),
         "DYN_REQUEST_PLANE": "tcp",
         "DYN_EVENT_PLANE": "zmq",
-        "DYN_TCP_RPC_HOST": LOOPBACK,
-        "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
-        "DYN_EVENT_PLANE_HOST": LOOPBACK,
-        "DYN_SYSTEM_HOST": LOOPBACK,
-        "DYN_HTTP_HOST": LOOPBACK,
+        "DYN_TCP_RPC_HOST": host,
+        "DYN_TCP_RESPONSE_STREAM_HOST": host,
+        "DYN_EVENT_PLANE_HOST": host,
+        "DYN_SYSTEM_HOST": host,
+        "DYN_HTTP_HOST": host,
         "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",  # else SIGTERM waits 5 s
         "DYN_LOG": log_level,  # info writes ~5 lines per request
         "HOME": str(run_dir / "home"),  # workers copy model files under $HOME/.cache

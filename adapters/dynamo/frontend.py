@@ -1,7 +1,9 @@
 """Start and stop Dynamo's OpenAI frontend (``python -m dynamo.frontend``) as a child process.
 
 The child runs in a process group of its own on 127.0.0.1 with file discovery, so it finds
-every worker whose ``DYN_FILE_KV`` is the same folder, and is stopped by its process group.
+every worker whose ``DYN_FILE_KV`` is the same folder, and is stopped by its process group. A
+fleet across nodes gives it the driver node's cluster address (``host``) and etcd discovery:
+workers on other nodes connect back to its response stream there.
 It stays in its parent's session on purpose: Linux's autogroup scheduler gives each session a
 share of its own, and a frontend in a new session waited 0.3-4.5 s for the CPU at times while
 busy-polling vLLM processes ran in the parent's (bench/bench_vllm_frontend.py prints it).
@@ -51,11 +53,13 @@ class DynamoFrontend:
     """One ``dynamo.frontend`` child process; use as a context manager or start()/stop()."""
 
     def __init__(self, run_dir: str | Path, *, http_port: int, python: str = sys.executable,
-                 log_level: str = "warn", extra_env: Mapping[str, str] | None = None) -> None:
+                 log_level: str = "warn", extra_env: Mapping[str, str] | None = None,
+                 host: str = LOOPBACK) -> None:
         self.run_dir = Path(run_dir)
         self.http_port = http_port
+        self.host = host
         self.python = python
-        self.env = {**os.environ, **dynamo_env(self.run_dir, log_level=log_level),
+        self.env = {**os.environ, **dynamo_env(self.run_dir, log_level=log_level, host=host),
                     **(extra_env or {})}
         self.log_path = self.run_dir / f"frontend-{http_port}.log"
         self.process: subprocess.Popen | None = None
@@ -64,7 +68,8 @@ class DynamoFrontend:
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.http_port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.http_port}"
 
     def start(self) -> "DynamoFrontend":
         if self.process is not None:
@@ -72,7 +77,7 @@ class DynamoFrontend:
         (self.run_dir / "home").mkdir(parents=True, exist_ok=True)
         self._log_read = self.log_path.stat().st_size if self.log_path.exists() else 0
         command = [self.python, "-m", "dynamo.frontend",
-                   "--http-host", LOOPBACK, "--http-port", str(self.http_port)]
+                   "--http-host", self.host, "--http-port", str(self.http_port)]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

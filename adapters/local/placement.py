@@ -44,6 +44,8 @@ class LocalPlacement(Placement):
                 taken.add(port)
                 ports[variable] = port
             env = {**os.environ, **launch.env, **{k: str(v) for k, v in ports.items()}}
+            if launch.host_env:
+                env[launch.host_env] = self._bind_host
             if launch.log_path:
                 os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
             with open(launch.log_path or os.devnull, "ab") as log:

@@ -169,6 +169,7 @@ class MemoryEngine(EnginePort, RefitTarget):
         self.served_count = 0
         self.aborted_ids: list[str] = []  # ids whose abort reached the engine (tests read it)
         self.started_as: int | str | None = None
+        self.cache_resets = 0  # how often the cache was invalidated (tests read it)
         self._refit_ranks = refit_ranks
         self._join_receiver = join_receiver
         self._receivers: list[WeightReceiver] = []
@@ -278,6 +279,7 @@ class MemoryEngine(EnginePort, RefitTarget):
 
     async def reset_cache(self) -> None:
         self.model.clear_cache()
+        self.cache_resets += 1
 
     # -- internals ----------------------------------------------------------------------------
     def _check_input(self, prompt: Sequence[int], max_new_tokens: int) -> None:

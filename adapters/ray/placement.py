@@ -21,20 +21,26 @@ class RayPlacement(Placement):
     """Places workers with Ray.
 
     ``address=None`` starts a private local Ray instance (stopped again by ``stop``); an address
-    joins an existing cluster, which is left running. ``bundle`` is each worker's reservation,
-    e.g. ``{"CPU": 1}`` on CPU fleets or ``{"GPU": 2, "CPU": 2}`` for a 2-rank GPU worker.
+    joins an existing cluster, which is left running (this process disconnects at ``stop``).
+    ``bundle`` is each worker's reservation, e.g. ``{"CPU": 1}`` on CPU fleets or
+    ``{"GPU": 2, "CPU": 2}`` for a 2-rank GPU worker, plus any custom resource that pins
+    workers to the nodes offering it. ``bind_host`` is this (the driver's) node's address: a
+    local Ray runs there, and a cluster is joined from there. ``bind_per_node``: each worker
+    binds its own node's address in the cluster (found on that node) instead of ``bind_host``.
     """
 
     def __init__(self, *, address: str | None = None, bundle: Mapping[str, float] | None = None,
                  strategy: str = "PACK", bind_host: str = "127.0.0.1", num_cpus: int | None = None,
-                 ready_timeout_s: float = 120.0) -> None:
+                 ready_timeout_s: float = 120.0, bind_per_node: bool = False) -> None:
         self._address = address
         self._bundle = dict(bundle or {"CPU": 1})
         self._strategy = strategy
         self._bind_host = bind_host
+        self._bind_per_node = bind_per_node
         self._num_cpus = num_cpus
         self._ready_timeout_s = ready_timeout_s
         self._started_ray = False
+        self._joined_ray = False
         self._group = None
         self._actors: dict[str, Any] = {}
         self._handles: dict[str, WorkerHandle] = {}
@@ -64,10 +70,12 @@ class RayPlacement(Placement):
             # Sealed for this actor's own key: no Ray object holds the secret itself.
             sealed = None if launch.secret is None else seal(
                 launch.secret, ray.get(actor.public_key.remote(), timeout=self._ready_timeout_s))
+            bind_host = None if self._bind_per_node else self._bind_host
             started = ray.get(actor.start.remote(launch.argv, dict(launch.env), launch.log_path,
-                                                 launch.port_env, self._bind_host, sealed))
+                                                 launch.port_env, bind_host, sealed,
+                                                 launch.host_env))
             handle = WorkerHandle(index, launch.name, started["pid"], started["node_ip"],
-                                  started["ports"], launch.log_path)
+                                  started["ports"], launch.log_path, started["node_id"])
             self._handles[launch.name] = handle
             handles.append(handle)
         return handles
@@ -114,9 +122,9 @@ class RayPlacement(Placement):
 
             remove_placement_group(self._group)
             self._group = None
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
+        if self._started_ray or self._joined_ray:
+            ray.shutdown()  # a joined cluster keeps running; this process leaves it
+            self._started_ray = self._joined_ray = False
 
     def _init_ray(self, num_workers: int) -> None:
         import ray
@@ -126,7 +134,12 @@ class RayPlacement(Placement):
         options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                    "configure_logging": False}
         if self._address:
+            if not _is_loopback(self._bind_host):
+                # Ray would guess this node's address from a route to the internet, which a
+                # cluster network need not have; the driver joins from its cluster address.
+                options["_node_ip_address"] = self._bind_host
             ray.init(address=self._address, **options)
+            self._joined_ray = True
         else:
             cpus = self._num_cpus or max(os.cpu_count() or 1,
                                          int(num_workers * self._bundle.get("CPU", 1)))
@@ -143,3 +156,12 @@ class RayPlacement(Placement):
                 os.killpg(handle.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -45,10 +45,16 @@ class ProcessSupervisor:
         return self._opener.public_key()
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: str,
-              port_env: Sequence[str], bind_host: str, sealed_secret: bytes | None = None) -> dict:
+              port_env: Sequence[str], bind_host: str | None, sealed_secret: bytes | None = None,
+              host_env: str = "") -> dict:
+        """Start the worker; ``bind_host=None``: it binds this node's address in the Ray
+        cluster (each node's own, found here, on the node), else ``bind_host``."""
         secret = None if sealed_secret is None else self._opener.open(sealed_secret)
-        ports = {name: free_port(bind_host) for name in port_env}
+        host = bind_host or _node_ip()
+        ports = {name: free_port(host) for name in port_env}
         full_env = {**os.environ, **env, **{name: str(port) for name, port in ports.items()}}
+        if host_env:
+            full_env[host_env] = host
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         with open(log_path, "ab") as log:
             self._process = subprocess.Popen(list(argv), env=full_env, stdout=log,
@@ -56,7 +62,7 @@ class ProcessSupervisor:
                                              preexec_fn=_new_session_dying_with_parent)
         hand_over_secret(self._process, secret)
         self._segments.track("worker", self._process.pid)
-        return {"pid": self._process.pid, "node_ip": _node_ip(), "ports": ports}
+        return {"pid": self._process.pid, "node_ip": host, "ports": ports, "node_id": _node_id()}
 
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -103,3 +109,12 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - outside Ray (tests of the supervisor itself)
         return "127.0.0.1"
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return ""

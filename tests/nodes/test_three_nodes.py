@@ -1,0 +1,124 @@
+"""A fleet across 3 nodes of a real Ray cluster, on one machine: 3 network namespaces joined by
+a bridge (tests/support/nodes.py), `ray start` on each, etcd and the frontend on the head's
+address, one memory-engine worker on each of the other two nodes. The driver runs on the head
+(tests/nodes/head_driver.py); rollouts, a gloo refit and a cache flush all cross the bridge."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.driver.conftest import engine_answers, mixed_batch
+from tests.nodes.head_driver import PROMPT_SEED, PROMPTS
+from tests.support.nodes import WORKER_RESOURCE, NodeLayout
+
+pytestmark = pytest.mark.ray
+HERE = Path(__file__).parent
+MAX_MODEL_LEN, MAX_NEW = 128, 12
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The layout, one driver run on its head, and what the driver reported; then every
+    process of every node is stopped, and nothing may be left."""
+    root = tmp_path_factory.mktemp("nodes")
+    layout = NodeLayout(root, count=3).start()
+    inodes = {node.name: node.inode for node in layout.nodes}
+    try:
+        config = {
+            "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN},
+            "served_model_name": "mem", "num_workers": 2, "max_model_len": MAX_MODEL_LEN,
+            "max_new_tokens": MAX_NEW, "ray_address": layout.ray_address,
+            "bind_host": layout.head.address, "discovery": "etcd",
+            "resources_per_worker": {WORKER_RESOURCE: 1}, "run_dir": str(root / "run"),
+            "refit": {"buffer_bytes": 65536}, "timeouts": {"start_s": 120}}
+        (root / "fleet.json").write_text(json.dumps(config))
+        out, log = root / "report.json", root / "driver.log"
+        code = layout.run_on(1, [sys.executable, str(HERE / "head_driver.py"),
+                                 str(root / "fleet.json"), str(out)],
+                             timeout_s=300, log_path=log)
+        assert code == 0, f"the head's driver failed:\n{log.read_text()[-4000:]}"
+        report = json.loads(out.read_text())
+        after_driver = layout.listeners()
+    finally:
+        stuck = layout.stop()
+    assert stuck == [], f"processes of the layout would not stop: {stuck}"
+    left = [pid for pid in _all_pids() if _netns(pid) in set(inodes.values())]
+    assert left == [], f"processes left in the nodes' namespaces: {left}"
+    yield report, layout, inodes, after_driver
+
+
+def test_each_worker_runs_on_its_own_node_and_binds_only_that_nodes_address(run):
+    report, layout, inodes, _ = run
+    workers = report["workers"]
+    assert sorted(w["node_ip"] for w in workers) == ["10.77.0.2", "10.77.0.3"]
+    for worker in workers:
+        node = layout.node_of(worker["node_ip"])
+        # the worker process really lives in that node's network namespace ...
+        assert worker["netns"] == inodes[node.name], worker
+        # ... on the node Ray reports for it, which is not the driver's
+        assert worker["node_id"] and worker["node_id"] != report["driver_node_id"]
+        # and every server it holds (request plane, system port) is on its own address
+        listening = report["listeners"][worker["name"]]
+        assert listening, f"{worker['name']} listens nowhere"
+        assert {address for address, _port in listening} == {worker["node_ip"]}, listening
+        assert worker["control_url"].startswith(f"http://{worker['node_ip']}:")
+    assert workers[0]["node_id"] != workers[1]["node_id"]
+    for name in ("frontend", "etcd"):  # the driver's node, on the head's cluster address
+        assert {a for a, _p in report["listeners"][name]} == {"10.77.0.1"}, report["listeners"]
+    assert report["frontend_url"].startswith("http://10.77.0.1:")
+
+
+def test_rollouts_through_the_head_equal_the_engine_and_reach_both_nodes(run):
+    report, *_ = run
+    prompts, _ = mixed_batch(PROMPTS, seed=PROMPT_SEED)
+    _check(report["before"], prompts, seed=0)
+    assert all(served > 0 for served in report["served"].values()), report["served"]
+    assert sum(report["served"].values()) >= PROMPTS
+
+
+def test_a_refit_over_gloo_across_the_bridge_loads_the_new_weights_on_both_nodes(run):
+    report, *_ = run
+    assert report["refit_versions"] == {"worker-0": 1, "worker-1": 1}
+    prompts, _ = mixed_batch(PROMPTS, seed=PROMPT_SEED)
+    _check(report["after"], prompts, seed=1)
+    assert all(r["versions"] == [1] for r in report["after"].values())
+    assert [r["tokens"] for r in report["after"].values()] != \
+        [r["tokens"] for r in report["before"].values()]
+
+
+def test_cache_invalidation_reaches_the_worker_on_each_node(run):
+    report, *_ = run
+    assert report["invalidated"] is True
+    resets = report["cache_resets"]
+    assert {name: resets["after"][name] - resets["before"][name] for name in resets["after"]} \
+        == {"worker-0": 1, "worker-1": 1}
+
+
+def _check(served: dict, prompts, *, seed: int) -> None:
+    answers = engine_answers(prompts, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN, seed=seed)
+    assert sorted(int(i) for i in served) == list(range(len(prompts)))
+    for index, answer in enumerate(answers):
+        got = served[str(index)]
+        assert got["tokens"] == list(answer.token_ids), f"prompt {index}"
+        # float32 on the wire and in the tensors: equal to the engine's value in float32
+        assert got["logprobs"] == pytest.approx(list(answer.logprobs), rel=1e-6, abs=1e-6)
+
+
+def _all_pids():
+    import os
+
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def _netns(pid: int):
+    import os
+
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
