@@ -20,7 +20,13 @@ fleet (8 worker processes + the frontend) is the bottleneck; the client CPU is t
 The KV router's event sockets bind 0.0.0.0, so when it is asked for the whole bench re-executes
 itself inside a private network namespace (unshare -n, loopback only).
 
+``--nodes 3`` runs the same load against a fleet across nodes (as root): the 3-node layout of
+tests/support/nodes.py (network namespaces joined by a bridge, `ray start` on each, 10.77.0.x),
+the workers spread over nodes 2 and 3, etcd, the frontend and every client on the head; the
+bench re-runs itself on the head and prints the same table.
+
     .venv/bin/python bench/bench_load.py [--rollouts 4096] [--workers 8] [--modes round-robin kv]
+    .venv/bin/python bench/bench_load.py --nodes 3 --workers 4 --modes round-robin --rounds 1
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.support.nodes import WORKER_RESOURCE, NodeLayout  # noqa: E402
 from tests.support.processes import own_open_sockets, own_rss_bytes  # noqa: E402
 
 MAX_NEW_TOKENS = 16
@@ -220,10 +227,11 @@ def measure_mode(mode: str, args, deadline: float) -> dict[str, list[dict]]:
             "engine": {"kind": "memory", "context_length": MAX_MODEL_LEN,
                        "token_delay_s": args.token_delay_s},
             "max_model_len": MAX_MODEL_LEN, "router": mode, "env": FLEET_ENV,
-            "run_dir": run_dir, "timeouts": {"start_s": 180}})
+            "run_dir": run_dir, "timeouts": {"start_s": 180}, **cluster_settings(args)})
         with Fleet.start(config) as fleet:
+            where = sorted({w.node_ip for w in fleet.workers})
             print(f"\n[{mode}] {args.workers} workers up in {time.monotonic() - started:.1f} s "
-                  f"at {fleet.frontend_url}", flush=True)
+                  f"at {fleet.frontend_url} (workers on {', '.join(where)})", flush=True)
             spec = {"url": fleet.frontend_url, "secret": fleet.secret, "model": "mem",
                     "workers": [(w.worker_id, w.system_url) for w in fleet.endpoints()],
                     "rollouts": args.rollouts}
@@ -262,6 +270,37 @@ def measure_mode(mode: str, args, deadline: float) -> dict[str, list[dict]]:
     return results
 
 
+def cluster_settings(args) -> dict:
+    """The fleet's settings on the head of the nodes layout (``--cluster``), else none."""
+    if not args.cluster:
+        return {}
+    cluster = json.loads(args.cluster)
+    return {"placement": "ray", "ray_address": cluster["ray_address"],
+            "bind_host": cluster["head"], "discovery": "etcd",
+            "resources_per_worker": {WORKER_RESOURCE: 1}}
+
+
+def run_on_nodes(args, argv: list[str]) -> int:
+    """Make the layout, run this bench on its head (same arguments), stop every node."""
+    per_node = -(-args.workers // (args.nodes - 1))
+    with tempfile.TemporaryDirectory(prefix="bench-load-nodes-") as root:
+        started = time.monotonic()
+        layout = NodeLayout(root, count=args.nodes, worker_cpus=per_node,
+                            worker_slots=per_node).start()
+        try:
+            print(f"{args.nodes} nodes up in {time.monotonic() - started:.1f} s: head "
+                  f"{layout.head.address}, workers on "
+                  f"{', '.join(n.address for n in layout.workers)} ({per_node} slots each)",
+                  flush=True)
+            cluster = json.dumps({"ray_address": layout.ray_address, "head": layout.head.address})
+            return layout.run_on(1, [sys.executable, __file__, *argv, "--cluster", cluster],
+                                 timeout_s=args.time_budget_s + 120, log_path=None)
+        finally:
+            stuck = layout.stop()
+            if stuck:
+                print(f"warning: processes of the layout would not stop: {stuck}", flush=True)
+
+
 def report(mode: str, results: dict[str, list[dict]], rollouts: int) -> None:
     if not all(results.values()):
         return
@@ -294,10 +333,19 @@ def main(argv=None) -> int:
     parser.add_argument("--warm", action="store_true",
                         help="the driver also runs a second batch on its warm pool")
     parser.add_argument("--time-budget-s", type=float, default=290.0)
+    parser.add_argument("--nodes", type=int, default=0,
+                        help="run against a fleet across this many nodes (namespaces on this "
+                             "machine; root): the head plus nodes that hold the workers")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args.child)
+    if args.nodes and not args.cluster:
+        if not 2 <= args.nodes <= 9 or "kv" in args.modes:
+            parser.error("--nodes in [2, 9], with --modes round-robin/random (the KV router's "
+                         "event sockets bind 0.0.0.0)")
+        return run_on_nodes(args, list(sys.argv[1:] if argv is None else argv))
     if not 1 <= args.rollouts <= 8192 or not 1 <= args.workers <= 16 or not 1 <= args.rounds <= 5:
         parser.error("--rollouts in [1, 8192], --workers in [1, 16], --rounds in [1, 5]")
     if "kv" in args.modes:

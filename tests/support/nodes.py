@@ -83,12 +83,13 @@ class Node:
 
 class NodeLayout:
     def __init__(self, root: str | Path, count: int = 3, *, worker_cpus: int = 1,
-                 env: Mapping[str, str] | None = None) -> None:
+                 worker_slots: int = 1, env: Mapping[str, str] | None = None) -> None:
         if not 2 <= count <= 9:
             raise ValueError(f"count={count}: a layout has 2..9 nodes")
         self.root = Path(root)
         self.nodes = [Node(i, self.root) for i in range(1, count + 1)]
         self.worker_cpus = worker_cpus
+        self.worker_slots = worker_slots  # fleet workers each worker node takes
         self.env = {**os.environ, **(env or {})}
 
     @property
@@ -163,7 +164,7 @@ class NodeLayout:
             return [ray, *common, "--head", "--port", str(RAY_PORT), "--num-cpus", "0",
                     "--include-dashboard", "false"]
         return [ray, *common, "--address", self.ray_address, "--num-cpus", str(self.worker_cpus),
-                "--resources", json.dumps({WORKER_RESOURCE: 1})]
+                "--resources", json.dumps({WORKER_RESOURCE: self.worker_slots})]
 
     def _start_ray(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -206,12 +207,13 @@ class NodeLayout:
             time.sleep(1.0)
 
     # -- use -----------------------------------------------------------------------------------
-    def run_on(self, index: int, argv: Sequence[str], *, timeout_s: float, log_path: str | Path,
-               env: Mapping[str, str] | None = None) -> int:
-        """Run ``argv`` on node ``index`` (its own process group), output to ``log_path``;
-        its exit code. Past ``timeout_s`` its group is killed and LayoutError raised."""
+    def run_on(self, index: int, argv: Sequence[str], *, timeout_s: float,
+               log_path: str | Path | None, env: Mapping[str, str] | None = None) -> int:
+        """Run ``argv`` on node ``index`` (its own process group), output to ``log_path``
+        (None: this process's stdout); its exit code. Past ``timeout_s`` its group is killed
+        and LayoutError raised."""
         node = self.nodes[index - 1]
-        with open(log_path, "ab") as log:
+        with open(log_path, "ab") if log_path else open(os.dup(1), "wb") as log:
             process = subprocess.Popen(node.enter(argv), stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, env={**self.env, **(env or {})},
                                        start_new_session=True)

@@ -1,0 +1,62 @@
+"""The config of a fleet across nodes: refused by name when it cannot work, and what each
+server binds (pure: nothing starts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_fleet.adapters.dynamo.env import dynamo_env
+from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.wiring.config import ConfigError, parse_config
+
+MEMORY = {"kind": "memory"}
+
+
+def config(**fields):
+    return parse_config({"engine": MEMORY, **fields})
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "example.org", "", "10.0.0.300"])
+def test_a_bind_host_that_is_not_one_address_is_refused_by_name(host):
+    with pytest.raises(ConfigError) as info:
+        config(bind_host=host)
+    assert "bind_host" in str(info.value) and repr(host)[1:-1] in str(info.value)
+
+
+def test_one_machine_stays_on_loopback_with_file_discovery():
+    one = config()
+    assert not one.spans_nodes and one.discovery == "file" and one.bind_host == "127.0.0.1"
+    # an address on a network, but no cluster to join: still one machine
+    assert not config(bind_host="10.1.2.3").spans_nodes
+
+
+def test_a_fleet_across_nodes_needs_etcd_discovery():
+    with pytest.raises(ConfigError) as info:
+        config(ray_address="10.1.2.3:6379", bind_host="10.1.2.3")
+    assert "discovery='file'" in str(info.value) and "etcd" in str(info.value)
+    spanning = config(ray_address="10.1.2.3:6379", bind_host="10.1.2.3", discovery="etcd")
+    assert spanning.spans_nodes
+    # joined from loopback, the fleet stays on this node
+    assert not config(ray_address="127.0.0.1:6379").spans_nodes
+
+
+def test_custom_resources_go_into_each_workers_bundle():
+    c = config(resources_per_worker={"rollout_worker": 1}, placement_strategy="STRICT_SPREAD")
+    assert c.bundle == {"CPU": 1.0, "rollout_worker": 1.0}
+    assert c.placement_strategy == "STRICT_SPREAD"
+    for bad, field in (({"CPU": 2}, "resources_per_worker.CPU"),
+                       ({"rollout_worker": 0}, "resources_per_worker.rollout_worker")):
+        with pytest.raises(ConfigError) as info:
+            config(resources_per_worker=bad)
+        assert field in str(info.value)
+
+
+def test_every_dynamo_host_of_a_process_is_its_own_node_address(tmp_path):
+    env = dynamo_env(tmp_path, host="10.77.0.2")
+    hosts = {k: v for k, v in env.items() if k.endswith("_HOST")}
+    assert set(hosts) == {"DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST",
+                          "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST", "DYN_HTTP_HOST"}
+    assert set(hosts.values()) == {"10.77.0.2"}
+    assert set(v for k, v in dynamo_env(tmp_path).items() if k.endswith("_HOST")) == {"127.0.0.1"}
+    with pytest.raises(InvalidValue):
+        dynamo_env(tmp_path, host="0.0.0.0")
