@@ -1,9 +1,11 @@
 """The driver on the head node of the 3-node layout (run inside the head's namespace, as a
 trainer would run on a cluster's head): starts the fleet across the nodes, sends rollouts,
-refits over gloo, invalidates every cache, and writes what it saw to a JSON file that the test
-checks. Its fleet is always shut down before it exits.
+refits over gloo, invalidates every cache, then loses a node (every process in the network
+namespace ``LOST_NETNS`` killed while its worker holds rollouts) in the middle of a batch, and
+writes what it saw to a JSON file that the test checks. Its fleet is always shut down before
+it exits.
 
-    python tests/nodes/head_driver.py CONFIG.json OUT.json
+    python tests/nodes/head_driver.py CONFIG.json OUT.json LOST_NETNS
 """
 
 from __future__ import annotations
@@ -11,19 +13,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.driver.conftest import collect, mixed_batch  # noqa: E402
+from tests.driver.conftest import mixed_batch  # noqa: E402
 from tests.support.nodes import listeners_of_processes  # noqa: E402
 
 PROMPTS, PROMPT_SEED = 64, 11
 
 
-def main(config_path: str, out_path: str) -> int:
+def main(config_path: str, out_path: str, lost_netns: str) -> int:
     import ray
 
     from rollout_fleet.wiring.config import parse_config
@@ -52,6 +57,7 @@ def main(config_path: str, out_path: str) -> int:
             resets = _cache_resets(fleet)
             report["invalidated"] = generation.invalidate_kv_cache()
             report["cache_resets"] = {"before": resets, "after": _cache_resets(fleet)}
+            report["lost_node"] = _lose_node(fleet, generation, int(lost_netns))
         finally:
             generation.shutdown()
     finally:
@@ -60,18 +66,26 @@ def main(config_path: str, out_path: str) -> int:
     return 0
 
 
-def _rollouts(generation) -> dict[int, dict]:
+def _rollouts(generation, into: list | None = None) -> dict[int, dict]:
+    """Greedy answers to the test's prompts, {index: answer}; each (index, answer) pair is also
+    appended to ``into`` as it comes (repeats kept, and kept when the batch fails)."""
     _prompts, data = mixed_batch(PROMPTS, seed=PROMPT_SEED)
-    pairs = asyncio.run(collect(generation, data, greedy=True))
-    out = {}
-    for index, sample in pairs:
-        start = int(data["input_lengths"][index])
-        length = int(sample["generation_lengths"][0])
-        out[index] = {"tokens": sample["output_ids"][0, start:start + length].tolist(),
-                      "logprobs": sample["logprobs"][0, start:start + length].tolist(),
-                      "versions": sorted(set(sample["weight_versions"][0, start:start + length]
-                                             .tolist()))}
-    return out
+    pairs = [] if into is None else into
+
+    async def gather() -> None:
+        async for index, sample in generation.generate_async(data, greedy=True):
+            pairs.append((index, _answer(data, index, sample)))
+
+    asyncio.run(gather())
+    return dict(pairs)
+
+
+def _answer(data, index: int, sample) -> dict:
+    start = int(data["input_lengths"][index])
+    length = int(sample["generation_lengths"][0])
+    return {"tokens": sample["output_ids"][0, start:start + length].tolist(),
+            "logprobs": sample["logprobs"][0, start:start + length].tolist(),
+            "versions": sorted(set(sample["weight_versions"][0, start:start + length].tolist()))}
 
 
 def _refit(fleet, generation) -> dict[str, int]:
@@ -102,6 +116,61 @@ def _refit(fleet, generation) -> dict[str, int]:
     finally:
         session.close()
     return generation.get_weight_versions()
+
+
+def _lose_node(fleet, generation, netns: int) -> dict:
+    """A batch during which every process of one worker node is killed, once its worker holds
+    rollouts: what the batch returned, and what the fleet then says."""
+    from rollout_fleet.wiring.fleet import call_control
+
+    victim = next(w for w in fleet.workers if _netns(w.pid) == netns)
+    seen: dict = {"worker": victim.name}
+
+    def kill_when_busy() -> None:
+        url, deadline = fleet.control_url(victim), time.monotonic() + 60
+        while time.monotonic() < deadline:
+            in_flight = call_control(url, "stats", fleet.secret)["in_flight"]
+            if in_flight > 0:
+                seen["in_flight_at_kill"] = in_flight
+                seen["killed"] = _kill_namespace(netns)
+                return
+
+    killer = threading.Thread(target=kill_when_busy, daemon=True)
+    killer.start()
+    pairs: list = []
+    seen["errors"] = []
+    try:
+        _rollouts(generation, into=pairs)
+    except Exception as exc:  # noqa: BLE001 - a clear error is reported, not hidden
+        seen["errors"].append(f"{type(exc).__name__}: {exc}")
+    seen["indices"] = [index for index, _ in pairs]  # in arrival order, repeats kept
+    seen["rollouts"] = dict(pairs)
+    killer.join(60)
+    seen["dead_workers"] = fleet.dead_workers()
+    try:
+        generation.invalidate_kv_cache()
+        seen["invalidate_after"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - expected: it names the lost worker
+        seen["invalidate_after"] = f"{type(exc).__name__}: {exc}"
+    return seen
+
+
+def _kill_namespace(netns: int) -> int:
+    """SIGKILL every process of one node: the machine is gone, Ray's daemons and all."""
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _netns_or_none(int(p)) == netns]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
+def _netns_or_none(pid: int) -> int | None:
+    try:
+        return _netns(pid)
+    except OSError:
+        return None
 
 
 def _cache_resets(fleet) -> dict[str, int]:

@@ -1,7 +1,9 @@
 """A fleet across 3 nodes of a real Ray cluster, on one machine: 3 network namespaces joined by
 a bridge (tests/support/nodes.py), `ray start` on each, etcd and the frontend on the head's
 address, one memory-engine worker on each of the other two nodes. The driver runs on the head
-(tests/nodes/head_driver.py); rollouts, a gloo refit and a cache flush all cross the bridge."""
+(tests/nodes/head_driver.py); rollouts, a gloo refit and a cache flush all cross the bridge.
+Last, node 3 is lost (every process in its namespace killed while its worker holds rollouts)
+in the middle of a batch."""
 
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ def run(tmp_path_factory):
     inodes = {node.name: node.inode for node in layout.nodes}
     try:
         config = {
-            "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN},
+            # a token takes 10 ms: rollouts are still in flight when the node is lost
+            "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN,
+                       "token_delay_s": 0.01},
+            # the frontend routes to a lost worker until Dynamo drops it (15-20 s here): retries outlast it
+            "retry": {"max_attempts": 10, "base_delay_s": 0.2},
             "served_model_name": "mem", "num_workers": 2, "max_model_len": MAX_MODEL_LEN,
             "max_new_tokens": MAX_NEW, "ray_address": layout.ray_address,
             "bind_host": layout.head.address, "discovery": "etcd",
@@ -38,8 +44,9 @@ def run(tmp_path_factory):
             "refit": {"buffer_bytes": 65536}, "timeouts": {"start_s": 120}}
         (root / "fleet.json").write_text(json.dumps(config))
         out, log = root / "report.json", root / "driver.log"
+        lost = layout.nodes[2]  # 10.77.0.3
         code = layout.run_on(1, [sys.executable, str(HERE / "head_driver.py"),
-                                 str(root / "fleet.json"), str(out)],
+                                 str(root / "fleet.json"), str(out), str(lost.inode)],
                              timeout_s=300, log_path=log)
         assert code == 0, f"the head's driver failed:\n{log.read_text()[-4000:]}"
         report = json.loads(out.read_text())
@@ -97,6 +104,25 @@ def test_cache_invalidation_reaches_the_worker_on_each_node(run):
     resets = report["cache_resets"]
     assert {name: resets["after"][name] - resets["before"][name] for name in resets["after"]} \
         == {"worker-0": 1, "worker-1": 1}
+
+
+def test_a_lost_node_mid_batch_loses_and_repeats_no_rollout_and_is_reported(run):
+    """Every process of node 3 (Ray's daemons, the worker's supervisor, the worker) killed while
+    its worker holds rollouts: each rollout of the batch still comes back once, equal to the
+    engine's answer (those cut off are retried on the surviving node), and the fleet names the
+    lost worker; a cache flush after it fails naming that worker rather than passing."""
+    report, layout, *_ = run
+    lost = report["lost_node"]
+    victim = next(w for w in report["workers"] if w["name"] == lost["worker"])
+    assert victim["node_ip"] == "10.77.0.3"
+    assert lost.get("in_flight_at_kill", 0) > 0, "the worker held no rollout when its node was lost"
+    assert lost["killed"] > 3, "too few processes on the lost node: was it a node?"
+    assert lost["errors"] == [], lost["errors"]
+    assert sorted(lost["indices"]) == list(range(PROMPTS)), "a rollout lost or repeated"
+    prompts, _ = mixed_batch(PROMPTS, seed=PROMPT_SEED)
+    _check(lost["rollouts"], prompts, seed=1)  # the refit weights, on the surviving node
+    assert lost["dead_workers"] == [lost["worker"]]
+    assert "WorkerFailures" in lost["invalidate_after"] and lost["worker"] in lost["invalidate_after"]
 
 
 def _check(served: dict, prompts, *, seed: int) -> None:
