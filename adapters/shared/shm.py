@@ -22,8 +22,10 @@ SEGMENT_PREFIX = "psm_"
 class SharedMemoryTracker:
     """The segments of one worker: the process group it leads and every descendant."""
 
-    def __init__(self, root_pid: int, *, shm_dir: str = SHM_DIR, prefix: str = SEGMENT_PREFIX) -> None:
+    def __init__(self, root_pid: int, *, remove_unused: bool = True, shm_dir: str = SHM_DIR,
+                 prefix: str = SEGMENT_PREFIX) -> None:
         self.root_pid = root_pid
+        self._remove_unused = remove_unused
         self._dir = shm_dir.rstrip("/") + "/"
         self._prefix = prefix
         self._seen: dict[str, int] = {}  # path -> inode, while the worker used it
@@ -36,13 +38,16 @@ class SharedMemoryTracker:
             return dict(self._seen)
 
     def scan(self) -> None:
-        """Record what the worker's processes use now, and remove a recorded segment that no
-        process of the worker has used in two scans in a row (its engine core died)."""
+        """Record what the worker's processes use now, and (``remove_unused``) remove a recorded
+        segment that no process of the worker has used in two scans in a row (its engine core
+        died)."""
         in_use = {}
         for pid in worker_processes(self.root_pid):
             in_use.update(self._segments_of(pid))
         with self._lock:
             self._seen.update(in_use)
+            if not self._remove_unused:
+                return
             unused = set(self._seen) - set(in_use)
             for path in unused & self._unused_once:
                 self._remove(path)

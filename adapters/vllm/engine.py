@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas
 from rollout_fleet.core.errors import EngineError, EngineRejected, InvalidValue, RefitError, WeightMismatch
@@ -77,6 +78,7 @@ class VllmEngine(EnginePort, RefitTarget):
         self._kv_salt: str | None = None  # set after a keep-mode refit left old KV in use
         self._joined = False
         self._torn: str | None = None  # why rollouts are refused: a refit died half way
+        self._segments: list[SharedMemoryTracker] = []  # vLLM's /dev/shm queues, per engine core
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -84,8 +86,10 @@ class VllmEngine(EnginePort, RefitTarget):
             if self._engine is None:
                 # Building the engine blocks for ~20 s on a CPU (it spawns and waits for the
                 # engine core); a thread keeps this loop answering meanwhile.
+                children_before = _child_pids()
                 with _cpu_binding(self.config):
                     self._engine = await _in_thread(_build_engine, self.config)
+                self._track_segments(_child_pids() - children_before)
                 if self.config.device == "cpu" and self.config.cpu_worker_nice is not None:
                     _set_worker_priority(self.config.cpu_worker_nice)
                 await self._engine.update_weight_version(str(self._version))
@@ -230,6 +234,8 @@ class VllmEngine(EnginePort, RefitTarget):
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        for tracker in self._segments:  # what the engine core's processes use at the end
+            tracker.scan()
         handler = engine.output_handler
         if handler is not None:  # first, or it reports the engine core's exit as an error
             handler.cancel()
@@ -244,6 +250,16 @@ class VllmEngine(EnginePort, RefitTarget):
         if endpoint.startswith("ipc://"):  # the KV-event socket's file outlives its socket
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(endpoint[len("ipc://"):])
+        # An engine core that was killed, or outlived the shutdown timeout, leaves its queues.
+        for tracker in self._segments:
+            tracker.remove_all()
+        self._segments = []
+
+    def _track_segments(self, engine_processes: set[int]) -> None:
+        """Record the /dev/shm queues of the engine core(s) just started and their workers."""
+        self._segments = [SharedMemoryTracker(pid, remove_unused=False) for pid in sorted(engine_processes)]
+        for tracker in self._segments:
+            tracker.scan()
 
     # -- internals ----------------------------------------------------------------------------
     def _require_engine(self) -> Any:
@@ -410,6 +426,18 @@ def _cpu_binding(config: VllmEngineConfig):
             os.environ.pop(_OMP_BIND, None)
         else:
             os.environ[_OMP_BIND] = before
+
+
+def _child_pids() -> set[int]:
+    """This process's children that are vLLM's (its engine cores name themselves VLLM::*)."""
+    import psutil
+
+    pids = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.name().startswith("VLLM::"):
+                pids.add(child.pid)
+    return pids
 
 
 def _set_worker_priority(nice: int) -> int:

@@ -1,0 +1,32 @@
+"""Suite-wide: no shared-memory segment that a process of this test run used is left in
+/dev/shm when the run ends (vLLM's queues, ~160-240 MiB each, are the ones that leak)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
+
+_SCAN_EVERY_S = 2.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind():
+    # Record only: what the fleet and the engines remove themselves is what is checked.
+    tracker = SharedMemoryTracker(os.getpid(), remove_unused=False)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(_SCAN_EVERY_S):
+            tracker.scan()
+
+    thread = threading.Thread(target=watch, name="suite-shm-watch", daemon=True)
+    thread.start()
+    yield
+    done.set()
+    thread.join()
+    left = tracker.remove_all()  # removed now, so one failed run litters nothing
+    assert left == [], f"segments processes of this run used were left in /dev/shm: {left}"
