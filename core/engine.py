@@ -84,6 +84,11 @@ class EnginePort(ABC):
         engine does not know it."""
         return None
 
+    def dead_reason(self) -> str | None:
+        """Why this engine can never serve again (its process died), or None while it can. The
+        worker polls it and leaves the fleet's routing when it says so. None by default."""
+        return None
+
     async def close(self) -> None:
         """Release what the engine holds (processes, memory) now; the worker calls it once,
         when it stops. Nothing to do by default."""

@@ -98,6 +98,11 @@ class EngineRejected(EngineError):
     does not offer): the request is at fault, and sending it again will not help."""
 
 
+class EngineDead(EngineError):
+    """A worker's engine has died (its process killed or crashed): it will serve nothing more,
+    so the request is not at fault and another worker can serve it."""
+
+
 class WeightMismatch(InvalidValue):
     """Weights offered to an engine do not match its parameters."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -70,6 +70,17 @@ class RefitCoordinator:
         """A control waits a little longer than the transfer it drives, so a worker's own
         reason (who did not join, which bucket stalled) arrives before the driver gives up."""
         return self.timeout_s + max(1.0, 0.1 * self.timeout_s)
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(c.worker_id for c in self._controls)
+
+    def forget_workers(self, worker_ids: Collection[str]) -> tuple[str, ...]:
+        """Leave out lost workers from every later step: the next group is formed by the
+        survivors alone (world size and rank layout recomputed). Returns those left out."""
+        lost = tuple(c.worker_id for c in self._controls if c.worker_id in worker_ids)
+        self._controls = [c for c in self._controls if c.worker_id not in worker_ids]
+        return lost
 
     def layout(self, train_world_size: int) -> RankLayout:
         return RankLayout(train_world_size, len(self._controls), self._ranks_per_worker)

@@ -4,7 +4,8 @@ Each input line is ``{"prompt_token_ids": [...]}`` or ``{"text": "..."}`` (text 
 ``--tokenizer``), with optional ``id``, ``stop_strings`` and ``max_new_tokens``. Each output line
 holds the id, the generated token IDs, one logprob per token, the finish reason, and the text
 when a tokenizer was given. Rollouts go through the core's RolloutClient (with retries) over the
-http transport.
+http transport. A prompt that still fails gets an error line instead (its id, its index and the
+error); the command then exits non-zero, after writing every line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec
 from rollout_fleet.core.validate import check_int_at_least, is_int
 
@@ -89,16 +90,33 @@ def run_generate(args: argparse.Namespace) -> int:
                                         done=progress.update, **settings))
     finally:
         progress.close()
-    lines = [json.dumps(_result_line(p, r, tokenizer)) + "\n" for p, r in zip(prompts, results)]
+    failed = [(i, p, r) for i, (p, r) in enumerate(zip(prompts, results))
+              if isinstance(r, BaseException)]
+    lines = [json.dumps(_error_line(i, p, r) if isinstance(r, BaseException)
+                        else _result_line(p, r, tokenizer)) + "\n"
+             for i, (p, r) in enumerate(zip(prompts, results))]
+    where = args.out or "stdout"
     if args.out:
         try:
             Path(args.out).write_text("".join(lines))
         except OSError as exc:
             raise InvalidValue("--out", args.out, f"cannot be written: {exc.strerror}") from None
-        print(f"{len(lines)} results written to {args.out}", file=sys.stderr)
     else:
         sys.stdout.writelines(lines)
+        sys.stdout.flush()
+    if failed:
+        index, prompt, error = failed[0]
+        raise PromptsFailed(
+            f"{len(failed)} of {len(prompts)} prompts failed ({len(prompts) - len(failed)} "
+            f"results and {len(failed)} error lines written to {where}); first: prompt "
+            f"{prompt.id!r} (index {index}): {type(error).__name__}: {error}")
+    if args.out:
+        print(f"{len(lines)} results written to {args.out}", file=sys.stderr)
     return 0
+
+
+class PromptsFailed(RolloutFleetError):
+    """Some prompts got no result (each has its error line in the output)."""
 
 
 def load_tokenizer(folder: str):
@@ -184,30 +202,30 @@ def _progress_bar(total: int, *, quiet: bool):
 
 async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, concurrency: int, *,
                     model: str, max_new_tokens: int, max_model_len: int, done=None) -> list:
+    """One entry per prompt, in order: its RolloutResult, or the error that ended it (after
+    the client's retries); a bad prompt fails the whole command before anything is sent."""
+    from rollout_fleet.core.errors import RolloutFleetError
     from rollout_fleet.core.rollout_client import RolloutLimits
     from rollout_fleet.wiring.driver import build_frontend_client
 
+    limits = RolloutLimits(max_model_len=max_model_len, max_new_tokens=max_new_tokens)
+    requests = [_request(limits, prompt, sampling) for prompt in prompts]
     concurrency = min(concurrency, len(prompts))
     frontend = build_frontend_client(url, model=model, max_in_flight=concurrency)
-    client = frontend.client
-    limits = RolloutLimits(max_model_len=max_model_len, max_new_tokens=max_new_tokens)
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(prompt: Prompt):
+    async def one(request):
         try:
-            request = limits.request(f"generate-{prompt.id}", prompt.token_ids, sampling=sampling,
-                                     stop_strings=prompt.stop_strings,
-                                     max_new_tokens=prompt.max_new_tokens)
-        except InvalidValue as exc:
-            raise InvalidValue(f"prompt {prompt.id!r}: {exc.field}", exc.value, exc.rule) from None
-        async with gate:
-            result = await client.rollout(request)
-        if done is not None:
-            done(1)
-        return result
+            async with gate:
+                return await frontend.client.rollout(request)
+        except RolloutFleetError as exc:  # this prompt failed; the others go on
+            return exc
+        finally:
+            if done is not None:
+                done(1)
 
     try:
-        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        tasks = [asyncio.ensure_future(one(r)) for r in requests]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -217,6 +235,19 @@ async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, con
             raise
     finally:
         await frontend.aclose()
+
+
+def _request(limits: Any, prompt: Prompt, sampling: SamplingSpec) -> RolloutRequest:
+    try:
+        return limits.request(f"generate-{prompt.id}", prompt.token_ids, sampling=sampling,
+                              stop_strings=prompt.stop_strings,
+                              max_new_tokens=prompt.max_new_tokens)
+    except InvalidValue as exc:
+        raise InvalidValue(f"prompt {prompt.id!r}: {exc.field}", exc.value, exc.rule) from None
+
+
+def _error_line(index: int, prompt: Prompt, error: BaseException) -> dict[str, Any]:
+    return {"id": prompt.id, "index": index, "error": f"{type(error).__name__}: {error}"}
 
 
 def _result_line(prompt: Prompt, result: Any, tokenizer: Any) -> dict[str, Any]:

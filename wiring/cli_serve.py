@@ -98,13 +98,15 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 _serving = threading.Event()
+_WATCH_INTERVAL_S = 1.0  # how often `serve` looks for lost workers
 
 
 def _serve_until(stop: threading.Event, fleet) -> None:
     _serving.set()
     reported: set[str] = set()
-    while not stop.wait(2.0):
-        dead = set(fleet.dead_workers()) - reported
-        if dead:
-            print(f"warning: worker(s) exited: {sorted(dead)}", file=sys.stderr, flush=True)
-            reported |= dead
+    while not stop.wait(_WATCH_INTERVAL_S):
+        for name, reason in sorted(fleet.lost_workers().items()):
+            if name not in reported:
+                print(f"warning: {name} lost, out of the frontend's routing: {reason}",
+                      file=sys.stderr, flush=True)
+                reported.add(name)

@@ -10,7 +10,7 @@ engines (the in-memory demo).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 from rollout_fleet.adapters.http import (
@@ -39,7 +39,8 @@ class WorkerEndpoint:
 def build_generation(generation: GenerationConfig, *, frontend_url: str,
                      workers: Sequence[WorkerEndpoint], control_secret: str,
                      http: HttpSettings | None = None, owned: Sequence = (),
-                     clock: Clock | None = None) -> DynamoGeneration:
+                     clock: Clock | None = None,
+                     lost_workers: Callable[[], Collection[str]] | None = None) -> DynamoGeneration:
     """A driver over an existing frontend and workers; the pool holds one connection per
     allowed in-flight rollout unless ``http`` says otherwise."""
     workers = tuple(workers)
@@ -54,7 +55,7 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
         controls=[HttpWorkerControl(w.worker_id, w.system_url, secret=control_secret, clients=clients)
                   for w in workers],
         metrics=[HttpWorkerMetrics(w.worker_id, w.system_url, clients=clients) for w in workers],
-        owned=owned, clock=clock)
+        owned=owned, clock=clock, lost_workers=lost_workers)
 
 
 @attrs.frozen

@@ -244,10 +244,18 @@ class Fleet:
         return build_generation(GenerationConfig(**settings),
                                 frontend_url=frontend_url or self.frontend_url,
                                 workers=self.endpoints(), control_secret=self.secret,
-                                http=http or http_settings(c, settings["max_concurrency"]))
+                                http=http or http_settings(c, settings["max_concurrency"]),
+                                lost_workers=self.dead_workers)
 
     def dead_workers(self) -> list[str]:
         return sorted(name for name, alive in self.placement.alive().items() if not alive)
+
+    def lost_workers(self) -> dict[str, str]:
+        """Every worker that is gone, with why: its own last word (``engine died: ...``) when
+        it left by itself, else that it exited. A worker whose engine dies leaves the
+        frontend's routing at once and exits; a driver from ``generation()`` refits without it."""
+        logs = {w.name: w.log_path for w in self.workers}
+        return {name: exit_reason(logs[name]) for name in self.dead_workers()}
 
     def process_groups(self) -> list[int]:
         """The process group of every worker and of the frontend (each leads its own)."""
@@ -367,6 +375,13 @@ def worker_failure(log_path: str) -> str:
     said = [line.removeprefix(FAILURE_MARK) for line in tail.splitlines()
             if line.startswith(FAILURE_MARK)]
     return said[-1] if said else f"no error reported; its log ends:\n{tail[-3000:]}"
+
+
+def exit_reason(log_path: str) -> str:
+    """One line: what a worker that exited said of it, or that it said nothing (killed)."""
+    said = [line.removeprefix(FAILURE_MARK) for line in read_tail(log_path, 64_000).splitlines()
+            if line.startswith(FAILURE_MARK)]
+    return said[-1] if said else "exited without a word (killed, or its host went away)"
 
 
 def call_control(control_url: str, name: str, secret: str, body: dict | None = None,

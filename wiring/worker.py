@@ -45,7 +45,7 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.engine import EnginePort
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.errors import EngineDead, InvalidValue
 
 logger = logging.getLogger("rollout_fleet.worker")
 # The last line a worker that fails writes: its exception's own message, which the fleet reports.
@@ -53,6 +53,8 @@ FAILURE_MARK = "rollout-fleet worker failed: "
 # Set by the placement: the address this worker's servers bind (its node's cluster address
 # when the fleet spans nodes); the config's ``bind_host``, else loopback, when it is unset.
 BIND_HOST_ENV = "ROLLOUT_FLEET_BIND_HOST"
+# How often a worker checks that its engine is alive (a dead one takes the worker out at once).
+ENGINE_WATCH_INTERVAL_S = 0.1
 
 Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -84,7 +86,12 @@ def _memory_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | 
                 "in_flight": sorted(engine.in_flight), "started_as": engine.started_as,
                 "cache_resets": engine.cache_resets}
 
-    return BuiltEngine(engine, model_path, {"engine_stats": engine_stats})
+    async def kill_engine(body: dict[str, Any]) -> dict[str, Any]:
+        # A fault drill: the engine dies as a killed engine process would; the worker leaves.
+        engine.die(str(body.get("reason") or "killed by the kill_engine control"))
+        return {"in_flight": len(engine.in_flight)}
+
+    return BuiltEngine(engine, model_path, {"engine_stats": engine_stats, "kill_engine": kill_engine})
 
 
 def _vllm_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | None) -> BuiltEngine:
@@ -153,14 +160,34 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
                                   controls={**built.controls, **refit_controls(built.engine, config)})
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
+    watch = None
     try:
-        await start_dynamo_endpoint(
+        serving = start_dynamo_endpoint(
             adapter, model_path=built.model_path,
             served_model_name=_required(config, "served_model_name"),
             namespace=config.get("namespace", "fleet"), engine_env=env,
             enable_kv_routing=bool(config.get("kv_routing", False)))
+        watch = asyncio.ensure_future(_leave_when_engine_dies(built.engine, adapter))
+        await serving
     finally:
+        if watch is not None:
+            watch.cancel()
         await built.engine.close()  # vLLM: stop its engine-core processes now
+    if adapter.dead_reason is not None:  # the worker exits non-zero, naming why
+        raise EngineDead(adapter.dead_reason)
+
+
+async def _leave_when_engine_dies(engine: EnginePort, adapter: Any) -> None:
+    """Once the engine is dead (an idle worker too), leave the fleet at once: refuse every
+    request, then stop as on SIGTERM, so Dynamo takes this worker out of discovery."""
+    while True:
+        reason = engine.dead_reason() or adapter.dead_reason
+        if reason is not None:
+            adapter.engine_died(reason)
+            logger.error("worker: leaving the fleet: %s", reason)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
 
 
 def control_secret(config: Mapping[str, Any]) -> str | None:

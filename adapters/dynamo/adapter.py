@@ -32,7 +32,7 @@ from dynamo.common.backend import (
 )
 from dynamo.common.backend.publisher import ZmqSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
-from rollout_fleet.core.errors import AnnotationError, EngineRejected, InvalidValue
+from rollout_fleet.core.errors import AnnotationError, EngineDead, EngineRejected, InvalidValue
 from rollout_fleet.core.validate import check_int_at_least
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.wire import (
@@ -76,6 +76,7 @@ class DynamoEngineAdapter(LLMEngine):
         self._facts: EngineFacts | None = None
         self._instance_id: int | None = None
         self._closed = False
+        self._dead_reason: str | None = None  # set once the engine died
         # Dynamo's context id -> the request id the engine knows (a rollout's own id).
         self._in_flight: dict[str, str] = {}
         self._offered = offered_keywords(engine)
@@ -124,6 +125,19 @@ class DynamoEngineAdapter(LLMEngine):
     async def kv_event_sources(self) -> list[ZmqSource]:
         return [_zmq_source(source) for source in self.engine.kv_event_sources()]
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why this worker's engine died, once it has."""
+        return self._dead_reason
+
+    def engine_died(self, reason: str) -> None:
+        """The engine is gone: refuse every request from now on (EngineShutdown, which takes
+        this worker out of the frontend's routing); the worker then leaves the fleet."""
+        if self._dead_reason is None:
+            logger.error("engine died: %s", reason)
+        self._dead_reason = reason
+        self._closed = True
+
     async def cleanup(self) -> None:
         # The worker owns the engine and stops it; here only stop taking requests. Idempotent.
         self._closed = True
@@ -131,7 +145,8 @@ class DynamoEngineAdapter(LLMEngine):
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[GenerateChunk]:
         if self._closed:
-            raise EngineShutdown("this worker is shutting down; retry on another worker")
+            why = "its engine died" if self._dead_reason else "it is shutting down"
+            raise EngineShutdown(f"this worker is leaving ({why}); retry on another worker")
         context_id = context.id()
         annotations = (request.get("annotations")
                        or (request.get("extra_args") or {}).get("nvext", {}).get("annotations"))
@@ -143,6 +158,11 @@ class DynamoEngineAdapter(LLMEngine):
                 break
         try:
             chunks = await serve(request, context_id, annotation)
+        except EngineDead as exc:
+            self.engine_died(str(exc))
+            # EngineShutdown: the frontend answers 503 (retried by the driver) and takes this
+            # worker out of its routing at once (checked with Dynamo 1.6.1).
+            raise EngineShutdown(f"this worker's engine died ({exc}); retry on another worker") from None
         except _REQUEST_FAULTS as exc:
             self._counts["rejected"] += 1
             # InvalidArgument is the one Dynamo error whose message reaches the client (a 400).
@@ -151,7 +171,7 @@ class DynamoEngineAdapter(LLMEngine):
             self._counts["failed"] += 1
             logger.warning("engine failed on context %s: %s: %s", context_id, type(exc).__name__, exc)
             # Unknown answers HTTP 500 (the message stays in this log): a 5xx, which the driver
-            # retries; EngineShutdown would take the worker out of rotation.
+            # retries; the worker stays in rotation.
             raise Unknown(f"engine failed: {type(exc).__name__}: {exc}") from None
         finally:
             self._in_flight.pop(context_id, None)
@@ -313,6 +333,7 @@ class DynamoEngineAdapter(LLMEngine):
             "failed": self._counts["failed"],
             "aborted_request_ids": list(self._recent_aborts),
             "instance_id": self._instance_id,
+            "engine_dead": self._dead_reason,
         }
 
 

@@ -17,7 +17,9 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rollout_fleet.core.errors import EngineRejected, InvalidValue, RefitError, WeightMismatch
+from rollout_fleet.core.errors import (
+    EngineDead, EngineRejected, InvalidValue, RefitError, WeightMismatch,
+)
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
     PACKED_PROTOCOL,
@@ -175,6 +177,7 @@ class MemoryEngine(EnginePort, RefitTarget):
         self._receivers: list[WeightReceiver] = []
         self._admitting = asyncio.Event()
         self._admitting.set()
+        self._dead: str | None = None  # why it died (``die``): it serves nothing more
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -185,6 +188,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
                             stop_token_ids: Sequence[int] = ()) -> ServedRollout:
+        self._check_alive()
         self._check_input(prompt_token_ids, max_new_tokens)
         if not is_int(top_logprobs) or not 0 <= top_logprobs <= len(VOCAB):
             raise EngineRejected(f"top_logprobs={top_logprobs!r}: must be an int in 0..{len(VOCAB)}")
@@ -209,6 +213,18 @@ class MemoryEngine(EnginePort, RefitTarget):
 
     def kv_event_sources(self) -> Sequence[KvEventSource]:
         return ()
+
+    def die(self, reason: str = "killed") -> None:
+        """A fault drill: the engine dies as a crashed engine process would. Rollouts in
+        flight fail at their next token, and every later one at once, with ``EngineDead``."""
+        self._dead = f"the memory engine died ({reason})"
+
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
 
     def kv_cache_usage(self) -> float:
         """Blocks the in-flight requests would hold, over the engine's KV capacity (0..1)."""
@@ -309,6 +325,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 await asyncio.sleep(self.token_delay_s)
             elif step % 8 == 0:
                 await asyncio.sleep(0)  # let aborts and other requests in
+            self._check_alive()
             if request_id in self._aborted:
                 finish = FinishReason.ABORT
                 break

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -52,7 +52,8 @@ class DynamoGeneration:
     def __init__(self, config: GenerationConfig, *, frontend_url: str,
                  transport: CompletionsTransport, controls: Sequence[WorkerControl],
                  metrics: Sequence[WorkerMetrics] = (), owned: Sequence[Any] = (),
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None,
+                 lost_workers: Callable[[], Collection[str]] | None = None) -> None:
         if not isinstance(config, GenerationConfig):
             raise InvalidValue("config", type(config).__name__, "must be a GenerationConfig")
         self.config = config
@@ -61,6 +62,7 @@ class DynamoGeneration:
         self._controls = tuple(controls)
         self._metrics = tuple(metrics)
         self._owned = tuple(owned)
+        self._lost_workers = lost_workers  # asked before each refit step: who is gone
         self.is_copy = False
         self._limits = RolloutLimits(config.max_model_len, config.max_new_tokens,
                                      config.stop_strings, config.context_limit_policy,
@@ -172,6 +174,7 @@ class DynamoGeneration:
     def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Flush every worker's prefix/KV cache; WorkerFailures names each worker that failed."""
         self._check_open()
+        self._forget_lost()
         self._helper.run(self.ainvalidate_kv_cache())
         return True
 
@@ -212,7 +215,24 @@ class DynamoGeneration:
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(c.worker_id for c in self._controls)
 
+    def forget_workers(self, worker_ids: Collection[str]) -> tuple[str, ...]:
+        """Leave lost workers out of every later refit, cache flush and metrics sample: the next
+        ``init_collective`` forms the group with the survivors (world size shrinks, ranks are
+        laid out again). A fleet that reports its lost workers has this done before each step."""
+        lost = self._refit.forget_workers(set(worker_ids))
+        if lost:
+            log.warning("leaving out lost worker(s) %s; serving on %s", list(lost),
+                        list(self._refit.worker_ids))
+            self._controls = tuple(c for c in self._controls if c.worker_id not in lost)
+            self._metrics = tuple(m for m in self._metrics if m.worker_id not in lost)
+        return lost
+
+    def _forget_lost(self) -> None:
+        if self._lost_workers is not None:
+            self.forget_workers(self._lost_workers())
+
     def get_inference_world_size(self) -> int:
+        self._forget_lost()
         return len(self._controls) * self.config.ranks_per_worker
 
     def get_collective_sender_spec(self) -> CollectiveSenderSpec:
@@ -265,6 +285,7 @@ class DynamoGeneration:
         future per worker at once, so the trainer can join while they wait (Ray ObjectRefs when
         Ray runs in the driver, else concurrent futures). The world size is checked first."""
         self._check_open()
+        self._forget_lost()
         return self._fleet_refit.init_collective(ip, port, world_size,
                                                  train_world_size=train_world_size)
 
@@ -272,6 +293,7 @@ class DynamoGeneration:
         """NeMo-RL's ``{name: (shape, dtype)}``; every worker refuses unknown names, wrong shapes
         or dtypes before any transfer. Returns the RefitInfo (its order is the wire order)."""
         self._check_open()
+        self._forget_lost()
         return self._fleet_refit.prepare_refit_info(state_dict_info)
 
     def update_weights_from_collective(self, mode: str | None = None) -> list:
@@ -282,11 +304,13 @@ class DynamoGeneration:
         flight would fall further behind than the bound (call it from the trainer's thread,
         not from a loop that runs ``generate_async``)."""
         self._check_open()
+        self._forget_lost()
         return self._fleet_refit.update_weights_from_collective(mode)
 
     def get_weight_versions(self) -> dict[str, int]:
         """Worker id -> the version of the weights it serves (0 = as started, +1 per refit)."""
         self._check_open()
+        self._forget_lost()
         return self._fleet_refit.weight_versions()
 
     def update_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> list:

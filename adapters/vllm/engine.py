@@ -28,7 +28,9 @@ import attrs
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas
-from rollout_fleet.core.errors import EngineError, EngineRejected, InvalidValue, RefitError, WeightMismatch
+from rollout_fleet.core.errors import (
+    EngineDead, EngineError, EngineRejected, InvalidValue, RefitError, WeightMismatch,
+)
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
     PACKED_PROTOCOL,
@@ -119,6 +121,11 @@ class VllmEngine(EnginePort, RefitTarget):
         live = self._live[request_id] = _Live()
         try:
             output = await self._generate(engine, prompt, params, request_id, live)
+        except Exception as error:
+            reason = self.dead_reason()
+            if reason is not None:  # not this request's fault: another worker can serve it
+                raise EngineDead(reason) from error
+            raise
         finally:
             self._live.pop(request_id, None)
         # vLLM labels each step's tokens with the weight version set while it was paused for
@@ -135,6 +142,13 @@ class VllmEngine(EnginePort, RefitTarget):
         live.aborted = True
         if live.admitted:
             await self._engine.abort(request_id)
+
+    def dead_reason(self) -> str | None:
+        """vLLM's engine core is gone (killed, crashed): this engine serves nothing more."""
+        engine = self._engine
+        if engine is None or not engine.errored:
+            return None
+        return f"vLLM's engine core died ({engine.dead_error})"
 
     def kv_event_sources(self) -> Sequence[KvEventSource]:
         if self._engine is None or self.config.kv_events_port is None:
@@ -345,6 +359,8 @@ class VllmEngine(EnginePort, RefitTarget):
             collector = await engine.add_request(
                 request_id, tokens_input(prompt, cache_salt=self._kv_salt), params)
         except Exception as error:  # vLLM's validation: name the cause, keep serving
+            if self.dead_reason() is not None:
+                raise
             raise EngineRejected(f"vLLM refused request {request_id!r}: {error}") from error
         live.admitted = True
         try:

@@ -34,7 +34,7 @@ from tests.support.trust import descendants, open_to_others, secret_leaks
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo, pytest.mark.collective]
 MAX_NEW, MAX_LEN = 12, 64
 CONTROLS = ("init_collective", "prepare_refit_info", "update_weights", "flush_cache",
-            "weight_version", "stats", "engine_stats", "abort_rollout")
+            "weight_version", "stats", "engine_stats", "abort_rollout", "kill_engine")
 NEW_WEIGHTS_SEED = 1
 
 
@@ -56,6 +56,7 @@ def stranger_bodies() -> dict[str, dict]:
         "prepare_refit_info": {"refit_info": {"tensors": []}},
         "update_weights": {}, "flush_cache": {}, "weight_version": {}, "stats": {},
         "engine_stats": {}, "abort_rollout": {"request_id": "rollout-of-another"},
+        "kill_engine": {},
     }
 
 
