@@ -148,7 +148,7 @@ class VllmEngine(EnginePort, RefitTarget):
         engine = self._engine
         if engine is None or not engine.errored:
             return None
-        return f"vLLM's engine core died ({engine.dead_error})"
+        return f"vLLM's engine core died ({type(engine.dead_error).__name__})"
 
     def kv_event_sources(self) -> Sequence[KvEventSource]:
         if self._engine is None or self.config.kv_events_port is None:

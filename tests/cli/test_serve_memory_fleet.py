@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,16 @@ def _generate(tmp_path, fleet_file, prompts, *extra, elsewhere=False):
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+def _generate_lines(tmp_path, fleet_file, prompts):
+    """``generate`` that may fail: (its output lines, the finished command)."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "results.jsonl"
+    result = run_cli("generate", "--fleet-file", fleet_file, "--prompts", path, "--out", out,
+                     "--greedy")
+    return [json.loads(line) for line in out.read_text().splitlines()], result
+
+
 def _token_prompts():
     return [{"prompt_token_ids": p, "id": f"p{i}"} for i, p in enumerate(PROMPTS)]
 
@@ -137,6 +148,28 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
     assert [r["token_ids"] for r in after] == [list(a.token_ids) for a in want_1]
     assert [r["token_ids"] for r in after] != [r["token_ids"] for r in before]
     assert {r["weight_version"] for r in after} == {1}
+
+    # a prompt the engine refuses: every other result is written, one error line for it, exit 2
+    (tmp_path / "e").mkdir()
+    with_a_bad_one = [*_token_prompts()[:2], {"prompt_token_ids": [3, 999], "id": "bad"},
+                      *_token_prompts()[2:]]
+    lines, failed = _generate_lines(tmp_path / "e", fleet_file, with_a_bad_one)
+    assert failed.returncode == 2
+    assert "1 of 5 prompts failed" in failed.stderr and "'bad' (index 2)" in failed.stderr
+    assert [line["id"] for line in lines] == ["p0", "p1", "bad", "p2", "p3"]
+    assert lines[2]["index"] == 2 and "999" in lines[2]["error"] and "token_ids" not in lines[2]
+    assert [line["token_ids"] for line in lines[:2] + lines[3:]] == [list(a.token_ids) for a in want_1]
+
+    # a worker whose engine dies: serve says so in its log, naming the worker and why
+    post = urllib.request.Request(served["control_urls"]["worker-0"] + "/engine/control/kill_engine",
+                                  data=json.dumps({"control_secret": served["secret"]}).encode(),
+                                  headers={"content-type": "application/json"})
+    urllib.request.urlopen(post, timeout=10).read()  # serve shares this test's namespace
+    deadline = time.monotonic() + 30
+    while "worker-0 lost" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "warning: worker-0 lost, out of the frontend's routing: EngineDead: the memory engine " \
+           "died" in log.read_text(), log.read_text()[-3000:]
 
     # Ctrl-C: serve stops the fleet and exits 0; nothing of it is left
     ports = [_port(served["frontend_url"])] + [_port(u) for u in served["control_urls"].values()]

@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
+from rollout_fleet.core.retry import is_transient_status
 from rollout_fleet.wiring.fleet import call_control
 
 
@@ -46,7 +47,8 @@ class RoutingProbe:
                                  "temperature": 0}).encode()
         self._interval_s = interval_s
         self._stop = threading.Event()
-        self.answers: list[tuple[float, int]] = []  # (monotonic time sent, HTTP status or 0)
+        # (monotonic time sent, HTTP status or 0 for no HTTP answer, what came back)
+        self.answers: list[tuple[float, int, str]] = []
         self._thread = threading.Thread(target=self._run, name="routing-probe", daemon=True)
 
     def start(self) -> None:
@@ -68,17 +70,23 @@ class RoutingProbe:
             try:
                 with urllib.request.urlopen(request, timeout=10) as answer:
                     answer.read()
-                    status = answer.status
+                    status, detail = answer.status, ""
             except urllib.error.HTTPError as error:
-                status = error.code
-            except OSError:
-                status = 0
-            self.answers.append((sent, status))
+                status, detail = error.code, error.read()[:200].decode(errors="replace")
+            except OSError as error:  # no HTTP answer: reset, refused, timed out
+                status, detail = 0, f"{type(error).__name__}: {error}"
+            self.answers.append((sent, status, detail))
             self._stop.wait(self._interval_s)
 
-    def refused_after(self, since: float) -> list[tuple[float, int]]:
-        """(seconds after ``since``, status) of every probe sent since then that got no 200."""
-        return [(round(t - since, 3), s) for t, s in self.answers if t >= since and s != 200]
+    def refused_after(self, since: float) -> list[tuple[float, int, str]]:
+        """(seconds after ``since``, status, what came back) of every probe sent since then
+        that got no 200."""
+        return [(round(t - since, 3), s, d) for t, s, d in self.answers if t >= since and s != 200]
 
     def served_after(self, since: float) -> int:
-        return sum(1 for t, s in self.answers if t >= since and s == 200)
+        return sum(1 for t, s, _ in self.answers if t >= since and s == 200)
+
+
+def retryable(status: int) -> bool:
+    """What the driver's retry rule sends again: no HTTP answer (0), 408, 429, any 5xx."""
+    return status == 0 or is_transient_status(status)

@@ -121,3 +121,16 @@ def collective_under_test():
 
 class TestMemoryCollective(CollectiveContract):
     pass
+
+
+def test_a_lost_worker_is_left_out_and_the_survivors_form_the_next_group():
+    group, engines, coordinator = make_fleet(3)
+    assert coordinator.forget_workers({"w1", "not-a-worker"}) == ("w1",)
+    assert coordinator.worker_ids == ("w0", "w2")
+    with pytest.raises(WorldSizeMismatch):  # 1 trainer + 3 workers is no longer the layout
+        coordinator.init_collective_calls("127.0.0.1", 1, 4, 1, SPEC)
+    plan = coordinator.init_collective_plan("127.0.0.1", 1, 3, 1, SPEC)
+    assert [(call.worker_id, call.body["first_rank"]) for call in plan] == [("w0", 1), ("w2", 2)]
+    versions = refit_with(coordinator, group, TinyBigramModel.from_seed(7).state_dict())
+    assert versions == {"w0": 1, "w2": 1}
+    assert [engine.weight_version() for engine in engines] == [1, 0, 1]
