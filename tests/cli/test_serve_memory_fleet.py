@@ -157,7 +157,7 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
     assert failed.returncode == 2
     assert "1 of 5 prompts failed" in failed.stderr and "'bad' (index 2)" in failed.stderr
     assert [line["id"] for line in lines] == ["p0", "p1", "bad", "p2", "p3"]
-    assert lines[2]["index"] == 2 and "999" in lines[2]["error"] and "token_ids" not in lines[2]
+    assert lines[2]["index"] == 2 and "HTTP 400" in lines[2]["error"] and "token_ids" not in lines[2]
     assert [line["token_ids"] for line in lines[:2] + lines[3:]] == [list(a.token_ids) for a in want_1]
 
     # a worker whose engine dies: serve says so in its log, naming the worker and why
