@@ -43,8 +43,10 @@ def test_an_engine_that_dies_mid_batch_leaves_the_fleet_and_the_next_refit_skips
             killed["at"] = time.monotonic()
             answer = await asyncio.to_thread(call_control, fleet.control_urls["worker-0"],
                                              "kill_engine", fleet.secret)
-            probe.start()
             killed["in_flight"] = answer["in_flight"]  # the engine's own count at the kill
+            probe.start()
+            lost = await asyncio.to_thread(wait_until_lost, fleet, "worker-0")
+            killed["lost"], killed["lost_after_s"] = lost, time.monotonic() - killed["at"]
         kill = asyncio.ensure_future(kill_when_busy())
         result = await collect_until_error(generation, data)
         await kill
@@ -53,8 +55,7 @@ def test_an_engine_that_dies_mid_batch_leaves_the_fleet_and_the_next_refit_skips
     try:
         with probe:
             pairs, error = run(batch_with_an_engine_killed())
-            lost = wait_until_lost(fleet, "worker-0")
-            lost_after_s = time.monotonic() - killed["at"]
+            lost, lost_after_s = killed["lost"], killed["lost_after_s"]
             time.sleep(0.5)  # probes after the worker left
         assert killed["in_flight"] > 0, "worker-0's engine held no rollout when it died"
         assert error is None, repr(error)

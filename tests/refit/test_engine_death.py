@@ -50,6 +50,8 @@ def test_a_killed_engine_core_loses_no_rollout_and_the_next_refit_uses_the_survi
             killed["at"], killed["wall"] = time.monotonic(), time.time()
             os.kill(core.pid, signal.SIGKILL)
             probe.start()
+            lost = await asyncio.to_thread(wait_until_lost, fleet, "worker-0")
+            killed["lost"], killed["lost_after_s"] = lost, time.monotonic() - killed["at"]
         kill = asyncio.ensure_future(kill_when_busy())
         try:
             return await collect(generation, batch_of(batch), greedy=True)
@@ -61,8 +63,7 @@ def test_a_killed_engine_core_loses_no_rollout_and_the_next_refit_uses_the_survi
             started = time.monotonic()
             pairs = asyncio.run(batch_with_the_core_killed())
             batch_s = time.monotonic() - started
-            lost = wait_until_lost(fleet, "worker-0")
-            lost_after_s = time.monotonic() - killed["at"]
+            lost, lost_after_s = killed["lost"], killed["lost_after_s"]
             time.sleep(0.5)  # probes after the worker left
         assert killed["in_flight"] > 0
         assert not core.is_running(), "the engine core outlived its SIGKILL"
