@@ -14,8 +14,10 @@ from rollout_fleet.core.errors import (
 )
 from rollout_fleet.core.validate import finite_at_least, positive_int
 
-# 408 timeout, 429 load shed; 5xx are matched by range below.
-_TRANSIENT_4XX = frozenset({408, 429})
+# 408 timeout, 429 load shed; 5xx are matched by range below. 499 ("client closed request"):
+# a client that reads the answer did not close it, so the server cancelled the request (Dynamo's
+# frontend answers it when a worker stops under a request); nothing was served, send it again.
+_TRANSIENT_4XX = frozenset({408, 429, 499})
 
 
 def is_transient_status(status: int) -> bool:
@@ -23,7 +25,8 @@ def is_transient_status(status: int) -> bool:
 
 
 def is_transient(error: BaseException) -> bool:
-    """Transport failures, unreadable bodies, HTTP 408/429/5xx; never other 4xx or semantic errors."""
+    """Transport failures, unreadable bodies, HTTP 408/429/499/5xx; never other 4xx or semantic
+    errors."""
     if isinstance(error, (TransportError, UnreadableBody)):
         return True
     if isinstance(error, HttpStatusError):

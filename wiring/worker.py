@@ -39,6 +39,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ FAILURE_MARK = "rollout-fleet worker failed: "
 BIND_HOST_ENV = "ROLLOUT_FLEET_BIND_HOST"
 # How often a worker checks that its engine is alive (a dead one takes the worker out at once).
 ENGINE_WATCH_INTERVAL_S = 0.1
+# How long a worker whose engine died waits for its last answers to leave before it stops.
+ANSWERS_FLUSH_S = 2.0
 
 Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -183,8 +186,11 @@ async def _leave_when_engine_dies(engine: EnginePort, adapter: Any) -> None:
     while True:
         reason = engine.dead_reason() or adapter.dead_reason
         if reason is not None:
-            adapter.engine_died(reason)
+            adapter.engine_died(reason)  # every request it held is answered 503 now
             logger.error("worker: leaving the fleet: %s", reason)
+            deadline = time.monotonic() + ANSWERS_FLUSH_S
+            while adapter.requests_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # let those answers leave before Dynamo stops
             os.kill(os.getpid(), signal.SIGTERM)
             return
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)

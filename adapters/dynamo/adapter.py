@@ -77,6 +77,8 @@ class DynamoEngineAdapter(LLMEngine):
         self._instance_id: int | None = None
         self._closed = False
         self._dead_reason: str | None = None  # set once the engine died
+        # Dynamo's context id -> the task serving it (cancelled if the engine dies under it).
+        self._serving: dict[str, asyncio.Task | None] = {}
         # Dynamo's context id -> the request id the engine knows (a rollout's own id).
         self._in_flight: dict[str, str] = {}
         self._offered = offered_keywords(engine)
@@ -132,11 +134,21 @@ class DynamoEngineAdapter(LLMEngine):
 
     def engine_died(self, reason: str) -> None:
         """The engine is gone: refuse every request from now on (EngineShutdown, which takes
-        this worker out of the frontend's routing); the worker then leaves the fleet."""
+        this worker out of the frontend's routing), and answer those still waiting on the dead
+        engine the same way now, not when the worker's shutdown cancels them (a 499 then);
+        the worker then leaves the fleet."""
         if self._dead_reason is None:
             logger.error("engine died: %s", reason)
         self._dead_reason = reason
         self._closed = True
+        for task in self._serving.values():
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests this adapter is serving now (rollouts and plain completions)."""
+        return len(self._serving)
 
     async def cleanup(self) -> None:
         # The worker owns the engine and stops it; here only stop taking requests. Idempotent.
@@ -156,8 +168,15 @@ class DynamoEngineAdapter(LLMEngine):
             if found is not None:
                 serve, annotation = kind, found
                 break
+        self._serving[context_id] = asyncio.current_task()
         try:
             chunks = await serve(request, context_id, annotation)
+        except asyncio.CancelledError:
+            if self._dead_reason is None:
+                raise  # the client went away, or the worker is stopping
+            # Cut off by engine_died: answer it as retryable before the worker goes.
+            raise EngineShutdown(f"this worker's engine died ({self._dead_reason}); retry on "
+                                 "another worker") from None
         except EngineDead as exc:
             self.engine_died(str(exc))
             # EngineShutdown: the frontend answers 503 (retried by the driver) and takes this
@@ -175,6 +194,7 @@ class DynamoEngineAdapter(LLMEngine):
             raise Unknown(f"engine failed: {type(exc).__name__}: {exc}") from None
         finally:
             self._in_flight.pop(context_id, None)
+            self._serving.pop(context_id, None)
         self._counts["served"] += 1
         self._counts["generated_tokens"] += sum(
             c.get("completion_usage", {}).get("completion_tokens", 0) for c in chunks[-1:])

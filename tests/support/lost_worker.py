@@ -88,5 +88,5 @@ class RoutingProbe:
 
 
 def retryable(status: int) -> bool:
-    """What the driver's retry rule sends again: no HTTP answer (0), 408, 429, any 5xx."""
+    """What the driver's retry rule sends again: no HTTP answer (0), 408, 429, 499, any 5xx."""
     return status == 0 or is_transient_status(status)

@@ -11,6 +11,7 @@ from rollout_fleet.core.retry import RetryPolicy, is_transient
     (UnreadableBody("cut"), True),
     (HttpStatusError(408), True),
     (HttpStatusError(429), True),
+    (HttpStatusError(499), True),  # cancelled by the server: the reading client did not close it
     (HttpStatusError(500), True),
     (HttpStatusError(503), True),
     (HttpStatusError(599), True),
