@@ -1,5 +1,6 @@
-"""Suite-wide: no shared-memory segment that a process of this test run used is left in
-/dev/shm when the run ends (vLLM's queues, ~160-240 MiB each, are the ones that leak)."""
+"""Suite-wide: no file in /dev/shm that a process of this test run mapped or held open is left
+when the run ends (vLLM's queues, psm_*, ~160-240 MiB each, are the ones that leak; staging
+files and named semaphores would be caught the same way)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ _SCAN_EVERY_S = 2.0
 @pytest.fixture(scope="session", autouse=True)
 def _no_shared_memory_left_behind():
     # Record only: what the fleet and the engines remove themselves is what is checked.
-    tracker = SharedMemoryTracker(os.getpid(), remove_unused=False)
+    tracker = SharedMemoryTracker(os.getpid(), remove_unused=False, prefix="")
     done = threading.Event()
 
     def watch() -> None:
