@@ -6,7 +6,11 @@ reports it lost, and the next refit forms its group with the survivor alone."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -95,3 +99,32 @@ def test_an_engine_that_dies_mid_batch_leaves_the_fleet_and_the_next_refit_skips
                 answers[index].token_ids)
     finally:
         generation.shutdown()
+
+
+def test_a_rollout_waiting_on_a_dead_engine_is_answered_503(start_fleet):
+    """The engine dies while a rollout waits on it (here: in a 60 s pause between tokens, so the
+    engine itself never gets back to it): the worker answers it 503, which the driver retries,
+    before it leaves; not a hang until the client gives up."""
+    fleet = start_fleet(workers=1, token_delay_s=60.0)
+    body = json.dumps({"model": "mem", "prompt": [3, 4], "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"{fleet.frontend_url}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    answer: dict = {}
+
+    def ask():
+        try:
+            urllib.request.urlopen(request, timeout=30).read()
+            answer["status"] = 200
+        except urllib.error.HTTPError as error:
+            answer["status"] = error.code
+        except OSError as error:  # no answer within 30 s: it waited on the dead engine
+            answer["status"] = repr(error)
+
+    waiting = threading.Thread(target=ask)
+    waiting.start()
+    wait_for_in_flight(fleet, "worker-0")
+    call_control(fleet.control_urls["worker-0"], "kill_engine", fleet.secret)
+    waiting.join(60)
+    assert answer == {"status": 503}
+    lost = wait_until_lost(fleet, "worker-0")
+    assert "memory engine died" in lost["worker-0"], lost
