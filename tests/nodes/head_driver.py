@@ -88,8 +88,9 @@ def _answer(data, index: int, sample) -> dict:
             "versions": sorted(set(sample["weight_versions"][0, start:start + length].tolist()))}
 
 
-def _refit(fleet, generation) -> dict[str, int]:
-    """The seed-1 weights from a trainer rank 0 here on the head, to every worker over gloo."""
+def _refit(fleet, generation, seed: int = 1) -> dict[str, int]:
+    """The ``seed`` model's weights from a trainer rank 0 here on the head, to every worker the
+    driver knows (the live ones) over gloo."""
     import ray
     import torch
 
@@ -99,7 +100,7 @@ def _refit(fleet, generation) -> dict[str, int]:
     from rollout_fleet.adapters.shared import free_port
 
     state = {name: torch.tensor(matrix, dtype=torch.float32)
-             for name, matrix in TinyBigramModel.from_seed(1).state_dict().items()}
+             for name, matrix in TinyBigramModel.from_seed(seed).state_dict().items()}
     info = generation.prepare_refit_info({t.name: (t.shape, t.dtype)
                                           for t in refit_info_of(state).tensors})
     host = fleet.config.bind_host  # the trainer's end of the group: the head's cluster address
@@ -154,6 +155,10 @@ def _lose_node(fleet, generation, netns: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported for the test to judge
         seen["invalidate_after"] = f"{type(exc).__name__}: {exc}"
     seen["workers_after"] = list(generation.worker_ids)
+    # The next refit forms its group with the survivor alone (world size 2) and succeeds.
+    seen["world_size_after"] = 1 + generation.get_inference_world_size()
+    seen["refit_after"] = _refit(fleet, generation, seed=2)
+    seen["after_refit"] = _rollouts(generation)
     return seen
 
 

@@ -111,7 +111,7 @@ def test_a_lost_node_mid_batch_loses_and_repeats_no_rollout_and_is_reported(run)
     its worker holds rollouts: each rollout of the batch still comes back once, equal to the
     engine's answer (those cut off are retried on the surviving node), and the fleet names the
     lost worker; the driver leaves it out of the cache flush after it, which reaches the
-    survivor."""
+    survivor, and the next refit forms its group with the survivor alone."""
     report, layout, *_ = run
     lost = report["lost_node"]
     victim = next(w for w in report["workers"] if w["name"] == lost["worker"])
@@ -126,6 +126,10 @@ def test_a_lost_node_mid_batch_loses_and_repeats_no_rollout_and_is_reported(run)
     # The fleet's driver leaves the lost worker out of later steps: the flush reaches the survivor.
     assert lost["invalidate_after"] == "ok"
     assert lost["workers_after"] == [w["name"] for w in report["workers"] if w["name"] != lost["worker"]]
+    # The refit after the loss: a group of the trainer and the survivor, the survivor on v2.
+    assert lost["world_size_after"] == 2
+    assert lost["refit_after"] == {name: 2 for name in lost["workers_after"]}
+    _check(lost["after_refit"], prompts, seed=2)
 
 
 def _check(served: dict, prompts, *, seed: int) -> None:
