@@ -23,9 +23,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.dynamo]
 
 
 def engine_core_of(worker_pid: int) -> int:
-    """The worker's vLLM engine core: the descendant whose title names it."""
-    cores = [pid for pid in descendants(worker_pid) if "EngineCore" in _cmdline(pid)]
-    assert len(cores) == 1, [_cmdline(pid) for pid in descendants(worker_pid)]
+    """The worker's vLLM engine core: the child of the worker's process that runs vLLM's model
+    worker below it (its title, VLLM::EngineCore, was missing in some runs)."""
+    import psutil
+
+    children = psutil.Process(worker_pid).children()
+    cores = [c.pid for c in children if c.children() and "resource_tracker" not in _cmdline(c.pid)]
+    assert len(cores) == 1, [(c.name(), _cmdline(c.pid)) for c in children]
     return cores[0]
 
 
