@@ -17,20 +17,10 @@ from rollout_fleet.wiring.config import parse_config
 from rollout_fleet.wiring.fleet import Fleet
 from tests.fleet.helpers import _cmdline, assert_nothing_left, fleet_ports, own_children_before
 from tests.support.net import listening_sockets
+from tests.support.engine_core import engine_core_of
 from tests.support.trust import descendants, open_to_others, secret_leaks, shm_segments_of
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.dynamo]
-
-
-def engine_core_of(worker_pid: int) -> int:
-    """The worker's vLLM engine core: the child of the worker's process that runs vLLM's model
-    worker below it (its title, VLLM::EngineCore, was missing in some runs)."""
-    import psutil
-
-    children = psutil.Process(worker_pid).children()
-    cores = [c.pid for c in children if c.children() and "resource_tracker" not in _cmdline(c.pid)]
-    assert len(cores) == 1, [(c.name(), _cmdline(c.pid)) for c in children]
-    return cores[0]
 
 
 def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
@@ -51,7 +41,7 @@ def test_a_vllm_fleet_keeps_its_secret_listens_on_loopback_and_leaves_no_shm_que
         pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
         ports = fleet_ports(fleet)
         pids = descendants(os.getpid())
-        cores = {w.name: engine_core_of(w.pid) for w in fleet.workers}
+        cores = {w.name: engine_core_of(w.pid).pid for w in fleet.workers}
         listeners = listening_sockets(pids)
         print("\n".join(f"{s.address}:{s.port} {_cmdline(s.pid)[:100]}" for s in listeners))
         assert [s for s in listeners if not s.is_loopback] == []

@@ -10,7 +10,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -21,24 +20,9 @@ from tests.refit.test_refit_fleet import LOGPROB_TOLERANCE, assert_serves, batch
 from tests.support.lost_worker import (
     RoutingProbe, retryable, wait_for_in_flight, wait_until_lost,
 )
+from tests.support.engine_core import engine_core_of
 
 COPIES = 2  # the 128 reference prompts, twice: 256 rollouts
-
-
-def engine_core_of(worker_pid: int) -> psutil.Process:
-    """The vLLM engine-core process under a worker's host process (its title names it; the
-    kernel's short name is cut at 15 characters)."""
-    children = psutil.Process(worker_pid).children(recursive=True)
-    cores = [p for p in children if "EngineCor" in _title(p)]
-    assert len(cores) == 1, f"worker {worker_pid}: {[(p.pid, _title(p)) for p in children]}"
-    return cores[0]
-
-
-def _title(process: psutil.Process) -> str:
-    try:
-        return " ".join(process.cmdline()) or process.name()
-    except psutil.Error:
-        return "(gone)"
 
 
 def test_a_killed_engine_core_loses_no_rollout_and_the_next_refit_uses_the_survivor(
