@@ -47,6 +47,7 @@ def main(config_path: str, out_path: str, lost_netns: str) -> int:
                 **{w.name: w.pid for w in fleet.workers}}
         report["listeners"] = {name: listeners_of_processes([pid]) for name, pid in pids.items()}
 
+        report["strangers"] = _stranger_controls(fleet)
         generation = fleet.generation()
         try:
             report["before"] = _rollouts(generation)
@@ -64,6 +65,37 @@ def main(config_path: str, out_path: str, lost_netns: str) -> int:
         fleet.shutdown()
     Path(out_path).write_text(json.dumps(report))
     return 0
+
+
+def _stranger_controls(fleet) -> dict[str, dict[str, str]]:
+    """Each worker's answer, from this node (another node than the worker's), to controls sent
+    without the secret and with a wrong one: {worker: {control/secret: answer}}."""
+    from rollout_fleet.wiring.fleet import call_control
+
+    answers: dict[str, dict[str, str]] = {}
+    for name, url in fleet.control_urls.items():
+        seen = answers[name] = {}
+        for control in ("flush_cache", "weight_version", "update_weights"):
+            for label, secret in (("none", None), ("wrong", "not-" + fleet.secret)):
+                try:
+                    if secret is None:
+                        seen[f"{control}/{label}"] = _post_without_secret(url, control)
+                    else:
+                        call_control(url, control, secret, timeout_s=10)
+                        seen[f"{control}/{label}"] = "ok"
+                except ValueError as refused:  # the worker's own answer, status error
+                    seen[f"{control}/{label}"] = str(refused)
+    return answers
+
+
+def _post_without_secret(control_url: str, control: str) -> str:
+    import urllib.request
+
+    request = urllib.request.Request(f"{control_url}/engine/control/{control}", data=b"{}",
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        data = json.loads(answer.read())
+    return "ok" if data.get("status") == "ok" else str(data)
 
 
 def _rollouts(generation, into: list | None = None) -> dict[int, dict]:

@@ -98,6 +98,17 @@ def test_a_refit_over_gloo_across_the_bridge_loads_the_new_weights_on_both_nodes
         [r["tokens"] for r in report["before"].values()]
 
 
+def test_controls_from_another_node_without_the_secret_are_refused(run):
+    """The driver's node asks each worker (on its own node) for controls with no secret and a
+    wrong one: every answer is a refusal, and the later refit and flush (with the secret) work."""
+    report, *_ = run
+    assert set(report["strangers"]) == {"worker-0", "worker-1"}
+    for worker, answers in report["strangers"].items():
+        assert len(answers) == 6
+        for call, answer in answers.items():
+            assert answer != "ok" and "refused" in answer, (worker, call, answer)
+
+
 def test_cache_invalidation_reaches_the_worker_on_each_node(run):
     report, *_ = run
     assert report["invalidated"] is True
