@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import os
 
+from tests.support.net import socket_inodes
+
 _ESTABLISHED = "01"
 
 
 def my_connections_to(port: int) -> int:
     """ESTABLISHED IPv4/IPv6 sockets held by this process whose remote port is ``port``."""
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            mine.add(target[len("socket:["):-1])
+    mine = socket_inodes(os.getpid())
     # Counted by inode: the kernel emits /proc/net/tcp in chunks while the table changes, so
     # one socket can be listed twice in a single read.
     counted = set()

@@ -14,6 +14,7 @@ from tests.driver.conftest import check_sample, collect, engine_answers, mixed_b
 from tests.fleet.helpers import (
     assert_nothing_left, fleet_ports, non_loopback_fleet_listeners, own_children_before,
 )
+from tests.support.lost_worker import wait_for_in_flight
 from tests.support.net import listening_sockets
 from tests.support.trust import descendants, open_to_others, secret_leaks
 
@@ -125,7 +126,7 @@ def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing():
 
         async def run_batch():
             async def killer():
-                in_flight_at_kill.append(await asyncio.to_thread(_wait_for_in_flight, fleet, "worker-0"))
+                in_flight_at_kill.append(await asyncio.to_thread(wait_for_in_flight, fleet, "worker-0"))
                 await asyncio.to_thread(fleet.kill_worker, "worker-0")
             kill = asyncio.ensure_future(killer())
             try:
@@ -148,17 +149,3 @@ def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing():
         generation.shutdown()
     finally:
         fleet.shutdown()
-
-
-def _wait_for_in_flight(fleet, name: str, timeout_s: float = 30.0) -> int:
-    """How many rollouts worker ``name`` itself holds, once it holds one."""
-    import time
-
-    from rollout_fleet.wiring.fleet import call_control
-
-    url, deadline = fleet.control_urls[name], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        in_flight = call_control(url, "stats", fleet.secret)["in_flight"]
-        if in_flight > 0:
-            return in_flight
-    raise AssertionError(f"{name} held no rollout within {timeout_s:.0f} s")

@@ -47,7 +47,7 @@ def listening_sockets(pids: Iterable[int]) -> list[Listener]:
     """Every TCP socket in LISTEN state that one of ``pids`` holds (IPv4 and IPv6)."""
     inode_to_pid = {}
     for pid in pids:
-        for inode in _socket_inodes(pid):
+        for inode in socket_inodes(pid):
             inode_to_pid[inode] = pid
     listeners = []
     for table, parse in (("/proc/net/tcp", _ipv4), ("/proc/net/tcp6", _ipv6)):
@@ -62,7 +62,8 @@ def non_loopback_listeners(pids: Iterable[int]) -> list[Listener]:
     return [s for s in listening_sockets(pids) if not s.is_loopback]
 
 
-def _socket_inodes(pid: int) -> set[str]:
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of every socket that process ``pid`` holds open (empty when it is gone)."""
     inodes = set()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")

@@ -29,6 +29,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tests.support.net import socket_inodes
+
 SUBNET = "10.77.0"
 WORKER_RESOURCE = "rollout_worker"  # offered by each worker node: one fleet worker per node
 BRIDGE = "rfbr0"
@@ -310,25 +312,9 @@ def listeners_of_processes(pids: Sequence[int]) -> list[tuple[str, int]]:
     from the process's own network namespace (they may be on different nodes)."""
     found = set()
     for pid in pids:
-        inodes = _socket_inodes(pid)
+        inodes = socket_inodes(pid)
         found |= {(a, p) for a, p, inode in _listen_rows(pid) if inode in inodes}
     return sorted(found)
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    return inodes
 
 
 def _listen_rows(pid: int) -> list[tuple[str, int, str]]:
