@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from rollout_fleet.wiring.netns import in_private_netns
 from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env, run_cli
 from tests.driver.conftest import engine_answers
+from tests.support.lost_worker import kill_memory_engine
 from tests.support.processes import leftover_processes, stop_child
 
 MAX_MODEL_LEN, MAX_NEW = 128, 12
@@ -161,10 +161,7 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
     assert [line["token_ids"] for line in lines[:2] + lines[3:]] == [list(a.token_ids) for a in want_1]
 
     # a worker whose engine dies: serve says so in its log, naming the worker and why
-    post = urllib.request.Request(served["control_urls"]["worker-0"] + "/engine/control/kill_engine",
-                                  data=json.dumps({"control_secret": served["secret"]}).encode(),
-                                  headers={"content-type": "application/json"})
-    urllib.request.urlopen(post, timeout=10).read()  # serve shares this test's namespace
+    kill_memory_engine(served["control_urls"]["worker-0"], served["secret"])  # same namespace
     deadline = time.monotonic() + 30
     while "worker-0 lost" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)

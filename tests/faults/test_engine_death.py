@@ -19,11 +19,10 @@ from rollout_fleet.adapters.collective import TrainerRefitSession
 from rollout_fleet.adapters.memory.engine import TinyBigramModel
 from rollout_fleet.adapters.shared import free_port
 from rollout_fleet.core.retry import RetryPolicy
-from rollout_fleet.wiring.fleet import call_control
-from tests.driver.conftest import check_sample, engine_answers
+from tests.driver.conftest import engine_answers
 from tests.faults.conftest import check_batch_exactly_once, collect_until_error, mixed_batch, run
 from tests.support.lost_worker import (
-    RoutingProbe, retryable, wait_for_in_flight, wait_until_lost,
+    RoutingProbe, kill_memory_engine, retryable, wait_for_in_flight, wait_until_lost,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo, pytest.mark.collective]
@@ -43,11 +42,10 @@ def test_an_engine_that_dies_mid_batch_leaves_the_fleet_and_the_next_refit_skips
 
     async def batch_with_an_engine_killed():
         async def kill_when_busy():
-            await asyncio.to_thread(wait_for_in_flight, fleet, "worker-0")
+            # the worker's own count of rollouts in flight, read just before the kill
+            killed["in_flight"] = await asyncio.to_thread(wait_for_in_flight, fleet, "worker-0")
             killed["at"] = time.monotonic()
-            answer = await asyncio.to_thread(call_control, fleet.control_urls["worker-0"],
-                                             "kill_engine", fleet.secret)
-            killed["in_flight"] = answer["in_flight"]  # the engine's own count at the kill
+            await asyncio.to_thread(kill_memory_engine, fleet.control_urls["worker-0"], fleet.secret)
             probe.start()
             lost = await asyncio.to_thread(wait_until_lost, fleet, "worker-0")
             killed["lost"], killed["lost_after_s"] = lost, time.monotonic() - killed["at"]
@@ -123,7 +121,7 @@ def test_a_rollout_waiting_on_a_dead_engine_is_answered_503(start_fleet):
     waiting = threading.Thread(target=ask)
     waiting.start()
     wait_for_in_flight(fleet, "worker-0")
-    call_control(fleet.control_urls["worker-0"], "kill_engine", fleet.secret)
+    kill_memory_engine(fleet.control_urls["worker-0"], fleet.secret)
     waiting.join(60)
     assert answer == {"status": 503}
     lost = wait_until_lost(fleet, "worker-0")

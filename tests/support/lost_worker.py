@@ -90,3 +90,18 @@ class RoutingProbe:
 def retryable(status: int) -> bool:
     """What the driver's retry rule sends again: no HTTP answer (0), 408, 429, 499, any 5xx."""
     return status == 0 or is_transient_status(status)
+
+
+def kill_memory_engine(control_url: str, secret: str) -> None:
+    """The memory engine's fault drill (its ``kill_engine`` control). The worker notices its dead
+    engine within 0.1 s and starts to leave; when that wins the race with the control's own
+    answer, Dynamo answers the control with its shutting-down refusal instead: the drill took
+    effect either way. Any other answer is a failure."""
+    try:
+        call_control(control_url, "kill_engine", secret, timeout_s=10)
+    except ValueError as refused:
+        if "while the worker is shutting down" not in str(refused):
+            raise
+    except urllib.error.HTTPError as refused:
+        if refused.code < 500:
+            raise
