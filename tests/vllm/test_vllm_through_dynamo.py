@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from pathlib import Path
 from typing import Any
@@ -292,7 +293,9 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
         uncut[len(through_frontend(vllm_fleet, request).token_ids)] = request
     longest = max(uncut)
     assert longest >= 200, f"no prompt ran 200 greedy tokens: {sorted(uncut)}"
+    started = time.monotonic()
     whole = through_frontend(vllm_fleet, uncut[longest])
+    whole_s = time.monotonic() - started
     control = HttpWorkerControl("w0", f"http://127.0.0.1:{_system_port(vllm_fleet)}", secret="")
 
     async def cut_then_continue(request, delay_s):
@@ -301,19 +304,26 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
         await asyncio.sleep(delay_s)
         holders = await abort_everywhere([control], request.request_id)
         partial = await rollout
-        if partial.finish_reason is not FinishReason.ABORT or not partial.token_ids:
-            return None  # the cut missed (too late, or before the first token): try another
-        return holders, partial, await client.continue_rollout(request, partial)
+        if partial.finish_reason is not FinishReason.ABORT:
+            return "late", None
+        if not partial.token_ids:
+            return "early", None
+        return "mid-way", (holders, partial, await client.continue_rollout(request, partial))
 
-    # A 400-token rollout of the tiny model takes well under a second here: cut it after a
-    # few delays until one lands mid-way.
-    for attempt, delay_s in enumerate((0.3, 0.15, 0.08, 0.04, 0.02, 0.01, 0.005)):
+    # How long the rollout takes depends on the machine's load: search the delay between one
+    # that cut before the first token and one that came after the end, until a cut lands mid-way.
+    early_s, late_s, delay_s, misses = 0.0, None, whole_s / 2, []
+    for attempt in range(12):
         request = attrs.evolve(uncut[longest], request_id=f"fe-cut-{attempt}")
-        outcome = asyncio.run(cut_then_continue(request, delay_s))
+        landed, outcome = asyncio.run(cut_then_continue(request, delay_s))
         if outcome is not None:
             break
+        misses.append(f"{landed} at {delay_s * 1000:.1f} ms")
+        early_s, late_s = (delay_s, late_s) if landed == "early" else (early_s, delay_s)
+        delay_s = (early_s + late_s) / 2 if late_s is not None else max(2 * delay_s, 0.01)
     else:
-        pytest.fail("no abort landed mid-way")
+        pytest.fail(f"no abort landed mid-way (the uncut rollout took {whole_s * 1000:.0f} ms): "
+                    + ", ".join(misses))
     holders, partial, joined = outcome
     assert holders == ["w0"]
     assert 0 < len(partial.token_ids) < len(whole.token_ids)
