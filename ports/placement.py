@@ -1,16 +1,18 @@
 """Placement port: reserve resources for workers, start each worker's process, stop them.
 
-Adapters: Ray (adapters/ray: a placement group, one bundle and supervising actor per worker,
-on one node or a cluster) and local processes (adapters/local: children of this process on
-this machine). ``rollout_fleet.ports.contracts.placement`` checks both.
+Adapters: Ray (adapters/ray: a placement group per launch, one bundle and supervising actor
+per worker, on one node or a cluster) and local processes (adapters/local: children of this
+process on this machine). ``rollout_fleet.ports.contracts.placement`` checks both.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
+
+from rollout_fleet.core.errors import InvalidValue
 
 
 @attrs.frozen
@@ -52,7 +54,13 @@ class WorkerHandle:
 class Placement(ABC):
     @abstractmethod
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
-        """Reserve one slot per worker and start each; return handles in the same order."""
+        """Reserve one slot per worker and start each; return handles in the same order.
+
+        May be called again to add workers (a replacement for a lost one, or more of them):
+        those placed before keep running, and the new handles' ``index`` continues after the
+        workers placed so far. Names are unique across calls: a launch naming a worker this
+        placement already has is refused (before anything starts) with an error naming it.
+        """
 
     @abstractmethod
     def alive(self) -> Mapping[str, bool]:
@@ -69,3 +77,16 @@ class Placement(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Stop every worker and release the reservation; safe to repeat."""
+
+
+def refuse_taken_names(launches: Sequence[WorkerLaunch], taken: Collection[str]) -> None:
+    """Raise InvalidValue naming the first name in ``launches`` that is in ``taken`` (the
+    placement's workers) or named twice in ``launches``."""
+    named = set()
+    for launch in launches:
+        if launch.name in taken:
+            raise InvalidValue("WorkerLaunch.name", launch.name, "a worker of this placement has "
+                               f"it already (workers: {sorted(taken)})")
+        if launch.name in named:
+            raise InvalidValue("WorkerLaunch.name", launch.name, "named twice in one launch")
+        named.add(launch.name)

@@ -11,7 +11,8 @@ from rollout_fleet.adapters.shared import free_port, stop_process_group
 from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_stdin, signal_group
 from rollout_fleet.adapters.shared.shm import SegmentWatch
 from rollout_fleet.core.errors import RolloutFleetError
-from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
+from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
+                                           refuse_taken_names)
 
 
 class LocalPlacement(Placement):
@@ -27,21 +28,21 @@ class LocalPlacement(Placement):
     def __init__(self, *, bind_host: str = "127.0.0.1", stop_grace_s: float = 15.0) -> None:
         self._bind_host = bind_host
         self._stop_grace_s = stop_grace_s
-        self._processes: dict[str, subprocess.Popen] = {}
+        self._processes: dict[str, subprocess.Popen] = {}  # every worker placed, in order
+        self._ports_given: set[int] = set()
         self._segments = SegmentWatch()
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
-        names = [launch.name for launch in launches]
-        if len(set(names)) != len(names) or set(names) & set(self._processes):
-            raise RolloutFleetError(f"worker names must be unique: {names}")
-        handles, taken = [], set()
-        for index, launch in enumerate(launches):
+        refuse_taken_names(launches, self._processes)
+        handles = []
+        for launch in launches:
+            index = len(self._processes)  # continues after the workers of earlier launches
             ports = {}
             for variable in launch.port_env:
                 port = free_port(self._bind_host)
-                while port in taken:
+                while port in self._ports_given:  # given to a worker that may not bind it yet
                     port = free_port(self._bind_host)
-                taken.add(port)
+                self._ports_given.add(port)
                 ports[variable] = port
             env = {**os.environ, **launch.env, **{k: str(v) for k, v in ports.items()}}
             if launch.host_env:
@@ -84,6 +85,7 @@ class LocalPlacement(Placement):
             self._segments.release(name)
         self._segments.close()
         self._processes.clear()
+        self._ports_given.clear()
 
     def _process(self, name: str) -> subprocess.Popen:
         try:

@@ -10,7 +10,8 @@ from typing import Any
 from rollout_fleet.adapters.ray.sealed import seal
 from rollout_fleet.adapters.ray.supervisor import ProcessSupervisor
 from rollout_fleet.core.errors import RolloutFleetError
-from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
+from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
+                                           refuse_taken_names)
 
 
 class PlacementError(RolloutFleetError):
@@ -18,7 +19,7 @@ class PlacementError(RolloutFleetError):
 
 
 class RayPlacement(Placement):
-    """Places workers with Ray.
+    """Places workers with Ray: each launch reserves a placement group of its own.
 
     ``address=None`` starts a private local Ray instance (stopped again by ``stop``); an address
     joins an existing cluster, which is left running (this process disconnects at ``stop``).
@@ -41,30 +42,24 @@ class RayPlacement(Placement):
         self._ready_timeout_s = ready_timeout_s
         self._started_ray = False
         self._joined_ray = False
-        self._group = None
+        self._groups: list[Any] = []  # one placement group per launch
         self._actors: dict[str, Any] = {}
         self._handles: dict[str, WorkerHandle] = {}
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        refuse_taken_names(launches, self._actors)
         self._init_ray(len(launches))
-        self._group = placement_group([dict(self._bundle) for _ in launches], strategy=self._strategy)
-        try:
-            ray.get(self._group.ready(), timeout=self._ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise PlacementError(
-                f"Ray could not reserve {len(launches)} bundles of {self._bundle} within "
-                f"{self._ready_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}") from None
+        group = self._reserve(len(launches))
         supervisor = ray.remote(ProcessSupervisor)
         handles = []
-        for index, launch in enumerate(launches):
+        for bundle_index, launch in enumerate(launches):
             actor = supervisor.options(
                 name=None, num_cpus=self._bundle.get("CPU", 0), num_gpus=self._bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._group, placement_group_bundle_index=index),
+                    placement_group=group, placement_group_bundle_index=bundle_index),
             ).remote()
             self._actors[launch.name] = actor
             # Sealed for this actor's own key: no Ray object holds the secret itself.
@@ -74,11 +69,31 @@ class RayPlacement(Placement):
             started = ray.get(actor.start.remote(launch.argv, dict(launch.env), launch.log_path,
                                                  launch.port_env, bind_host, sealed,
                                                  launch.host_env))
-            handle = WorkerHandle(index, launch.name, started["pid"], started["node_ip"],
-                                  started["ports"], launch.log_path, started["node_id"])
+            # index continues after the workers of earlier launches
+            handle = WorkerHandle(len(self._handles), launch.name, started["pid"],
+                                  started["node_ip"], started["ports"], launch.log_path,
+                                  started["node_id"])
             self._handles[launch.name] = handle
             handles.append(handle)
         return handles
+
+    def _reserve(self, count: int) -> Any:
+        """A placement group of ``count`` bundles, ready; one per launch (groups are fixed-size)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group([dict(self._bundle) for _ in range(count)], strategy=self._strategy)
+        try:
+            ray.get(group.ready(), timeout=self._ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)  # a pending group would take resources as they free
+            raise PlacementError(
+                f"Ray could not reserve {count} bundles of {self._bundle} within "
+                f"{self._ready_timeout_s:.0f} s ({len(self._actors)} workers already placed keep "
+                f"running); available: {ray.available_resources()}, cluster: "
+                f"{ray.cluster_resources()}") from None
+        self._groups.append(group)
+        return group
 
     def alive(self) -> Mapping[str, bool]:
         import ray
@@ -103,6 +118,7 @@ class RayPlacement(Placement):
 
     def stop(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
             self._kill_by_pid(list(self._handles))
@@ -117,11 +133,9 @@ class RayPlacement(Placement):
         self._kill_by_pid(unstopped)
         self._actors.clear()
         self._handles.clear()
-        if self._group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self._group)
-            self._group = None
+        for group in self._groups:
+            remove_placement_group(group)
+        self._groups.clear()
         if self._started_ray or self._joined_ray:
             ray.shutdown()  # a joined cluster keeps running; this process leaves it
             self._started_ray = self._joined_ray = False

@@ -12,7 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from rollout_fleet.ports.placement import Placement, WorkerLaunch
+import pytest
+
+from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 
 # A worker that proves what it was given: it binds its port and prints it with its mark.
 _WORKER = """
@@ -50,6 +53,14 @@ def _launch(tmp_path: Path, name: str) -> WorkerLaunch:
     return WorkerLaunch(name=name, argv=(sys.executable, "-c", _WORKER),
                         env={"CONTRACT_MARK": f"mark-of-{name}"},
                         log_path=str(tmp_path / f"{name}.log"), port_env=("CONTRACT_PORT",))
+
+
+def _assert_listening(handle: WorkerHandle) -> None:
+    """The worker bound the port its handle names and logged its own mark."""
+    log = Path(handle.log_path)
+    want = f"listening {handle.ports['CONTRACT_PORT']} mark-of-{handle.name}"
+    assert _wait(lambda: log.exists() and want in log.read_text()), \
+        f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
 
 
 def _wait(condition, timeout_s: float = 60.0) -> bool:
@@ -160,3 +171,41 @@ class PlacementContract:
         (w0,) = placement.launch([_launch(tmp_path, "w0")])
         assert _wait(lambda: _state(w0.pid) is not None)
         assert os.getpgid(w0.pid) == w0.pid
+
+    def test_a_later_launch_adds_a_worker_beside_the_running_ones(
+            self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        (w0,) = placement.launch([_launch(tmp_path, "w0")])
+        _assert_listening(w0)
+        (w1,) = placement.launch([_launch(tmp_path, "w1")])
+        assert (w1.index, w1.name) == (1, "w1")
+        assert w1.ports["CONTRACT_PORT"] != w0.ports["CONTRACT_PORT"] and w1.log_path != w0.log_path
+        _assert_listening(w1)
+        assert placement.alive() == {"w0": True, "w1": True}
+        placement.kill("w1")
+        assert _wait(lambda: placement.alive() == {"w0": True, "w1": False}), placement.alive()
+        assert _gone(w1.pid) and not _gone(w0.pid)
+
+    def test_stop_ends_the_workers_of_every_launch(self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        first = placement.launch([_launch(tmp_path, "w0")])
+        added = placement.launch([_launch(tmp_path, "w1"), _launch(tmp_path, "w2")])
+        assert [(h.index, h.name) for h in added] == [(1, "w1"), (2, "w2")]
+        handles = [*first, *added]
+        assert _wait(lambda: all(_state(h.pid) is not None for h in handles))
+        placement.stop()
+        assert _wait(lambda: all(_gone(h.pid) for h in handles)), \
+            {h.name: _state(h.pid) for h in handles}
+
+    def test_a_name_taken_by_an_earlier_launch_is_refused_and_the_placement_keeps_working(
+            self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        (w0,) = placement.launch([_launch(tmp_path, "w0")])
+        with pytest.raises(RolloutFleetError, match=r"\bw0\b"):
+            placement.launch([_launch(tmp_path, "w1"), _launch(tmp_path, "w0")])
+        assert placement.alive() == {"w0": True}  # nothing of the refused launch started
+        (w1,) = placement.launch([_launch(tmp_path, "w1")])
+        assert (w1.index, w1.name) == (1, "w1")
+        _assert_listening(w0)
+        _assert_listening(w1)
+        assert placement.alive() == {"w0": True, "w1": True}

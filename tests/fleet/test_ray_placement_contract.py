@@ -1,10 +1,14 @@
 """The Ray placement (a placement group, a supervising actor per worker) passes the placement
 contract, on a local Ray cluster shared by the module's tests."""
 
+import sys
+
 import pytest
 
 from rollout_fleet.adapters.ray import RayPlacement
+from rollout_fleet.adapters.ray.placement import PlacementError
 from rollout_fleet.ports.contracts.placement import PlacementContract
+from rollout_fleet.ports.placement import WorkerLaunch
 
 pytestmark = pytest.mark.ray
 
@@ -28,3 +32,27 @@ def placement_under_test(ray_cluster):
 
 class TestRayPlacement(PlacementContract):
     pass
+
+
+def _sleeper(tmp_path, name: str) -> WorkerLaunch:
+    return WorkerLaunch(name=name, argv=(sys.executable, "-c", "import time; time.sleep(600)"),
+                        log_path=str(tmp_path / f"{name}.log"))
+
+
+def test_a_launch_that_cannot_reserve_leaves_the_placed_workers_running(ray_cluster, tmp_path):
+    placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=3)  # the cluster has 4 CPUs
+    try:
+        placement.launch([_sleeper(tmp_path, "w0")])
+        with pytest.raises(PlacementError, match=r"could not reserve 4 bundles"):
+            placement.launch([_sleeper(tmp_path, f"more{i}") for i in range(4)])
+        assert placement.alive() == {"w0": True}
+        from ray.util import placement_group_table
+
+        states = [group["state"] for group in placement_group_table().values()]
+        assert "PENDING" not in states, states  # the refused one waits for nothing
+        # The 3 CPUs left take 3 more workers.
+        added = placement.launch([_sleeper(tmp_path, f"w{i}") for i in (1, 2, 3)])
+        assert [(h.index, h.name) for h in added] == [(1, "w1"), (2, "w2"), (3, "w3")]
+        assert placement.alive() == {f"w{i}": True for i in range(4)}
+    finally:
+        placement.stop()
