@@ -45,6 +45,16 @@ def refit_mode(value: Any, field: str = "mode") -> str:
     return value
 
 
+def next_version(current: int, wanted: Any = None, field: str = "weight_version") -> int:
+    """The weight version after a refit: ``wanted`` (the fleet's, for a worker that joined
+    late), else ``current + 1``. Versions only go up: anything else is refused."""
+    if wanted is None:
+        return current + 1
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted <= current:
+        raise InvalidValue(field, wanted, f"must be an int above this engine's version {current}")
+    return wanted
+
+
 def dtype_name(dtype: Any) -> str:
     """``torch.float32`` / ``"torch.float32"`` / ``"float32"`` -> ``"float32"``; refuses unknown names."""
     try:

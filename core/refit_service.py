@@ -29,6 +29,7 @@ from rollout_fleet.core.refit import (
     GroupJoin,
     RankLayout,
     RefitInfo,
+    next_version,
     refit_mode,
 )
 
@@ -64,6 +65,11 @@ class RefitCoordinator:
         self._controls = list(controls)
         self._ranks_per_worker = ranks_per_worker
         self.timeout_s = timeout_s
+        self._group: tuple[str, ...] | None = None  # who the last init_collective asked to join
+        self._newcomers: set[str] = set()  # joined the fleet, no refit loaded on them yet
+        # Whether every worker is known to serve the same version (after an update through
+        # here); until then the next update asks them and sets all to the newest + 1.
+        self._versions_aligned = False
 
     @property
     def control_timeout_s(self) -> float:
@@ -80,7 +86,27 @@ class RefitCoordinator:
         survivors alone (world size and rank layout recomputed). Returns those left out."""
         lost = tuple(c.worker_id for c in self._controls if c.worker_id in worker_ids)
         self._controls = [c for c in self._controls if c.worker_id not in worker_ids]
+        self._newcomers -= set(lost)
         return lost
+
+    def add_workers(self, controls: Sequence[Any]) -> tuple[str, ...]:
+        """Workers that joined the running fleet: the next group is formed with them too, and
+        the next update sets every worker to the fleet's next version. Returns their ids."""
+        known = set(self.worker_ids)
+        added = [c for c in controls if c.worker_id not in known]
+        ids = [c.worker_id for c in added]
+        if len(set(ids)) != len(ids):
+            raise InvalidValue("workers", ids, "worker ids must be unique")
+        self._controls.extend(added)
+        self._newcomers.update(ids)
+        if ids:
+            self._versions_aligned = False
+        return tuple(ids)
+
+    @property
+    def newcomers(self) -> tuple[str, ...]:
+        """Workers added since the last successful update (they serve only after one)."""
+        return tuple(w for w in self.worker_ids if w in self._newcomers)
 
     def layout(self, train_world_size: int) -> RankLayout:
         return RankLayout(train_world_size, len(self._controls), self._ranks_per_worker)
@@ -91,6 +117,7 @@ class RefitCoordinator:
         engine ranks join at ``T + i*E + j``; the worker picks the backend (gloo or NCCL)."""
         layout = self.layout(train_world_size)
         layout.check_world_size(world_size)
+        self._group = self.worker_ids
         calls = []
         for index, control in enumerate(self._controls):
             join = GroupJoin(host=host, port=port, world_size=world_size,
@@ -101,9 +128,42 @@ class RefitCoordinator:
             calls.append(ControlCall(control, "init_collective", join.to_wire()))
         return calls
 
-    def update_weights_plan(self, mode: str | None = None) -> list[ControlCall]:
-        body = {} if mode is None else {"mode": refit_mode(mode)}
+    def update_weights_plan(self, mode: str | None = None, *,
+                            weight_version: int | None = None) -> list[ControlCall]:
+        """One call per worker. ``weight_version``: what every worker is set to (needed once
+        workers joined: theirs started at 0). Refused when the fleet changed since the group
+        was formed: the trainer forms it again first."""
+        self.check_group_current()
+        body: dict[str, Any] = {} if mode is None else {"mode": refit_mode(mode)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
         return [ControlCall(control, "update_weights", body) for control in self._controls]
+
+    def check_group_current(self) -> None:
+        if self._group is None or self._group == self.worker_ids:
+            return
+        joined = [w for w in self.worker_ids if w not in self._group]
+        left = [w for w in self._group if w not in self.worker_ids]
+        raise RefitError(f"the fleet changed since init_collective (joined: {joined}, left: "
+                         f"{left}): call init_collective again, with the inference world size "
+                         f"of {len(self._controls) * self._ranks_per_worker}")
+
+    async def next_weight_version(self) -> int | None:
+        """The version every worker takes at the next update: one above the newest any of them
+        serves, so a worker that joined late (at 0) catches up. Asked of the workers while
+        their versions may differ (before the first update through here, after a join);
+        None once they are known to agree (each adds one)."""
+        if self._versions_aligned:
+            return None
+        versions = await self.weight_versions()
+        return max(versions.values()) + 1 if versions else None
+
+    def updated(self, succeeded: bool = True) -> None:
+        """The last update ended. Succeeded: every worker loaded it, at one version, and the
+        newcomers are established. Failed: some may have loaded it, so versions may differ."""
+        if succeeded:
+            self._newcomers.clear()
+        self._versions_aligned = succeeded
 
     def init_collective_calls(self, *args: Any) -> list[Awaitable[Mapping[str, Any]]]:
         return [run_control_call(c, self.control_timeout_s) for c in self.init_collective_plan(*args)]
@@ -112,9 +172,14 @@ class RefitCoordinator:
         """Every worker receives and loads; WorkerFailures names each one that did not.
         ``mode`` (drain, keep, recompute; drain when None) says what happens to the rollouts
         in flight (core/refit.py)."""
-        answers = await gather_workers("update_weights", {
-            c.worker_id: run_control_call(c, self.control_timeout_s)
-            for c in self.update_weights_plan(mode)})
+        plan = self.update_weights_plan(mode, weight_version=await self.next_weight_version())
+        try:
+            answers = await gather_workers("update_weights", {
+                c.worker_id: run_control_call(c, self.control_timeout_s) for c in plan})
+        except BaseException:
+            self.updated(False)
+            raise
+        self.updated()
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
 
     async def prepare_refit_info(self, info: RefitInfo) -> None:
@@ -185,10 +250,13 @@ class WorkerRefit:
             raise RefitError("update_weights before init_collective on this worker")
         if self._info is None:
             raise RefitError("update_weights before prepare_refit_info on this worker")
-        mode = refit_mode(body.get("mode") if isinstance(body, Mapping) else None)
+        body = body if isinstance(body, Mapping) else {}
+        mode = refit_mode(body.get("mode"))
+        wanted = body.get("weight_version")
+        next_version(self._target.weight_version(), wanted)  # refuse before any transfer
         async with self._lock:
             started = time.perf_counter()
-            version = await self._target.update_weights(self._info, mode=mode)
+            version = await self._target.update_weights(self._info, mode=mode, version=wanted)
         return {"weight_version": version, "seconds": round(time.perf_counter() - started, 6)}
 
     async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:

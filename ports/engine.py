@@ -39,9 +39,11 @@ class RefitTarget(ABC):
         join's timeout."""
 
     @abstractmethod
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE) -> int:
+    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+                             version: int | None = None) -> int:
         """Receive every tensor of ``info`` from the trainer and load it, reset the prefix
-        cache, and return the new weight version. ``mode`` (``core.refit.REFIT_MODES``) says
+        cache, and return the new weight version: ``version`` when given (a worker that joined
+        late takes the fleet's version), else the previous one + 1. ``mode`` (``core.refit.REFIT_MODES``) says
         what happens to rollouts in flight: drained first, kept (continuing on the new weights
         with their old KV), or kept with their KV recomputed under the new weights. A transfer that fails leaves the engine on
         consistent weights (its previous ones) or refusing rollouts until a refit succeeds,
@@ -49,7 +51,7 @@ class RefitTarget(ABC):
 
     @abstractmethod
     def weight_version(self) -> int:
-        """0 for the weights the engine started with; +1 per successful refit."""
+        """0 for the weights the engine started with; then what the last successful refit set."""
 
     @abstractmethod
     async def reset_cache(self) -> None:

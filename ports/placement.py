@@ -29,6 +29,10 @@ class WorkerLaunch:
 
     ``host_env`` names a variable that must hold the address the worker binds its servers to:
     the placement's bind address, or the node's own cluster address when workers bind per node.
+
+    ``in_place_of`` names a lost worker of this placement whose reservation this one takes (a
+    replacement needs no new resources); refused while that worker still runs. The lost one
+    stays reported, as not alive.
     """
 
     name: str
@@ -38,6 +42,7 @@ class WorkerLaunch:
     port_env: tuple[str, ...] = ()
     secret: str | None = attrs.field(default=None, repr=False)
     host_env: str = ""
+    in_place_of: str = ""
 
 
 @attrs.frozen
@@ -90,3 +95,25 @@ def refuse_taken_names(launches: Sequence[WorkerLaunch], taken: Collection[str])
         if launch.name in named:
             raise InvalidValue("WorkerLaunch.name", launch.name, "named twice in one launch")
         named.add(launch.name)
+
+
+def refuse_live_places(launches: Sequence[WorkerLaunch], alive: Mapping[str, bool],
+                       replaced: Collection[str] = ()) -> None:
+    """Raise InvalidValue naming the first ``in_place_of`` that is no lost worker of the
+    placement (``alive``: its workers), was ``replaced`` already, or that two launches name."""
+    taken = set(replaced)
+    for launch in launches:
+        place = launch.in_place_of
+        if not place:
+            continue
+        if place not in alive:
+            why = "is no worker of this placement"
+        elif alive[place]:
+            why = "still runs"
+        elif place in taken:
+            why = "has a replacement already"
+        else:
+            taken.add(place)
+            continue
+        raise InvalidValue("WorkerLaunch.in_place_of", place,
+                           f"must name a lost worker of this placement, once: it {why}")

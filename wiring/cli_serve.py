@@ -51,7 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 print(f"control {name}: {url}/engine/control/<name>")
             print(f"fleet file: {fleet_file}")
             print("serving; Ctrl-C or SIGTERM stops the fleet", flush=True)
-            _serve_until(stop, fleet)
+            _serve_until(stop, fleet, fleet_file)
         finally:
             fleet_file.unlink(missing_ok=True)
             fleet.shutdown()
@@ -98,15 +98,28 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 _serving = threading.Event()
-_WATCH_INTERVAL_S = 1.0  # how often `serve` looks for lost workers
+_WATCH_INTERVAL_S = 1.0  # how often `serve` looks for lost and joined workers
 
 
-def _serve_until(stop: threading.Event, fleet) -> None:
+def _serve_until(stop: threading.Event, fleet, fleet_file: Path) -> None:
+    """Report each lost worker and each that joined (``replace_lost_workers``); the fleet file
+    lists the live workers."""
+    from rollout_fleet.wiring.fleet_file import FleetFile
+
     _serving.set()
     reported: set[str] = set()
+    known = set(fleet.control_urls)
     while not stop.wait(_WATCH_INTERVAL_S):
-        for name, reason in sorted(fleet.lost_workers().items()):
-            if name not in reported:
-                print(f"warning: {name} lost, out of the frontend's routing: {reason}",
-                      file=sys.stderr, flush=True)
-                reported.add(name)
+        lost = fleet.lost_workers()
+        newly_lost = sorted(set(lost) - reported)
+        for name in newly_lost:
+            print(f"warning: {name} lost, out of the frontend's routing: {lost[name]}",
+                  file=sys.stderr, flush=True)
+        reported.update(newly_lost)
+        joined = sorted({e.worker_id for e in fleet.endpoints(live_only=True)} - known)
+        for name in joined:
+            print(f"warning: {name} joined; it serves once the next refit has loaded the "
+                  f"current weights on it", file=sys.stderr, flush=True)
+        known.update(joined)
+        if newly_lost or joined:
+            FleetFile.of_fleet(fleet).write(fleet_file)

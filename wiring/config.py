@@ -94,6 +94,10 @@ class FleetConfig(_Strict):
     max_model_len: int = Field(512, ge=2)
     stop_strings: list[str] = Field(default_factory=list, max_length=32)
     context_limit_policy: Literal["reject", "empty"] = "reject"
+    replace_lost_workers: bool = Field(
+        False, strict=True, description="start a replacement for each worker that is lost; it "
+        "joins the refit group at the trainer's next init_collective and serves once the next "
+        "update has loaded the current weights on it")
     retry: RetrySection = RetrySection()
     timeouts: TimeoutSection = TimeoutSection()
     refit: RefitSection = RefitSection()

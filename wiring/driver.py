@@ -21,7 +21,7 @@ from rollout_fleet.adapters.http import (
     LoopClients,
 )
 from rollout_fleet.adapters.http.transport import check_base_url
-from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig
+from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig, JoinedWorker
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit_service import RefitCoordinator, WorkerRefit
@@ -40,22 +40,35 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
                      workers: Sequence[WorkerEndpoint], control_secret: str,
                      http: HttpSettings | None = None, owned: Sequence = (),
                      clock: Clock | None = None,
-                     lost_workers: Callable[[], Collection[str]] | None = None) -> DynamoGeneration:
+                     lost_workers: Callable[[], Collection[str]] | None = None,
+                     joined_workers: Callable[[], Sequence[WorkerEndpoint]] | None = None,
+                     ) -> DynamoGeneration:
     """A driver over an existing frontend and workers; the pool holds one connection per
-    allowed in-flight rollout unless ``http`` says otherwise."""
+    allowed in-flight rollout unless ``http`` says otherwise. ``lost_workers`` and
+    ``joined_workers`` (the fleet's workers now) are asked before each refit step."""
     workers = tuple(workers)
     ids = [w.worker_id for w in workers]
     if len(set(ids)) != len(ids):
         raise InvalidValue("workers", ids, "worker ids must be unique")
     clients = LoopClients(http or HttpSettings(max_in_flight=generation.max_concurrency))
+
+    def reach(worker: WorkerEndpoint) -> JoinedWorker:
+        return JoinedWorker(
+            HttpWorkerControl(worker.worker_id, worker.system_url, secret=control_secret,
+                              clients=clients),
+            HttpWorkerMetrics(worker.worker_id, worker.system_url, clients=clients))
+
+    def joined(known: Collection[str]) -> list[JoinedWorker]:
+        return [reach(w) for w in joined_workers() if w.worker_id not in known]
+
+    reached = [reach(w) for w in workers]
     return DynamoGeneration(
         generation,
         frontend_url=check_base_url("frontend_url", frontend_url),
         transport=HttpCompletionsTransport(frontend_url, clients=clients),
-        controls=[HttpWorkerControl(w.worker_id, w.system_url, secret=control_secret, clients=clients)
-                  for w in workers],
-        metrics=[HttpWorkerMetrics(w.worker_id, w.system_url, clients=clients) for w in workers],
-        owned=owned, clock=clock, lost_workers=lost_workers)
+        controls=[w.control for w in reached], metrics=[w.metrics for w in reached],
+        owned=owned, clock=clock, lost_workers=lost_workers,
+        joined_workers=None if joined_workers is None else joined)
 
 
 @attrs.frozen

@@ -30,6 +30,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -41,7 +42,7 @@ from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.shared import free_port, read_tail
-from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import ConfigError, FleetConfig, port_in_use
 from rollout_fleet.wiring.netns import in_private_netns
@@ -56,6 +57,8 @@ SYSTEM_PORT = "DYN_SYSTEM_PORT"  # each worker's system server: health, controls
 # The frontend lists the model once ONE worker registered; the others' registrations reach it
 # through the discovery folder within about 0.6 s (FACTS.md).
 _DISCOVERY_SETTLE_S = 1.5
+_WATCH_S = 1.0  # how often the fleet looks for lost workers
+_REPLACE_BACKOFF_MAX_S = 60.0
 
 
 class FleetStartError(RolloutFleetError):
@@ -88,6 +91,15 @@ class Fleet:
     _discovery_env: dict[str, str] = attrs.field(factory=dict)
     _stopped: bool = False
     _own_run_dir: tempfile.TemporaryDirectory | None = None
+    # Guards the worker lists below: a replacement may be added from the watcher's thread.
+    _workers_lock: threading.Lock = attrs.field(factory=threading.Lock)
+    _replaced: set[str] = attrs.field(factory=set)  # lost workers a replacement was started for
+    _slots: dict[str, int] = attrs.field(factory=dict)  # worker -> its share of this host's cores
+    _starting: set[str] = attrs.field(factory=set)  # added workers not registered yet
+    _instances: dict[str, int] = attrs.field(factory=dict)  # worker -> its Dynamo instance id
+    _forgotten: set[str] = attrs.field(factory=set)  # lost workers taken out of discovery
+    _stopping: threading.Event = attrs.field(factory=threading.Event)
+    _watcher: threading.Thread | None = None
 
     # -- start ---------------------------------------------------------------------------------
     @classmethod
@@ -110,6 +122,7 @@ class Fleet:
         self._discovery_env = self._start_discovery()
         self.workers = list(self.placement.launch([self._launch(i)
                                                    for i in range(self.config.num_workers)]))
+        self._slots = {w.name: i for i, w in enumerate(self.workers)}
         port = self.config.frontend_port or free_port(self.config.bind_host)
         self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=self._frontend_env(),
                                        host=self.config.bind_host)
@@ -121,6 +134,9 @@ class Fleet:
                                      timeout_s=max(1.0, deadline - time.monotonic()))
         if len(self.workers) > 1:
             time.sleep(_DISCOVERY_SETTLE_S)
+        self._watcher = threading.Thread(target=self._watch_workers, name="fleet-watcher",
+                                         daemon=True)
+        self._watcher.start()
 
     def _model_folder(self) -> str:
         engine = self.config.engine
@@ -155,8 +171,12 @@ class Fleet:
     def _frontend_env(self) -> dict[str, str]:
         return {"DYN_ROUTER_MODE": self.config.router, **self._discovery_env, **self.config.env}
 
-    def worker_config(self, index: int) -> dict[str, Any]:
-        """What worker ``index`` is told (python -m rollout_fleet.wiring.worker --config)."""
+    def worker_config(self, index: int, *, joins_running: bool = False,
+                      slot: int | None = None) -> dict[str, Any]:
+        """What worker ``index`` is told (python -m rollout_fleet.wiring.worker --config).
+        ``joins_running``: it joins a fleet that may have been refit, so it serves only after
+        its first refit. ``slot``: whose share of this host's cores it takes (a replacement
+        takes the lost worker's)."""
         engine = dict(self.config.engine)
         if self.config.device == "gpu" and engine.get("kind") == "vllm":
             engine.setdefault("device", "cuda")
@@ -165,7 +185,8 @@ class Fleet:
             # Left alone, every vLLM engine on this host binds its model threads to the same
             # core and the workers take turns; each gets cores of its own instead.
             engine.setdefault("cpu_cores", cores_for_worker(
-                sorted(os.sched_getaffinity(0)), self.config.num_workers, index))
+                sorted(os.sched_getaffinity(0)), self.config.num_workers,
+                (index if slot is None else slot) % self.config.num_workers))
         kv_routing = self.config.router == "kv"
         if kv_routing and engine.get("kind") == "vllm":
             engine.setdefault("kv_events_port", free_port(self.config.bind_host))
@@ -175,31 +196,109 @@ class Fleet:
             "namespace": "fleet", "served_model_name": self.config.served_model_name,
             "model_path": self.model_path or None,
             "worker_id": worker_name(index), "env": {**self._discovery_env, **self.config.env},
+            "hold_until_refit": joins_running,
         }
 
-    def _launch(self, index: int) -> WorkerLaunch:
+    def _launch(self, index: int, *, joins_running: bool = False, slot: int | None = None,
+                in_place_of: str = "") -> WorkerLaunch:
         name = worker_name(index)
-        config_path = write_private(self.run_dir / f"{name}.json",
-                                    json.dumps(self.worker_config(index), indent=1))
+        config = self.worker_config(index, joins_running=joins_running, slot=slot)
+        config_path = write_private(self.run_dir / f"{name}.json", json.dumps(config, indent=1))
         env = {**dynamo_env(self.run_dir), **self._discovery_env, **self.config.env,
                "PYTHONUNBUFFERED": "1"}
         return WorkerLaunch(name=name, argv=(sys.executable, "-m", "rollout_fleet.wiring.worker",
                                              "--config", str(config_path), "--control-secret-stdin"),
                             env=env, log_path=str(self.run_dir / f"{name}.log"),
-                            port_env=(SYSTEM_PORT,), secret=self.secret, host_env=BIND_HOST_ENV)
+                            port_env=(SYSTEM_PORT,), secret=self.secret, host_env=BIND_HOST_ENV,
+                            in_place_of=in_place_of)
 
     def _wait_worker_ready(self, worker: WorkerHandle, deadline: float) -> None:
         url = self.control_url(worker)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stopping.is_set():
             if not self.placement.alive().get(worker.name, False):
                 raise FleetStartError(f"{worker.name} exited while starting: "
                                       f"{worker_failure(worker.log_path)} (log {worker.log_path})")
             if _health_ready(url):
+                self._instances[worker.name] = call_control(url, "stats", self.secret)["instance_id"]
                 return
             time.sleep(0.25)
         raise FleetStartError(f"{worker.name} was not ready at {url} within "
                               f"{self.config.timeouts.start_s:.0f} s (log {worker.log_path}):\n"
                               f"{read_tail(worker.log_path)}")
+
+    # -- joining a running fleet -----------------------------------------------------------------
+    def add_worker(self, *, replacing: str | None = None) -> WorkerHandle:
+        """Start one more worker (``replacing``: in place of that lost worker, in its
+        reservation and on its share of the cores) and wait until it is registered. It serves nothing yet: drivers from
+        ``generation()`` take it into the refit group at the trainer's next ``init_collective``
+        and it serves once the next update has loaded the current weights on it."""
+        with self._workers_lock:
+            if replacing is not None and replacing not in self._slots:
+                raise InvalidValue("replacing", replacing, f"no such worker; the fleet has "
+                                   f"{sorted(self._slots)}")
+            index = len(self._slots)  # every name ever used counts: names are never reused
+            slot = self._slots[replacing] if replacing is not None else index
+            self._slots[worker_name(index)] = slot
+            self._starting.add(worker_name(index))  # neither lost nor live until registered
+            if replacing is not None:
+                self._replaced.add(replacing)
+        try:  # the placement may wait for resources: nothing else waits for it meanwhile
+            worker, = self.placement.launch([self._launch(index, joins_running=True, slot=slot,
+                                                          in_place_of=replacing or "")])
+        except BaseException:
+            self._replaced.discard(replacing)  # a later round tries again
+            self._starting.discard(worker_name(index))
+            raise
+        with self._workers_lock:
+            self.workers.append(worker)
+        try:
+            self._wait_worker_ready(worker, time.monotonic() + self.config.timeouts.start_s)
+        except BaseException:
+            self.placement.kill(worker.name)  # stopped: it counts as lost, not as starting
+            raise
+        finally:
+            self._starting.discard(worker.name)
+        logger.warning("%s joined the fleet%s; it serves after its first refit", worker.name,
+                       f" in place of {replacing}" if replacing else "")
+        return worker
+
+    def replace_lost_workers(self) -> list[WorkerHandle]:
+        """A replacement for every lost worker that has none yet (see ``add_worker``)."""
+        waiting = [name for name in self.dead_workers() if name not in self._replaced]
+        return [self.add_worker(replacing=name) for name in waiting]
+
+    def _watch_workers(self) -> None:
+        """Every second: take each newly lost worker out of Dynamo's discovery, and (with
+        ``replace_lost_workers = true``) start its replacement. A replacement that fails to
+        start is lost too: the next try waits longer each time."""
+        next_replacement = 0.0
+        backoff_s = _WATCH_S
+        while not self._stopping.wait(_WATCH_S):
+            try:
+                self._forget_lost_in_discovery()
+                if self.config.replace_lost_workers and time.monotonic() >= next_replacement:
+                    self.replace_lost_workers()
+                    backoff_s = _WATCH_S
+            except Exception:  # noqa: BLE001 - logged; the next round tries again
+                if self._stopping.is_set():
+                    return
+                backoff_s = min(2 * backoff_s, _REPLACE_BACKOFF_MAX_S)
+                next_replacement = time.monotonic() + backoff_s
+                logger.exception("watching the workers failed; next replacement try in %.0f s",
+                                 backoff_s)
+
+    def _forget_lost_in_discovery(self) -> None:
+        """The frontend drops a lost worker at once, not when its registration expires."""
+        from rollout_fleet.adapters.dynamo.discovery import forget_instance
+
+        for name in self.dead_workers():
+            if name in self._forgotten or name not in self._instances:
+                continue
+            self._forgotten.add(name)
+            etcd = self._discovery_env.get("ETCD_ENDPOINTS", "").split(",")[0] or None
+            if forget_instance(self._instances[name], etcd_endpoint=etcd,
+                               file_kv=None if etcd else self.run_dir / "discovery"):
+                logger.warning("%s is lost: taken out of discovery", name)
 
     # -- running -------------------------------------------------------------------------------
     @property
@@ -216,12 +315,16 @@ class Fleet:
 
     @property
     def control_urls(self) -> dict[str, str]:
-        return {w.name: self.control_url(w) for w in self.workers}
+        with self._workers_lock:
+            return {w.name: self.control_url(w) for w in self.workers}
 
-    def endpoints(self) -> list["WorkerEndpoint"]:
+    def endpoints(self, *, live_only: bool = False) -> list["WorkerEndpoint"]:
+        """Every worker's endpoint; ``live_only``: those registered and not lost."""
         from rollout_fleet.wiring.driver import WorkerEndpoint
 
-        return [WorkerEndpoint(name, url) for name, url in self.control_urls.items()]
+        left_out = (set(self.dead_workers()) | self._starting) if live_only else set()
+        return [WorkerEndpoint(name, url) for name, url in self.control_urls.items()
+                if name not in left_out]
 
     def generation(self, *, frontend_url: str | None = None, http: "HttpSettings | None" = None,
                    **overrides: Any) -> "DynamoGeneration":
@@ -245,17 +348,25 @@ class Fleet:
                                 frontend_url=frontend_url or self.frontend_url,
                                 workers=self.endpoints(), control_secret=self.secret,
                                 http=http or http_settings(c, settings["max_concurrency"]),
-                                lost_workers=self.dead_workers)
+                                lost_workers=self.dead_workers,
+                                joined_workers=lambda: self.endpoints(live_only=True))
 
     def dead_workers(self) -> list[str]:
-        return sorted(name for name, alive in self.placement.alive().items() if not alive)
+        """The workers that are gone (one still starting is not among them)."""
+        return sorted(name for name, alive in self.placement.alive().items()
+                      if not alive and name not in self._starting)
 
     def lost_workers(self) -> dict[str, str]:
         """Every worker that is gone, with why: its own last word (``engine died: ...``) when
         it left by itself, else that it exited. A worker whose engine dies leaves the
         frontend's routing at once and exits; a driver from ``generation()`` refits without it."""
         logs = {w.name: w.log_path for w in self.workers}
-        return {name: exit_reason(logs[name]) for name in self.dead_workers()}
+        return {name: exit_reason(logs.get(name, "")) for name in self.dead_workers()}
+
+    @property
+    def instance_ids(self) -> dict[str, int]:
+        """Worker -> its instance id in Dynamo's discovery (each registered worker)."""
+        return dict(self._instances)
 
     def process_groups(self) -> list[int]:
         """The process group of every worker and of the frontend (each leads its own)."""
@@ -300,6 +411,9 @@ class Fleet:
         if self._stopped:
             return
         self._stopped = True
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.config.timeouts.shutdown_s)
         for stop in (self._stop_frontend, self._stop_workers, self._stop_etcd):
             try:
                 stop()

@@ -43,10 +43,11 @@ class FleetFile:
     @classmethod
     def of_fleet(cls, fleet: Any) -> "FleetFile":
         config = fleet.config
-        processes = {w.name: w.pid for w in fleet.workers}
+        live = {e.worker_id: e.system_url for e in fleet.endpoints(live_only=True)}
+        processes = {w.name: w.pid for w in fleet.workers if w.name in live}
         if fleet.frontend is not None and fleet.frontend.process is not None:
             processes["frontend"] = fleet.frontend.process.pid
-        return cls(frontend_url=fleet.frontend_url, control_urls=dict(fleet.control_urls),
+        return cls(frontend_url=fleet.frontend_url, control_urls=live,
                    secret=fleet.secret, netns_pid=os.getpid(),
                    served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                    max_new_tokens=config.max_new_tokens, buffer_bytes=config.refit.buffer_bytes,
@@ -55,13 +56,16 @@ class FleetFile:
                    processes=processes)
 
     def write(self, path: str | Path) -> Path:
-        """Write the file readable by its owner only (it carries the control secret)."""
+        """Write the file readable by its owner only (it carries the control secret); a reader
+        sees the old file or the new one, never half of one."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        partial = path.with_name(path.name + ".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)  # an existing file keeps its old mode otherwise
         with os.fdopen(fd, "w") as out:
             json.dump(attrs.asdict(self), out, indent=1)
+        os.replace(partial, path)
         return path
 
     @classmethod

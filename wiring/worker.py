@@ -158,9 +158,15 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
     from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, start_dynamo_endpoint
 
     secret = control_secret(config)
+    held = hold_until_refit(config)
     built = build_engine(config)
-    adapter = DynamoEngineAdapter(built.engine, control_secret=secret,
-                                  controls={**built.controls, **refit_controls(built.engine, config)})
+    refit = refit_controls(built.engine, config)
+    if held and not refit:
+        await built.engine.close()
+        raise InvalidValue("hold_until_refit", held, "this worker's engine cannot be refit, "
+                           "so nothing would ever end the hold")
+    adapter = DynamoEngineAdapter(built.engine, control_secret=secret, hold_until_refit=held,
+                                  controls={**built.controls, **refit})
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
     watch = None
@@ -215,6 +221,15 @@ def control_secret(config: Mapping[str, Any]) -> str | None:
     return secret
 
 
+def hold_until_refit(config: Mapping[str, Any]) -> bool:
+    """A worker that joins a running fleet (a replacement, or one more) serves only after its
+    first refit has loaded the fleet's current weights."""
+    held = config.get("hold_until_refit", False)
+    if not isinstance(held, bool):
+        raise InvalidValue("hold_until_refit", held, "must be true or false")
+    return held
+
+
 def read_secret_from_stdin() -> str:
     """The first line of standard input (the placement's pipe); stdin is then /dev/null, so the
     engine's child processes inherit nothing of it."""
@@ -251,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.control_secret_stdin:
             config["control_secret"] = read_secret_from_stdin()
         control_secret(config)  # refuse now, before Dynamo or an engine starts
+        hold_until_refit(config)
     except InvalidValue as exc:
         print(f"{FAILURE_MARK}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1

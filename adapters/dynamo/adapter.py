@@ -59,6 +59,8 @@ _RECENT_ABORTS_KEPT = 256
 # refused by name (a 400), so a client never gets an answer computed without them.
 _UNOFFERED_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                        "length_penalty", "guided_decoding")
+# The control whose first success lets a worker that joined late serve.
+_FIRST_REFIT_CONTROL = "update_weights"
 # A bad request (4xx, never retried) vs an engine that failed (5xx, retried by the driver).
 _REQUEST_FAULTS = (AnnotationError, InvalidValue, EngineRejected)
 
@@ -68,7 +70,8 @@ class DynamoEngineAdapter(LLMEngine):
 
     def __init__(self, engine: EnginePort, *, model_path: str = "",
                  served_model_name: str | None = None, control_secret: str | None = None,
-                 controls: Mapping[str, ControlHandler] | None = None) -> None:
+                 controls: Mapping[str, ControlHandler] | None = None,
+                 hold_until_refit: bool = False) -> None:
         self.engine = engine
         self.model_path = model_path
         self.served_model_name = served_model_name
@@ -76,6 +79,9 @@ class DynamoEngineAdapter(LLMEngine):
         self._facts: EngineFacts | None = None
         self._instance_id: int | None = None
         self._closed = False
+        # A worker that joined a running fleet serves nothing until its first refit has loaded
+        # the fleet's current weights (the ``update_weights`` control succeeded).
+        self._held = hold_until_refit
         self._dead_reason: str | None = None  # set once the engine died
         # Dynamo's context id -> the task serving it (cancelled if the engine dies under it).
         self._serving: dict[str, asyncio.Task | None] = {}
@@ -146,6 +152,11 @@ class DynamoEngineAdapter(LLMEngine):
                 task.cancel()
 
     @property
+    def held(self) -> bool:
+        """Whether this worker still waits for its first refit before it serves."""
+        return self._held
+
+    @property
     def requests_in_flight(self) -> int:
         """Requests this adapter is serving now (rollouts and plain completions)."""
         return len(self._serving)
@@ -159,6 +170,12 @@ class DynamoEngineAdapter(LLMEngine):
         if self._closed:
             why = "its engine died" if self._dead_reason else "it is shutting down"
             raise EngineShutdown(f"this worker is leaving ({why}); retry on another worker")
+        if self._held:
+            self._counts["held_back"] += 1
+            # EngineShutdown keeps the frontend off this worker (it retries it every few
+            # seconds, answered the same way) and the driver retries the request elsewhere.
+            raise EngineShutdown("this worker joined the running fleet and has not received "
+                                 "its current weights yet; retry on another worker")
         context_id = context.id()
         annotations = (request.get("annotations")
                        or (request.get("extra_args") or {}).get("nvext", {}).get("annotations"))
@@ -308,6 +325,10 @@ class DynamoEngineAdapter(LLMEngine):
         except Exception as exc:
             logger.warning("control %r failed: %s: %s", control, type(exc).__name__, exc)
             return _error(f"control {control!r} failed: {type(exc).__name__}: {exc}")
+        if control == _FIRST_REFIT_CONTROL and self._held:
+            self._held = False
+            logger.info("serving from now on: the fleet's weights are loaded (version %s)",
+                           (answer or {}).get("weight_version"))
         return {"status": "ok", **(answer or {})}
 
     def _secret_refusal(self, body: Mapping[str, Any]) -> str | None:
@@ -354,6 +375,8 @@ class DynamoEngineAdapter(LLMEngine):
             "aborted_request_ids": list(self._recent_aborts),
             "instance_id": self._instance_id,
             "engine_dead": self._dead_reason,
+            "held": self._held,
+            "held_back": self._counts["held_back"],
         }
 
 

@@ -12,7 +12,7 @@ from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_std
 from rollout_fleet.adapters.shared.shm import SegmentWatch
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
-                                           refuse_taken_names)
+                                           refuse_live_places, refuse_taken_names)
 
 
 class LocalPlacement(Placement):
@@ -29,11 +29,14 @@ class LocalPlacement(Placement):
         self._bind_host = bind_host
         self._stop_grace_s = stop_grace_s
         self._processes: dict[str, subprocess.Popen] = {}  # every worker placed, in order
+        self._replaced: set[str] = set()  # lost workers a later launch took the place of
         self._ports_given: set[int] = set()
         self._segments = SegmentWatch()
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
         refuse_taken_names(launches, self._processes)
+        refuse_live_places(launches, self.alive(), self._replaced)  # nothing reserved to reuse
+        self._replaced.update(launch.in_place_of for launch in launches if launch.in_place_of)
         handles = []
         for launch in launches:
             index = len(self._processes)  # continues after the workers of earlier launches
@@ -61,7 +64,8 @@ class LocalPlacement(Placement):
         return handles
 
     def alive(self) -> Mapping[str, bool]:
-        return {name: process.poll() is None for name, process in self._processes.items()}
+        # A copy: a launch from another thread may add a worker meanwhile.
+        return {name: process.poll() is None for name, process in list(self._processes.items())}
 
     def kill(self, name: str) -> None:
         process = self._process(name)

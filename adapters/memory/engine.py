@@ -27,6 +27,7 @@ from rollout_fleet.core.refit import (
     RefitInfo,
     TensorMeta,
     dtype_name,
+    next_version,
     refit_mode,
 )
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
@@ -253,7 +254,8 @@ class MemoryEngine(EnginePort, RefitTarget):
             [lambda j=j: self._join_receiver(join, j) for j in range(self._refit_ranks)],
             on_partial=lambda joined: [r.close() for r in joined])
 
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE) -> int:
+    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+                             version: int | None = None) -> int:
         """Receive on every rank, then swap between two tokens. ``drain`` holds new rollouts
         and lets those in flight finish first; ``keep`` and ``recompute`` swap under them
         (this model has no KV cache, so the two are the same here)."""
@@ -271,7 +273,7 @@ class MemoryEngine(EnginePort, RefitTarget):
             self.model.embed = staged.get("embed.weight", self.model.embed)
             self.model.lm_head = staged.get("lm_head.weight", self.model.lm_head)
             await self.reset_cache()
-            self._version += 1
+            self._version = next_version(self._version, version)
         return self._version
 
     @contextlib.asynccontextmanager

@@ -2,6 +2,6 @@
 
 from rollout_fleet.adapters.nemo_rl.batch import OUTPUT_KEYS, stack_outputs
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
-from rollout_fleet.adapters.nemo_rl.generation import DynamoGeneration
+from rollout_fleet.adapters.nemo_rl.generation import DynamoGeneration, JoinedWorker
 
-__all__ = ["DynamoGeneration", "GenerationConfig", "OUTPUT_KEYS", "stack_outputs"]
+__all__ = ["DynamoGeneration", "GenerationConfig", "JoinedWorker", "OUTPUT_KEYS", "stack_outputs"]

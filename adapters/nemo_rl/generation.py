@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests")
 
 
+@attrs.frozen
+class JoinedWorker:
+    """A worker that joined the running fleet, as the driver reaches it."""
+
+    control: WorkerControl
+    metrics: WorkerMetrics | None = None
+
+
 class DynamoGeneration:
     """A drop-in generation backend with the shape of NeMo-RL's ``GenerationInterface``.
 
@@ -53,7 +61,9 @@ class DynamoGeneration:
                  transport: CompletionsTransport, controls: Sequence[WorkerControl],
                  metrics: Sequence[WorkerMetrics] = (), owned: Sequence[Any] = (),
                  clock: Clock | None = None,
-                 lost_workers: Callable[[], Collection[str]] | None = None) -> None:
+                 lost_workers: Callable[[], Collection[str]] | None = None,
+                 joined_workers: Callable[[Collection[str]], Sequence[JoinedWorker]] | None = None,
+                 ) -> None:
         if not isinstance(config, GenerationConfig):
             raise InvalidValue("config", type(config).__name__, "must be a GenerationConfig")
         self.config = config
@@ -62,7 +72,10 @@ class DynamoGeneration:
         self._controls = tuple(controls)
         self._metrics = tuple(metrics)
         self._owned = tuple(owned)
-        self._lost_workers = lost_workers  # asked before each refit step: who is gone
+        # Asked before each refit step: who is gone, and who joined (given the ids known here).
+        self._lost_workers = lost_workers
+        self._joined_workers = joined_workers
+        self._left: set[str] = set()  # forgotten for good: a lost worker never comes back
         self.is_copy = False
         self._limits = RolloutLimits(config.max_model_len, config.max_new_tokens,
                                      config.stop_strings, config.context_limit_policy,
@@ -227,12 +240,39 @@ class DynamoGeneration:
             self._metrics = tuple(m for m in self._metrics if m.worker_id not in lost)
         return lost
 
+    def add_workers(self, workers: Sequence[JoinedWorker]) -> tuple[str, ...]:
+        """Workers that joined the running fleet (a replacement, or one more): the next
+        ``init_collective`` forms the group with them too (world size grows), and the next
+        update loads the current weights on them, before which they serve nothing. A fleet
+        that reports who joined has this done in ``get_inference_world_size``."""
+        workers = [w for w in workers if w.control.worker_id not in self._left]
+        added = self._refit.add_workers([w.control for w in workers])
+        if added:
+            log.warning("worker(s) %s joined; the next init_collective forms the group with "
+                        "%d worker(s)", list(added), len(self._refit.worker_ids))
+            joined = [w for w in workers if w.control.worker_id in added]
+            self._controls = (*self._controls, *(w.control for w in joined))
+            self._metrics = (*self._metrics, *(w.metrics for w in joined if w.metrics is not None))
+            for per_worker in self._timelines.values():
+                for worker_id in added:
+                    per_worker.setdefault(worker_id, [])
+        return added
+
     def _forget_lost(self) -> None:
         if self._lost_workers is not None:
-            self.forget_workers(self._lost_workers())
+            self._left.update(self.forget_workers(self._lost_workers()))
+
+    def _take_in_joined(self) -> None:
+        # Only where the trainer sizes its group: a worker that became ready between
+        # init_collective and the update would otherwise void a refit under way.
+        if self._joined_workers is not None:
+            self.add_workers(self._joined_workers(frozenset(self.worker_ids) | self._left))
 
     def get_inference_world_size(self) -> int:
+        """Ranks of the live workers: lost ones left out, those that joined taken in (what the
+        trainer asks before it forms the group)."""
         self._forget_lost()
+        self._take_in_joined()
         return len(self._controls) * self.config.ranks_per_worker
 
     def get_collective_sender_spec(self) -> CollectiveSenderSpec:
@@ -308,7 +348,8 @@ class DynamoGeneration:
         return self._fleet_refit.update_weights_from_collective(mode)
 
     def get_weight_versions(self) -> dict[str, int]:
-        """Worker id -> the version of the weights it serves (0 = as started, +1 per refit)."""
+        """Worker id -> the version of the weights it serves (0 = as started, +1 per refit;
+        a worker that joined takes the fleet's version at its first refit)."""
         self._check_open()
         self._forget_lost()
         return self._fleet_refit.weight_versions()

@@ -51,19 +51,26 @@ class FleetRefit:
     def update_weights_from_collective(self, mode: str | None = None) -> list:
         if self.refit_info is None:
             raise RefitError("update_weights_from_collective before prepare_refit_info")
-        plan = self._coordinator.update_weights_plan(mode)  # refuses a bad mode before waiting
-        if not self._gate.bounded:
-            return self._launch(plan)
-        # The version advances when every worker has loaded the new weights; until then the
-        # rollouts admitted count as the old version's (the safe side of the bound).
-        self._gate.begin_refit(timeout_s=self._coordinator.control_timeout_s)
+        self._coordinator.update_weights_plan(mode)  # refuses a bad mode or group before waiting
+        version = self._helper.run(self._coordinator.next_weight_version())
+        plan = self._coordinator.update_weights_plan(mode, weight_version=version)
+        if self._gate.bounded:
+            # The version advances when every worker has loaded the new weights; until then
+            # the rollouts admitted count as the old version's (the safe side of the bound).
+            self._gate.begin_refit(timeout_s=self._coordinator.control_timeout_s)
         try:
             futures = self._launch(plan)
         except BaseException:
-            self._gate.end_refit(False)
+            if self._gate.bounded:
+                self._gate.end_refit(False)
             raise
-        _when_all_done(futures, self._gate.end_refit)
+        _when_all_done(futures, self._all_loaded)
         return futures
+
+    def _all_loaded(self, ok: bool) -> None:
+        self._coordinator.updated(ok)
+        if self._gate.bounded:
+            self._gate.end_refit(ok)
 
     def weight_versions(self) -> dict[str, int]:
         return self._helper.run(self._coordinator.weight_versions())

@@ -11,7 +11,10 @@ from rollout_fleet.adapters.ray.sealed import seal
 from rollout_fleet.adapters.ray.supervisor import ProcessSupervisor
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
-                                           refuse_taken_names)
+                                           refuse_live_places, refuse_taken_names)
+
+
+_ALIVE_TIMEOUT_S = 30.0
 
 
 class PlacementError(RolloutFleetError):
@@ -45,6 +48,8 @@ class RayPlacement(Placement):
         self._groups: list[Any] = []  # one placement group per launch
         self._actors: dict[str, Any] = {}
         self._handles: dict[str, WorkerHandle] = {}
+        self._places: dict[str, tuple[Any, int]] = {}  # worker -> (its group, its bundle index)
+        self._replaced: set[str] = set()  # lost workers a later launch took the place of
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
         import ray
@@ -52,19 +57,26 @@ class RayPlacement(Placement):
 
         refuse_taken_names(launches, self._actors)
         self._init_ray(len(launches))
-        group = self._reserve(len(launches))
+        if any(launch.in_place_of for launch in launches):
+            refuse_live_places(launches, self.alive(), self._replaced)
+        fresh = [launch for launch in launches if not launch.in_place_of]
+        group = self._reserve(len(fresh)) if fresh else None
+        fresh_places = iter((group, index) for index in range(len(fresh)))
         supervisor = ray.remote(ProcessSupervisor)
         handles = []
-        for bundle_index, launch in enumerate(launches):
+        for launch in launches:
+            place = self._take_place_of(launch.in_place_of) if launch.in_place_of \
+                else next(fresh_places)
             actor = supervisor.options(
                 name=None, num_cpus=self._bundle.get("CPU", 0), num_gpus=self._bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=bundle_index),
+                    placement_group=place[0], placement_group_bundle_index=place[1]),
             ).remote()
             self._actors[launch.name] = actor
+            self._places[launch.name] = place
             # Sealed for this actor's own key: no Ray object holds the secret itself.
-            sealed = None if launch.secret is None else seal(
-                launch.secret, ray.get(actor.public_key.remote(), timeout=self._ready_timeout_s))
+            key = self._first_answer(launch, actor.public_key.remote())
+            sealed = None if launch.secret is None else seal(launch.secret, key)
             bind_host = None if self._bind_per_node else self._bind_host
             started = ray.get(actor.start.remote(launch.argv, dict(launch.env), launch.log_path,
                                                  launch.port_env, bind_host, sealed,
@@ -76,6 +88,35 @@ class RayPlacement(Placement):
             self._handles[launch.name] = handle
             handles.append(handle)
         return handles
+
+    def _take_place_of(self, lost: str) -> tuple[Any, int]:
+        """The bundle of a lost worker: its supervising actor is ended, so what it held there
+        is free again (if the node itself was lost, Ray places the bundle anew elsewhere)."""
+        import ray
+
+        try:
+            ray.kill(self._actors[lost])
+        except Exception:  # noqa: BLE001 - gone with its node already
+            pass
+        self._replaced.add(lost)
+        return self._places[lost]
+
+    def _first_answer(self, launch: WorkerLaunch, answer: Any) -> Any:
+        """The new supervisor's first answer, once Ray has placed it; PlacementError if it was
+        not placed in time (its slot taken away, or room for it nowhere)."""
+        import ray
+
+        try:
+            return ray.get(answer, timeout=self._ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self._actors.pop(launch.name))
+            self._places.pop(launch.name, None)
+            self._replaced.discard(launch.in_place_of)  # a later launch may try that place again
+            raise PlacementError(
+                f"Ray did not place {launch.name}"
+                + (f" in the place of {launch.in_place_of}" if launch.in_place_of else "")
+                + f" within {self._ready_timeout_s:.0f} s; available: "
+                f"{ray.available_resources()}") from None
 
     def _reserve(self, count: int) -> Any:
         """A placement group of ``count`` bundles, ready; one per launch (groups are fixed-size)."""
@@ -98,10 +139,13 @@ class RayPlacement(Placement):
     def alive(self) -> Mapping[str, bool]:
         import ray
 
-        status = {}
-        for name, actor in self._actors.items():
+        # Asked of every supervisor at once: one unreachable node costs one wait, not one each.
+        asked = {name: actor.alive.remote() for name, actor in list(self._actors.items())
+                 if name not in self._replaced}
+        status = dict.fromkeys(self._replaced, False)  # their supervisors were ended
+        for name, answer in asked.items():
             try:
-                status[name] = bool(ray.get(actor.alive.remote(), timeout=30))
+                status[name] = bool(ray.get(answer, timeout=_ALIVE_TIMEOUT_S))
             except Exception:  # noqa: BLE001 - a dead actor means a dead worker
                 status[name] = False
         return status
@@ -120,11 +164,13 @@ class RayPlacement(Placement):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        # A replaced worker is long dead and its supervisor ended: its pid may be another's now.
+        running = {name: actor for name, actor in self._actors.items() if name not in self._replaced}
         if not ray.is_initialized():
-            self._kill_by_pid(list(self._handles))
+            self._kill_by_pid(list(running))
             return
         unstopped = []
-        for name, actor in list(self._actors.items()):
+        for name, actor in running.items():
             try:
                 ray.get(actor.stop.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - the actor may be gone; the pid fallback follows
@@ -133,6 +179,8 @@ class RayPlacement(Placement):
         self._kill_by_pid(unstopped)
         self._actors.clear()
         self._handles.clear()
+        self._places.clear()
+        self._replaced.clear()
         for group in self._groups:
             remove_placement_group(group)
         self._groups.clear()

@@ -37,6 +37,7 @@ from rollout_fleet.core.refit import (
     GroupJoin,
     RefitInfo,
     TensorMeta,
+    next_version,
     refit_mode,
 )
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
@@ -194,7 +195,8 @@ class VllmEngine(EnginePort, RefitTarget):
                                  f" {_first_line(error)}") from error
             self._joined = True
 
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE) -> int:
+    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+                             version: int | None = None) -> int:
         """Pause (``mode``: drain, keep or recompute), receive and load inside vLLM's workers,
         reset the prefix cache as the mode says, resume."""
         mode = refit_mode(mode)
@@ -219,7 +221,7 @@ class VllmEngine(EnginePort, RefitTarget):
                                     if self._torn else "; the previous weights serve")) from error
             loaded = time.perf_counter()
             self._torn = None
-            version = await self._commit_new_weights(mode)
+            version = await self._commit_new_weights(mode, version)
         reset = time.perf_counter()
         ranks = await self._engine.collective_rpc("rollout_fleet_refit_stats")
         log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s (per rank: %s),"
@@ -331,14 +333,15 @@ class VllmEngine(EnginePort, RefitTarget):
             raise EngineRejected(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} "
                               f"exceeds context_length={context}")
 
-    async def _commit_new_weights(self, mode: str = DEFAULT_REFIT_MODE) -> int:
+    async def _commit_new_weights(self, mode: str = DEFAULT_REFIT_MODE,
+                                  version: int | None = None) -> int:
         """Still paused: drop the cache as ``mode`` says, and label every token from now on
         with the new version."""
         if mode == "keep":
             await self._keep_running_kv()
         else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
             await self.reset_cache()
-        self._version += 1
+        self._version = next_version(self._version, version)
         await self._engine.update_weight_version(str(self._version))
         return self._version
 

@@ -279,9 +279,10 @@ class RefitTargetContract:
     def _greedy(self, eut):
         return [eut.serve(p, 12).token_ids for p in eut.prompts]
 
-    def _refit(self, eut, trainer, info, tensors, send=None) -> int:
+    def _refit(self, eut, trainer, info, tensors, send=None, version=None) -> int:
         target = self._target(eut)
-        pending = asyncio.run_coroutine_threadsafe(target.update_weights(info), eut.loop.loop)
+        pending = asyncio.run_coroutine_threadsafe(target.update_weights(info, version=version),
+                                                   eut.loop.loop)
         (send or trainer.send)(info, tensors)
         return pending.result(300)
 
@@ -309,6 +310,18 @@ class RefitTargetContract:
         assert self._refit(engine_under_test, refit_trainer, info, original) == version + 2
         assert self._greedy(engine_under_test) == before, "refitting the original back did not restore it"
         assert target.weight_version() == version + 2
+
+    def test_a_refit_given_the_fleet_version_takes_it(
+            self, engine_under_test, weight_sets, refit_trainer):
+        """A worker that joined a refit fleet late takes the fleet's version, not its own + 1."""
+        target = self._target(engine_under_test)
+        original, alternate = weight_sets
+        self._joined(engine_under_test, refit_trainer)
+        wanted = target.weight_version() + 5
+        info = _info_of(alternate, target)
+        assert self._refit(engine_under_test, refit_trainer, info, alternate, version=wanted) == wanted
+        assert target.weight_version() == wanted
+        assert self._refit(engine_under_test, refit_trainer, info, original) == wanted + 1
 
     def test_a_trainer_dying_mid_transfer_leaves_the_old_weights(
             self, engine_under_test, weight_sets, refit_trainer):

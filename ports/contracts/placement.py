@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 from rollout_fleet.core.errors import RolloutFleetError
@@ -209,3 +210,22 @@ class PlacementContract:
         _assert_listening(w0)
         _assert_listening(w1)
         assert placement.alive() == {"w0": True, "w1": True}
+
+    def test_a_launch_in_place_of_a_lost_worker_takes_its_place_and_a_live_one_is_refused(
+            self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        w0, w1 = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
+        with pytest.raises(RolloutFleetError, match=r"in_place_of=w1: .* it still runs"):
+            placement.launch([attrs.evolve(_launch(tmp_path, "w2"), in_place_of="w1")])
+        with pytest.raises(RolloutFleetError, match=r"in_place_of=w9: .* no worker"):
+            placement.launch([attrs.evolve(_launch(tmp_path, "w2"), in_place_of="w9")])
+        assert placement.alive() == {"w0": True, "w1": True}  # nothing of those started
+        placement.kill("w1")
+        assert _wait(lambda: placement.alive() == {"w0": True, "w1": False}), placement.alive()
+        (w2,) = placement.launch([attrs.evolve(_launch(tmp_path, "w2"), in_place_of="w1")])
+        _assert_listening(w2)
+        assert placement.alive() == {"w0": True, "w1": False, "w2": True}  # the lost one stays reported
+        with pytest.raises(RolloutFleetError, match=r"in_place_of=w1: .* replacement already"):
+            placement.launch([attrs.evolve(_launch(tmp_path, "w3"), in_place_of="w1")])
+        placement.stop()
+        assert _wait(lambda: _gone(w2.pid) and _gone(w0.pid))

@@ -39,6 +39,7 @@ max_new_tokens = {MAX_NEW}
 run_dir = "{root / 'run'}"
 engine = {{ kind = "memory", seed = 0, context_length = {MAX_MODEL_LEN} }}
 refit = {{ buffer_bytes = 65536, num_buffers = 2 }}
+replace_lost_workers = true
 [timeouts]
 start_s = 120
 """)
@@ -168,14 +169,35 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
     assert "warning: worker-0 lost, out of the frontend's routing: EngineDead: the memory engine " \
            "died" in log.read_text(), log.read_text()[-3000:]
 
+    # replace_lost_workers: a replacement joins; the fleet file lists the live workers, and the
+    # next refit forms its group with them and loads the current weights on the replacement
+    deadline = time.monotonic() + 120
+    joined = "warning: worker-2 joined; it serves once the next refit"
+    while joined not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert joined in log.read_text(), log.read_text()[-3000:]
+    assert "worker-2 lost" not in log.read_text()  # while it started, it was not taken for lost
+    rejoined = json.loads(fleet_file.read_text())
+    assert sorted(rejoined["control_urls"]) == ["worker-1", "worker-2"]
+    result = run_cli("refit", "--fleet-file", fleet_file,
+                     "--checkpoint", _memory_checkpoint(tmp_path / "good2", seed=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "worker-1: weight version 2" in result.stdout
+    assert "worker-2: weight version 2" in result.stdout  # the fleet's version, not 0 + 1
+    (tmp_path / "r").mkdir()
+    want_2 = engine_answers(PROMPTS, max_new_tokens=MAX_NEW, max_model_len=MAX_MODEL_LEN, seed=2)
+    again = _generate(tmp_path / "r", fleet_file, _token_prompts())
+    assert [r["token_ids"] for r in again] == [list(a.token_ids) for a in want_2]
+
     # Ctrl-C: serve stops the fleet and exits 0; nothing of it is left
-    ports = [_port(served["frontend_url"])] + [_port(u) for u in served["control_urls"].values()]
+    ports = [_port(served["frontend_url"])] + [_port(u) for u in (
+        *served["control_urls"].values(), *rejoined["control_urls"].values())]
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "fleet stopped" in text and "Traceback" not in text, text[-3000:]
     assert not fleet_file.exists()
-    groups = [process.pid, *served["processes"].values()]
+    groups = [process.pid, *served["processes"].values(), *rejoined["processes"].values()]
     assert leftover_processes(groups, wait_s=15) == []
     assert [p for p in ports if _listening(p)] == []
 

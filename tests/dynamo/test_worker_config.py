@@ -81,3 +81,13 @@ def test_a_worker_without_a_usable_secret_refuses_to_start_naming_the_field(
     assert lines[0].startswith("rollout-fleet worker failed: InvalidValue: ") and field in lines[0]
     assert "s3cr3t-value" not in result.stderr + result.stdout  # never echoed
     assert not (tmp_path / "home").exists()  # refused before anything started
+
+
+def test_a_hold_until_refit_that_is_not_a_bool_is_refused_before_anything_starts(tmp_path):
+    config = {"engine": {"kind": "memory"}, "run_dir": str(tmp_path), "served_model_name": "m",
+              "insecure_controls": True, "hold_until_refit": "yes"}
+    result = _worker(config)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "InvalidValue: hold_until_refit=yes: must be true or false" in lines[0]
+    assert not (tmp_path / "home").exists()

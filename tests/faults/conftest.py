@@ -17,9 +17,10 @@ CONTEXT_LENGTH = 256
 
 
 def local_memory_config(run_dir, *, workers: int = 2, token_delay_s: float = 0.0,
-                        router: str = "round-robin", env: dict | None = None):
-    """A fleet of ``workers`` memory engines placed as child processes of this one."""
-    return parse_config({
+                        router: str = "round-robin", env: dict | None = None, **more):
+    """A fleet of ``workers`` memory engines placed as child processes of this one (``more``:
+    other config keys)."""
+    return parse_config({**more,
         "placement": "local", "num_workers": workers, "served_model_name": "mem",
         "engine": {"kind": "memory", "seed": SEED, "context_length": CONTEXT_LENGTH,
                    "token_delay_s": token_delay_s},

@@ -3,6 +3,7 @@ contract, on a local Ray cluster shared by the module's tests."""
 
 import sys
 
+import attrs
 import pytest
 
 from rollout_fleet.adapters.ray import RayPlacement
@@ -54,5 +55,21 @@ def test_a_launch_that_cannot_reserve_leaves_the_placed_workers_running(ray_clus
         added = placement.launch([_sleeper(tmp_path, f"w{i}") for i in (1, 2, 3)])
         assert [(h.index, h.name) for h in added] == [(1, "w1"), (2, "w2"), (3, "w3")]
         assert placement.alive() == {f"w{i}": True for i in range(4)}
+    finally:
+        placement.stop()
+
+
+def test_a_replacement_takes_the_lost_workers_bundle_on_a_full_cluster(ray_cluster, tmp_path):
+    """Every CPU of the cluster reserved: a replacement needs no new resources, it takes the
+    reservation of the worker it replaces."""
+    placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=10)  # the cluster has 4 CPUs
+    try:
+        placement.launch([_sleeper(tmp_path, f"w{i}") for i in range(4)])
+        with pytest.raises(PlacementError, match=r"could not reserve 1 bundles"):
+            placement.launch([_sleeper(tmp_path, "more")])
+        placement.kill("w2")
+        (w4,) = placement.launch([attrs.evolve(_sleeper(tmp_path, "w4"), in_place_of="w2")])
+        assert w4.index == 4
+        assert placement.alive() == {"w0": True, "w1": True, "w2": False, "w3": True, "w4": True}
     finally:
         placement.stop()

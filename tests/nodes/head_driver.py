@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.driver.conftest import mixed_batch  # noqa: E402
 from tests.support.nodes import listeners_of_processes  # noqa: E402
+from tests.support.trust import secret_leaks  # noqa: E402
 
 PROMPTS, PROMPT_SEED = 64, 11
 
@@ -59,6 +60,10 @@ def main(config_path: str, out_path: str, lost_netns: str) -> int:
             report["invalidated"] = generation.invalidate_kv_cache()
             report["cache_resets"] = {"before": resets, "after": _cache_resets(fleet)}
             report["lost_node"] = _lose_node(fleet, generation, int(lost_netns))
+            report["replacement"] = _replace(fleet, generation, report["lost_node"]["worker"])
+            # every process on the machine (each node's), every file of the layout's folder
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+            report["secret_leaks"] = secret_leaks(fleet.secret, pids, [Path(config_path).parent])
         finally:
             generation.shutdown()
     finally:
@@ -166,6 +171,10 @@ def _lose_node(fleet, generation, netns: int) -> dict:
             if in_flight > 0:
                 seen["in_flight_at_kill"] = in_flight
                 seen["killed"] = _kill_namespace(netns)
+                killed_at = time.monotonic()
+                while victim.name not in fleet.dead_workers() and time.monotonic() < deadline + 60:
+                    time.sleep(0.05)
+                seen["reported_lost_after_s"] = round(time.monotonic() - killed_at, 2)
                 return
 
     killer = threading.Thread(target=kill_when_busy, daemon=True)
@@ -191,6 +200,27 @@ def _lose_node(fleet, generation, netns: int) -> dict:
     seen["world_size_after"] = 1 + generation.get_inference_world_size()
     seen["refit_after"] = _refit(fleet, generation, seed=2)
     seen["after_refit"] = _rollouts(generation)
+    return seen
+
+
+def _replace(fleet, generation, lost: str) -> dict:
+    """A replacement for the lost worker (on the node with a slot left): held until the next
+    refit, which forms the group with it and gives it the fleet's version; then it serves."""
+    from rollout_fleet.wiring.fleet import call_control
+
+    worker = fleet.add_worker(replacing=lost)
+    url = fleet.control_url(worker)
+    seen: dict = {"name": worker.name, "node_ip": worker.node_ip, "netns": _netns(worker.pid),
+                  "held_at_start": call_control(url, "stats", fleet.secret)["held"]}
+    seen["while_held"] = _rollouts(generation)  # on the survivor's weights (seed 2) alone
+    seen["served_while_held"] = call_control(url, "stats", fleet.secret)["served"]
+    seen["world_size"] = 1 + generation.get_inference_world_size()
+    seen["refit"] = _refit(fleet, generation, seed=3)
+    deadline = time.monotonic() + 60  # the frontend tries a worker it kept away again in ~5 s
+    while call_control(url, "stats", fleet.secret)["served"] == 0 and time.monotonic() < deadline:
+        seen["after_refit"] = _rollouts(generation)
+    seen["after_refit"] = _rollouts(generation)
+    seen["served_after_refit"] = call_control(url, "stats", fleet.secret)["served"]
     return seen
 
 

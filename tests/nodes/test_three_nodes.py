@@ -28,26 +28,30 @@ def run(tmp_path_factory):
     """The layout, one driver run on its head, and what the driver reported; then every
     process of every node is stopped, and nothing may be left."""
     root = tmp_path_factory.mktemp("nodes")
-    layout = NodeLayout(root, count=3).start()
+    # Two worker slots per worker node, spread: after node 3 is lost, Ray places its worker's
+    # bundle anew on node 2, where the replacement starts.
+    layout = NodeLayout(root, count=3, worker_cpus=2, worker_slots=2).start()
     inodes = {node.name: node.inode for node in layout.nodes}
     try:
         config = {
             # a token takes 10 ms: rollouts are still in flight when the node is lost
             "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN,
                        "token_delay_s": 0.01},
-            # the frontend routes to a lost worker until Dynamo drops it (15-20 s here): retries outlast it
+            # the frontend tries a lost worker until the fleet sees it lost and takes it out of
+            # etcd (about a second here): retries outlast that
             "retry": {"max_attempts": 10, "base_delay_s": 0.2},
             "served_model_name": "mem", "num_workers": 2, "max_model_len": MAX_MODEL_LEN,
             "max_new_tokens": MAX_NEW, "ray_address": layout.ray_address,
             "bind_host": layout.head.address, "discovery": "etcd",
             "resources_per_worker": {WORKER_RESOURCE: 1}, "run_dir": str(root / "run"),
+            "placement_strategy": "SPREAD",
             "refit": {"buffer_bytes": 65536}, "timeouts": {"start_s": 120}}
         (root / "fleet.json").write_text(json.dumps(config))
         out, log = root / "report.json", root / "driver.log"
         lost = layout.nodes[2]  # 10.77.0.3
         code = layout.run_on(1, [sys.executable, str(HERE / "head_driver.py"),
                                  str(root / "fleet.json"), str(out), str(lost.inode)],
-                             timeout_s=300, log_path=log)
+                             timeout_s=420, log_path=log)
         assert code == 0, f"the head's driver failed:\n{log.read_text()[-4000:]}"
         report = json.loads(out.read_text())
         after_driver = layout.listeners()
@@ -134,6 +138,7 @@ def test_a_lost_node_mid_batch_loses_and_repeats_no_rollout_and_is_reported(run)
     prompts, _ = mixed_batch(PROMPTS, seed=PROMPT_SEED)
     _check(lost["rollouts"], prompts, seed=1)  # the refit weights, on the surviving node
     assert lost["dead_workers"] == [lost["worker"]] == list(lost["lost_workers"])
+    print(f"\nnode lost -> the fleet reports its worker lost: {lost['reported_lost_after_s']} s")
     # The fleet's driver leaves the lost worker out of later steps: the flush reaches the survivor.
     assert lost["invalidate_after"] == "ok"
     assert lost["workers_after"] == [w["name"] for w in report["workers"] if w["name"] != lost["worker"]]
@@ -141,6 +146,33 @@ def test_a_lost_node_mid_batch_loses_and_repeats_no_rollout_and_is_reported(run)
     assert lost["world_size_after"] == 2
     assert lost["refit_after"] == {name: 2 for name in lost["workers_after"]}
     _check(lost["after_refit"], prompts, seed=2)
+
+
+def test_a_replacement_joins_on_the_surviving_node_and_serves_after_the_next_refit(run):
+    """After the loss the fleet scales back up: a replacement worker placed by Ray on the node
+    with a slot left, binding that node's address; held until the next refit, which forms the
+    group with it (world size 3 again) and sets it to the fleet's version; then it serves."""
+    report, layout, inodes, _ = run
+    replacement = report["replacement"]
+    assert replacement["name"] == "worker-2"
+    assert replacement["node_ip"] == "10.77.0.2"
+    assert replacement["netns"] == inodes[layout.node_of("10.77.0.2").name]
+    assert replacement["held_at_start"] is True
+    prompts, _ = mixed_batch(PROMPTS, seed=PROMPT_SEED)
+    _check(replacement["while_held"], prompts, seed=2)  # its own seed-0 weights never served
+    assert replacement["served_while_held"] == 0
+    assert replacement["world_size"] == 3
+    survivor = report["lost_node"]["workers_after"][0]
+    assert replacement["refit"] == {survivor: 3, "worker-2": 3}
+    assert replacement["served_after_refit"] > 0
+    _check(replacement["after_refit"], prompts, seed=3)
+
+
+def test_the_secret_shows_in_no_process_of_any_node_and_no_file_of_the_layout(run):
+    """Read while the fleet ran (the replacement included): no command line, no environment
+    of any process on any node, no file of the run, Ray's folders or the logs holds it."""
+    report, *_ = run
+    assert report["secret_leaks"] == []
 
 
 def _check(served: dict, prompts, *, seed: int) -> None:

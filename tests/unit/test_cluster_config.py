@@ -60,3 +60,12 @@ def test_every_dynamo_host_of_a_process_is_its_own_node_address(tmp_path):
     assert set(v for k, v in dynamo_env(tmp_path).items() if k.endswith("_HOST")) == {"127.0.0.1"}
     with pytest.raises(InvalidValue):
         dynamo_env(tmp_path, host="0.0.0.0")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_replace_lost_workers_takes_true_or_false_only(value):
+    assert config().replace_lost_workers is False
+    assert config(replace_lost_workers=True).replace_lost_workers is True
+    with pytest.raises(ConfigError) as info:
+        config(replace_lost_workers=value)
+    assert "replace_lost_workers" in str(info.value)

@@ -1,0 +1,56 @@
+"""A worker killed without a goodbye (SIGKILL: it cannot unregister) is taken out of Dynamo's
+discovery by the fleet as soon as the fleet sees it lost, so the frontend stops trying it then,
+not when its registration expires (with etcd, more than 25 s after a kill here: one refused
+request every ~5 s meanwhile). File discovery and etcd, real frontend and workers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.request
+
+import pytest
+
+from tests.support.lost_worker import RoutingProbe, wait_until_lost
+
+pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
+WATCH_AFTER_S = 12.0  # more than two of the frontend's ~5 s retries of a worker it dropped
+
+
+@pytest.mark.parametrize("discovery", ["file", "etcd"])
+def test_a_killed_worker_leaves_discovery_once_the_fleet_sees_it_lost(start_fleet, discovery,
+                                                                     caplog):
+    caplog.set_level("WARNING", logger="rollout_fleet.fleet")
+    fleet = start_fleet(workers=2, discovery=discovery)
+    instance = fleet.instance_ids["worker-0"]
+    assert registered(fleet, instance)
+    with RoutingProbe(fleet.frontend_url, "mem") as probe:
+        probe.start()
+        fleet.kill_worker("worker-0")
+        wait_until_lost(fleet, "worker-0")
+        deadline = time.monotonic() + 10
+        while registered(fleet, instance):
+            assert time.monotonic() < deadline, "the lost worker is still in discovery"
+            time.sleep(0.05)
+        gone_at = time.monotonic()
+        time.sleep(WATCH_AFTER_S)
+    # the fleet removed it (not its registration expiring first) ...
+    assert "worker-0 is lost: taken out of discovery" in caplog.text
+    assert registered(fleet, fleet.instance_ids["worker-1"])  # ... and the survivor stays
+    # once out of discovery (and a moment for the frontend to hear of it), never tried again
+    assert probe.refused_after(gone_at + 1.0) == []
+    assert probe.served_after(gone_at + 1.0) > 0
+
+
+def registered(fleet, instance_id: int) -> bool:
+    """Whether discovery still holds a key of Dynamo instance ``instance_id``."""
+    hex_id = f"{instance_id:x}"
+    if fleet.etcd is None:
+        return any(p.name.endswith(hex_id) for p in (fleet.run_dir / "discovery").glob("v1/*/*"))
+    every = base64.b64encode(b"\0").decode()
+    request = urllib.request.Request(f"{fleet.etcd.endpoint}/v3/kv/range", data=json.dumps(
+        {"key": every, "range_end": every, "keys_only": True}).encode())
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        keys = [base64.b64decode(kv["key"]).decode() for kv in json.loads(answer.read()).get("kvs", [])]
+    return any(key.endswith(hex_id) for key in keys)
