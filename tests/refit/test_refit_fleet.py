@@ -206,7 +206,9 @@ def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0, at_least: int = 1
                         for url in fleet.control_urls.values())
         if in_flight >= at_least:
             return in_flight
-    raise AssertionError(f"the workers did not hold {at_least} rollout(s) within {timeout_s:.0f} s")
+    stats = {name: call_control(url, "stats", fleet.secret) for name, url in fleet.control_urls.items()}
+    raise AssertionError(f"the workers did not hold {at_least} rollout(s) within {timeout_s:.0f} s;"
+                         f" their stats now: {stats}")
 
 
 def test_a_trainer_dying_mid_transfer_fails_clearly_and_the_old_weights_stay(generation, models,
@@ -312,7 +314,8 @@ def _rollouts_across_a_refit(fleet, generation, trainer, models, mode, rng):
         # Most rollouts at a worker (and generating on model A), then the refit at once: on a
         # quiet machine the tiny model finishes 64 x 400 tokens in about a second, and a refit
         # sent a second after this point found every rollout done.
-        await asyncio.to_thread(_wait_for_worker_in_flight, fleet, at_least=IN_FLIGHT * 3 // 4)
+        # (half of them: on a loaded machine three quarters were not reached in 60 s, 2 runs of 4)
+        await asyncio.to_thread(_wait_for_worker_in_flight, fleet, at_least=IN_FLIGHT // 2)
         started = time.monotonic()
         # From this loop, not through Ray tasks: the pause reaches each worker at once.
         updating = asyncio.ensure_future(coordinator.update_weights(mode))
