@@ -229,9 +229,10 @@ class Fleet:
     # -- joining a running fleet -----------------------------------------------------------------
     def add_worker(self, *, replacing: str | None = None) -> WorkerHandle:
         """Start one more worker (``replacing``: in place of that lost worker, in its
-        reservation and on its share of the cores) and wait until it is registered. It serves nothing yet: drivers from
-        ``generation()`` take it into the refit group at the trainer's next ``init_collective``
-        and it serves once the next update has loaded the current weights on it."""
+        reservation and on its share of the cores) and wait until it is registered. It serves
+        nothing yet: drivers from ``generation()`` take it in when the trainer next asks
+        ``get_inference_world_size()``, and it serves once the next update has loaded the
+        current weights on it."""
         with self._workers_lock:
             if replacing is not None and replacing not in self._slots:
                 raise InvalidValue("replacing", replacing, f"no such worker; the fleet has "
@@ -262,9 +263,11 @@ class Fleet:
                        f" in place of {replacing}" if replacing else "")
         return worker
 
-    def replace_lost_workers(self) -> list[WorkerHandle]:
-        """A replacement for every lost worker that has none yet (see ``add_worker``)."""
-        waiting = [name for name in self.dead_workers() if name not in self._replaced]
+    def replace_lost_workers(self, lost: list[str] | None = None) -> list[WorkerHandle]:
+        """A replacement for every lost worker (``lost``: ``dead_workers()`` when not given)
+        that has none yet (see ``add_worker``)."""
+        lost = self.dead_workers() if lost is None else lost
+        waiting = [name for name in lost if name not in self._replaced]
         return [self.add_worker(replacing=name) for name in waiting]
 
     def _watch_workers(self) -> None:
@@ -275,9 +278,10 @@ class Fleet:
         backoff_s = _WATCH_S
         while not self._stopping.wait(_WATCH_S):
             try:
-                self._forget_lost_in_discovery()
+                lost = self.dead_workers()  # the placement asked once a round
+                self._forget_lost_in_discovery(lost)
                 if self.config.replace_lost_workers and time.monotonic() >= next_replacement:
-                    self.replace_lost_workers()
+                    self.replace_lost_workers(lost)
                     backoff_s = _WATCH_S
             except Exception:  # noqa: BLE001 - logged; the next round tries again
                 if self._stopping.is_set():
@@ -287,11 +291,11 @@ class Fleet:
                 logger.exception("watching the workers failed; next replacement try in %.0f s",
                                  backoff_s)
 
-    def _forget_lost_in_discovery(self) -> None:
+    def _forget_lost_in_discovery(self, lost: list[str]) -> None:
         """The frontend drops a lost worker at once, not when its registration expires."""
         from rollout_fleet.adapters.dynamo.discovery import forget_instance
 
-        for name in self.dead_workers():
+        for name in lost:
             if name in self._forgotten or name not in self._instances:
                 continue
             self._forgotten.add(name)

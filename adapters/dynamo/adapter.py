@@ -152,11 +152,6 @@ class DynamoEngineAdapter(LLMEngine):
                 task.cancel()
 
     @property
-    def held(self) -> bool:
-        """Whether this worker still waits for its first refit before it serves."""
-        return self._held
-
-    @property
     def requests_in_flight(self) -> int:
         """Requests this adapter is serving now (rollouts and plain completions)."""
         return len(self._serving)
@@ -328,7 +323,7 @@ class DynamoEngineAdapter(LLMEngine):
         if control == _FIRST_REFIT_CONTROL and self._held:
             self._held = False
             logger.info("serving from now on: the fleet's weights are loaded (version %s)",
-                           (answer or {}).get("weight_version"))
+                        (answer or {}).get("weight_version"))
         return {"status": "ok", **(answer or {})}
 
     def _secret_refusal(self, body: Mapping[str, Any]) -> str | None:
