@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch
 
 
 _ALIVE_TIMEOUT_S = 30.0
+_REPLACE_PAUSE_S = 1.0  # before another supervisor in a bundle whose node just died
 
 
 class PlacementError(RolloutFleetError):
@@ -53,8 +55,6 @@ class RayPlacement(Placement):
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         refuse_taken_names(launches, self._actors)
         self._init_ray(len(launches))
         if any(launch.in_place_of for launch in launches):
@@ -62,20 +62,12 @@ class RayPlacement(Placement):
         fresh = [launch for launch in launches if not launch.in_place_of]
         group = self._reserve(len(fresh)) if fresh else None
         fresh_places = iter((group, index) for index in range(len(fresh)))
-        supervisor = ray.remote(ProcessSupervisor)
         handles = []
         for launch in launches:
             place = self._take_place_of(launch.in_place_of) if launch.in_place_of \
                 else next(fresh_places)
-            actor = supervisor.options(
-                name=None, num_cpus=self._bundle.get("CPU", 0), num_gpus=self._bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=place[0], placement_group_bundle_index=place[1]),
-            ).remote()
-            self._actors[launch.name] = actor
-            self._places[launch.name] = place
+            actor, key = self._placed_supervisor(launch, place)
             # Sealed for this actor's own key: no Ray object holds the secret itself.
-            key = self._first_answer(launch, actor.public_key.remote())
             sealed = None if launch.secret is None else seal(launch.secret, key)
             bind_host = None if self._bind_per_node else self._bind_host
             started = ray.get(actor.start.remote(launch.argv, dict(launch.env), launch.log_path,
@@ -101,21 +93,43 @@ class RayPlacement(Placement):
         self._replaced.add(lost)
         return self._places[lost]
 
-    def _first_answer(self, launch: WorkerLaunch, answer: Any) -> Any:
-        """The new supervisor's first answer, once Ray has placed it; PlacementError if it was
-        not placed in time (its slot taken away, or room for it nowhere)."""
-        import ray
+    def _placed_supervisor(self, launch: WorkerLaunch, place: tuple[Any, int]) -> tuple[Any, Any]:
+        """A supervising actor in ``place`` and its public key, once Ray has placed it.
 
-        try:
-            return ray.get(answer, timeout=self._ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        The bundle of a lost node may still be booked on that node until Ray declares the node
+        dead (missed heartbeats): an actor sent there dies unstarted, and is made again until
+        Ray has placed the bundle anew. PlacementError if it was not placed in time (its slot
+        taken away, or room for it nowhere)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        supervisor = ray.remote(ProcessSupervisor)
+        deadline = time.monotonic() + self._ready_timeout_s
+        while True:
+            actor = supervisor.options(
+                name=None, num_cpus=self._bundle.get("CPU", 0), num_gpus=self._bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=place[0], placement_group_bundle_index=place[1]),
+            ).remote()
+            self._actors[launch.name] = actor
+            self._places[launch.name] = place
+            try:
+                left_s = max(0.1, deadline - time.monotonic())
+                return actor, ray.get(actor.public_key.remote(), timeout=left_s)
+            except ray.exceptions.ActorDiedError:
+                if time.monotonic() < deadline:
+                    time.sleep(_REPLACE_PAUSE_S)
+                    continue
+                error = "its actor died before it started, each time"
+            except ray.exceptions.GetTimeoutError:
+                error = "no room for it"
             ray.kill(self._actors.pop(launch.name))
             self._places.pop(launch.name, None)
             self._replaced.discard(launch.in_place_of)  # a later launch may try that place again
             raise PlacementError(
                 f"Ray did not place {launch.name}"
                 + (f" in the place of {launch.in_place_of}" if launch.in_place_of else "")
-                + f" within {self._ready_timeout_s:.0f} s; available: "
+                + f" within {self._ready_timeout_s:.0f} s ({error}); available: "
                 f"{ray.available_resources()}") from None
 
     def _reserve(self, count: int) -> Any:
