@@ -79,14 +79,10 @@ def test_128_greedy_rollouts_through_the_fleet_equal_the_model(generation, refer
 def test_each_local_vllm_worker_binds_its_model_threads_to_cores_of_its_own(fleet):
     import os
 
-    import psutil
+    from tests.support.engine_core import model_worker_of
 
-    bound = {}
-    for worker in fleet.workers:
-        vllm_workers = [p for p in psutil.Process(worker.pid).children(recursive=True)
-                        if p.name().startswith("VLLM::Worker")]
-        assert len(vllm_workers) == 1, (worker.name, vllm_workers)
-        bound[worker.name] = set(vllm_workers[0].cpu_affinity())
+    bound = {worker.name: set(model_worker_of(worker.pid).cpu_affinity())
+             for worker in fleet.workers}
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // 2
     assert bound == {"worker-0": set(cores[:share]), "worker-1": set(cores[share:2 * share])}

@@ -1,4 +1,5 @@
-"""Find a vLLM worker's engine-core process (for tests that kill it or read its memory)."""
+"""Find a vLLM worker's engine-core and model-worker processes (for tests that kill them, read
+their memory or their CPU binding)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,22 @@ def engine_core_of(worker_pid: int):
         return by_title[0]
     by_place = [c for c in children if _has_children(c) and "resource_tracker" not in _title(c)]
     assert len(by_place) == 1, f"worker {worker_pid}: {[(c.pid, _title(c)) for c in children]}"
+    return by_place[0]
+
+
+def model_worker_of(worker_pid: int):
+    """The psutil.Process of vLLM's model worker (one engine rank) under a worker's host: by
+    its title (``VLLM::Worker``), else the engine core's one child that is not
+    multiprocessing's resource tracker."""
+    import psutil
+
+    by_title = [p for p in psutil.Process(worker_pid).children(recursive=True)
+                if _title(p).startswith("VLLM::Worker")]
+    if len(by_title) == 1:
+        return by_title[0]
+    core = engine_core_of(worker_pid)
+    by_place = [c for c in core.children() if "resource_tracker" not in _title(c)]
+    assert len(by_place) == 1, f"engine core {core.pid}: {[(c.pid, _title(c)) for c in core.children()]}"
     return by_place[0]
 
 
