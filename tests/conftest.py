@@ -1,6 +1,7 @@
 """Suite-wide: no file in /dev/shm that a process of this test run mapped or held open is left
 when the run ends (vLLM's queues, psm_*, ~160-240 MiB each, are the ones that leak; staging
-files and named semaphores would be caught the same way)."""
+files and named semaphores would be caught the same way). A failed test that used a fleet
+reports the tail of each worker's log beside its traceback."""
 
 from __future__ import annotations
 
@@ -31,3 +32,22 @@ def _no_shared_memory_left_behind():
     thread.join()
     left = tracker.remove_all()  # removed now, so one failed run litters nothing
     assert left == [], f"segments processes of this run used were left in /dev/shm: {left}"
+
+
+_LOG_TAIL_BYTES = 8_000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    fleet = getattr(item, "funcargs", {}).get("fleet")
+    if report.when != "call" or not report.failed or not hasattr(fleet, "workers"):
+        return
+    from rollout_fleet.adapters.shared.processes import read_tail
+
+    for worker in fleet.workers:
+        log_path = getattr(worker, "log_path", None)
+        if log_path:
+            report.sections.append((f"{getattr(worker, 'name', log_path)} log, last "
+                                    f"{_LOG_TAIL_BYTES} bytes", read_tail(log_path, _LOG_TAIL_BYTES)))

@@ -208,6 +208,7 @@ class DynamoGeneration:
             except Exception as exc:  # closing sockets must not keep the fleet from stopping
                 log.warning("closing the driver's connections failed: %s", exc)
         self._helper.close()
+        self._fleet_refit.close()
         for thing in self._owned:
             thing.stop()
         return True

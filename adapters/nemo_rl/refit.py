@@ -4,19 +4,20 @@ channel.
 ``init_collective`` and ``update_weights_from_collective`` return one future per worker at
 once, because the trainer must join the same collective while the workers wait in it. With Ray
 running in the driver (a fleet placed by Ray, or NeMo-RL's own), they are Ray ObjectRefs, so
-``ray.get(train_futures + inference_futures)`` works as upstream; without Ray they are
+``ray.get(train_futures + inference_futures)`` works as upstream (one actor makes the calls:
+adapters/nemo_rl/ray_calls.py); without Ray they are
 ``concurrent.futures.Future`` objects (``.result()``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
+from rollout_fleet.adapters.nemo_rl.ray_calls import RayControlCalls
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
 from rollout_fleet.core.refit_service import (
@@ -35,6 +36,7 @@ class FleetRefit:
         self._spec = sender_spec
         self._gate = gate if gate is not None else StalenessGate()
         self.refit_info: RefitInfo | None = None
+        self._ray_calls: RayControlCalls | None = None  # once Ray makes the calls
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
         plan = self._coordinator.init_collective_plan(ip, port, world_size, train_world_size,
@@ -77,11 +79,16 @@ class FleetRefit:
 
     def _launch(self, plan: list[ControlCall]) -> list:
         timeout_s = self._coordinator.control_timeout_s
-        ray = _ray_if_running()
-        if ray is not None:
-            task = _remote_control_call(ray)
-            return [task.remote(call, timeout_s) for call in plan]
+        if _ray_is_running():
+            if self._ray_calls is None:
+                self._ray_calls = RayControlCalls()
+            return [self._ray_calls.submit(call, timeout_s) for call in plan]
         return [self._helper.spawn(run_control_call(call, timeout_s)) for call in plan]
+
+    def close(self) -> None:
+        """Stop the Ray actor that made this driver's control calls, if one was started."""
+        if self._ray_calls is not None:
+            self._ray_calls.close()
 
 
 def _when_all_done(futures: Sequence[Any], callback: Callable[[bool], None]) -> None:
@@ -103,23 +110,9 @@ def _when_all_done(futures: Sequence[Any], callback: Callable[[bool], None]) -> 
         future.add_done_callback(one_done)
 
 
-def _ray_if_running():
+def _ray_is_running() -> bool:
     try:
         import ray
     except ImportError:
-        return None
-    return ray if ray.is_initialized() else None
-
-
-_REMOTE = None
-
-
-def _remote_control_call(ray):
-    """A zero-CPU Ray task that makes one control call (its own event loop and HTTP pool)."""
-    global _REMOTE
-    if _REMOTE is None:
-        def control_call(call: ControlCall, timeout_s: float) -> Mapping[str, Any]:
-            return dict(asyncio.run(run_control_call(call, timeout_s)))
-
-        _REMOTE = ray.remote(num_cpus=0, max_retries=0)(control_call)
-    return _REMOTE
+        return False
+    return ray.is_initialized()

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -82,6 +82,7 @@ class VllmEngine(EnginePort, RefitTarget):
         self._joined = False
         self._torn: str | None = None  # why rollouts are refused: a refit died half way
         self._segments: list[SharedMemoryTracker] = []  # vLLM's /dev/shm queues, per engine core
+        self._engine_processes: set[int] = set()  # what vLLM started under this process
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -92,9 +93,10 @@ class VllmEngine(EnginePort, RefitTarget):
                 children_before = _child_pids()
                 with _cpu_binding(self.config):
                     self._engine = await _in_thread(_build_engine, self.config)
-                self._track_segments(_child_pids() - children_before)
+                self._engine_processes = _child_pids() - children_before
+                self._track_segments(self._engine_processes)
                 if self.config.device == "cpu" and self.config.cpu_worker_nice is not None:
-                    _set_worker_priority(self.config.cpu_worker_nice)
+                    _set_worker_priority(self.config.cpu_worker_nice, self._engine_processes)
                 await self._engine.update_weight_version(str(self._version))
                 self._facts = _read_facts(self._engine)
                 self._metas = checkpoint_metas(self._engine.model_config.model, _engine_dtype(self._engine))
@@ -293,11 +295,11 @@ class VllmEngine(EnginePort, RefitTarget):
         if not nice:
             yield
             return
-        _set_worker_priority(0)
+        _set_worker_priority(0, self._engine_processes)
         try:
             yield
         finally:
-            _set_worker_priority(nice)
+            _set_worker_priority(nice, self._engine_processes)
 
     def _init_info(self, join: GroupJoin) -> dict[str, Any]:
         if self.config.refit_protocol == PACKED_PROTOCOL:
@@ -448,34 +450,43 @@ def _cpu_binding(config: VllmEngineConfig):
 
 
 def _child_pids() -> set[int]:
-    """This process's children that are vLLM's (its engine cores name themselves VLLM::*)."""
+    """This process's children; those that appear while the engine starts are vLLM's engine
+    core(s). Found by place, not by their ``VLLM::*`` titles (a title was missing in some
+    runs); multiprocessing's resource tracker, started on first use, is not vLLM's."""
     import psutil
 
-    pids = set()
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if child.name().startswith("VLLM::"):
-                pids.add(child.pid)
-    return pids
+    return {child.pid for child in psutil.Process().children() if not _resource_tracker(child)}
 
 
-def _set_worker_priority(nice: int) -> int:
-    """Set ``nice`` on every thread of vLLM's engine-core and model worker processes (children
-    of this process named ``VLLM::*``); threads they start later inherit it. Both busy-poll
-    their shared-memory queues: lowering only one lets the other's polling take its core.
-    Raising a priority back needs the right to (root, or CAP_SYS_NICE); without it the threads
-    keep their nice. Returns the threads changed."""
+def _resource_tracker(process: Any) -> bool:
+    import psutil
+
+    try:
+        return any("resource_tracker" in part for part in process.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _set_worker_priority(nice: int, engine_processes: Collection[int]) -> int:
+    """Set ``nice`` on every thread of vLLM's engine-core processes and of every process under
+    them (the model workers); threads they start later inherit it. Both busy-poll their
+    shared-memory queues: lowering only one lets the other's polling take its core. Raising a
+    priority back needs the right to (root, or CAP_SYS_NICE); without it the threads keep
+    their nice. Returns the threads changed."""
     import psutil
 
     changed = 0
-    for process in psutil.Process().children(recursive=True):
+    for pid in engine_processes:
         with contextlib.suppress(psutil.NoSuchProcess):
-            if not process.name().startswith("VLLM::"):
-                continue
-            for thread in process.threads():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.setpriority(os.PRIO_PROCESS, thread.id, nice)  # Linux: one thread's nice
-                    changed += 1
+            root = psutil.Process(pid)
+            for process in (root, *root.children(recursive=True)):
+                if _resource_tracker(process):
+                    continue
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for thread in process.threads():
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.setpriority(os.PRIO_PROCESS, thread.id, nice)  # one thread's
+                            changed += 1
     if not changed:
         log.warning("could not set any vLLM process to nice %d", nice)
     return changed

@@ -91,6 +91,9 @@ def test_each_local_vllm_worker_binds_its_model_threads_to_cores_of_its_own(flee
 def test_ten_refits_alternating_models_each_serve_the_right_model(generation, models, reference):
     trainer = Trainer(generation)
     try:
+        caller = generation._fleet_refit._ray_calls  # made the init_collective calls
+        pid, calls = caller.actor_facts()
+        assert calls == 2
         generation.prepare_refit_info(info_of(models[0]))
         start = generation.get_weight_versions()
         for round_ in range(1, 11):
@@ -99,6 +102,9 @@ def test_ten_refits_alternating_models_each_serve_the_right_model(generation, mo
             assert_serves(generation, reference, seed)
             versions = generation.get_weight_versions()
             assert versions == {w: v + round_ for w, v in start.items()}, "a worker missed a refit"
+        # Every refit's calls went to the one actor already running: no process started on
+        # a refit's path while the trainer waited in the collective.
+        assert caller.actor_facts() == (pid, 2 + 10 * 2)
     finally:
         trainer.close()
 
