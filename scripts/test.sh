@@ -9,4 +9,4 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 if [ "$#" -eq 0 ]; then set -- tests; fi
 # Inside a private network namespace (loopback only): Ray's daemons bind every interface.
 exec unshare -n -- sh -c 'ip link set lo up && exec "$@"' sh \
-  "$python" -m pytest -q -p no:cacheprovider --timeout=900 -ra "$@"
+  "$python" -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 -ra "$@"

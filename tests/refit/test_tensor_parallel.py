@@ -12,6 +12,7 @@ import pytest
 from rollout_fleet.adapters.tiny_model.build import TinyModelSpec
 from tests.refit.conftest import STEPS, Trainer, greedy_decode
 from tests.refit.test_refit_fleet import assert_serves, info_of, refit
+from tests.support.engine_core import model_workers_of
 
 # ~202 MiB of float32 weights; heads and KV heads split evenly over 2 ranks.
 SPEC = TinyModelSpec(vocab_size=1024, hidden_size=1024, num_heads=8, num_kv_heads=4,
@@ -79,11 +80,8 @@ def generation(tp_fleet):
 
 
 def test_both_ranks_of_the_worker_run_in_vllm_and_join_the_group(tp_fleet, generation):
-    import psutil
-
     (worker,) = tp_fleet.workers
-    ranks = [p for p in psutil.Process(worker.pid).children(recursive=True)
-             if p.name().startswith("VLLM::Worker")]
+    ranks = model_workers_of(worker.pid)
     assert len(ranks) == 2, ranks
     assert generation.get_inference_world_size() == 2
 

@@ -23,19 +23,25 @@ def engine_core_of(worker_pid: int):
 
 
 def model_worker_of(worker_pid: int):
-    """The psutil.Process of vLLM's model worker (one engine rank) under a worker's host: by
-    its title (``VLLM::Worker``), else the engine core's one child that is not
+    """The psutil.Process of vLLM's model worker under a worker's host (one engine rank)."""
+    (worker,) = model_workers_of(worker_pid)
+    return worker
+
+
+def model_workers_of(worker_pid: int) -> list:
+    """The psutil.Processes of vLLM's model workers (one per engine rank) under a worker's
+    host: by their titles (``VLLM::Worker*``), else the engine core's children that are not
     multiprocessing's resource tracker."""
     import psutil
 
     by_title = [p for p in psutil.Process(worker_pid).children(recursive=True)
                 if _title(p).startswith("VLLM::Worker")]
-    if len(by_title) == 1:
-        return by_title[0]
+    if by_title:
+        return by_title
     core = engine_core_of(worker_pid)
     by_place = [c for c in core.children() if "resource_tracker" not in _title(c)]
-    assert len(by_place) == 1, f"engine core {core.pid}: {[(c.pid, _title(c)) for c in core.children()]}"
-    return by_place[0]
+    assert by_place, f"engine core {core.pid}: {[(c.pid, _title(c)) for c in core.children()]}"
+    return by_place
 
 
 def _title(process) -> str:

@@ -10,6 +10,7 @@ from rollout_fleet.adapters.vllm import VllmEngineConfig, engine_from_config
 from rollout_fleet.core.errors import EngineError, InvalidValue
 from rollout_fleet.core.refit import RefitInfo
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec
+from tests.support.engine_core import engine_core_of, model_workers_of
 
 
 def test_an_abort_ends_the_request_inside_vllm(vllm_engine):
@@ -51,14 +52,16 @@ def test_kv_event_sources_are_empty_when_kv_events_are_off(vllm_engine):
 def test_on_the_cpu_vllms_processes_run_niced_and_this_one_does_not(vllm_engine):
     import psutil
 
-    vllm, others = {}, {}
-    for process in psutil.Process().children(recursive=True):
-        nices = {os.getpriority(os.PRIO_PROCESS, t.id) for t in process.threads()}
-        (vllm if process.name().startswith("VLLM::") else others)[process.name()] = nices
-    assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(vllm), vllm  # engine core and model worker
-    assert all(n == {10} for n in vllm.values()), vllm
-    assert all(n == {0} for n in others.values()), others
+    core = engine_core_of(os.getpid())  # found by title, else by place (a title can be missing)
+    vllm = [core, *model_workers_of(os.getpid())]
+    others = [p for p in psutil.Process().children(recursive=True) if p not in vllm]
+    assert all(_nices(p) == {10} for p in vllm), {p.pid: _nices(p) for p in vllm}
+    assert all(_nices(p) == {0} for p in others), {p.pid: _nices(p) for p in others}
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the serving glue keeps its priority
+
+
+def _nices(process) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, t.id) for t in process.threads()}
 
 
 def test_the_requests_for_vllms_own_nccl_engine_are_accepted_by_its_parsers():
