@@ -8,6 +8,8 @@ import sys
 import threading
 from pathlib import Path
 
+from rollout_fleet.adapters.shared.processes import interrupt
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
@@ -91,7 +93,7 @@ def _stop_on_signals(stop: threading.Event) -> None:
             return
         stop.set()
         if not _serving.is_set():  # still starting: unwind Fleet.start (it cleans up)
-            raise KeyboardInterrupt
+            interrupt()  # held while a child is started and not yet recorded
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

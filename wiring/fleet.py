@@ -163,8 +163,10 @@ class Fleet:
         endpoint = self.config.etcd_endpoint
         if endpoint is None:
             host = self.config.bind_host
+            # Recorded before it starts, so that a start interrupted while it waits stops it.
             self.etcd = LoopbackEtcd(self.run_dir / "etcd" / "data", host=host,
-                                     client_port=free_port(host), peer_port=free_port(host)).start()
+                                     client_port=free_port(host), peer_port=free_port(host))
+            self.etcd.start()
             endpoint = self.etcd.endpoint
         return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": endpoint}
 

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from rollout_fleet.adapters.shared import stop_process_group
+from rollout_fleet.adapters.shared.processes import interrupts_held
 from rollout_fleet.core.errors import RolloutFleetError
 
 
@@ -41,7 +42,7 @@ class LoopbackEtcd:
                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                    "--initial-cluster", f"rollout-fleet={peer}", "--log-level", "warn"]
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with interrupts_held(), open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         self._wait_healthy(timeout_s)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
 from rollout_fleet.adapters.shared import read_tail, stop_process_group
+from rollout_fleet.adapters.shared.processes import interrupts_held
 from rollout_fleet.core.errors import RolloutFleetError
 
 _LOG_TAIL_BYTES = 4000
@@ -78,7 +79,7 @@ class DynamoFrontend:
         self._log_read = self.log_path.stat().st_size if self.log_path.exists() else 0
         command = [self.python, "-m", "dynamo.frontend",
                    "--http-host", self.host, "--http-port", str(self.http_port)]
-        with open(self.log_path, "ab") as log:
+        with interrupts_held(), open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             process_group=0, cwd=self.run_dir)

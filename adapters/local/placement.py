@@ -8,7 +8,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from rollout_fleet.adapters.shared import free_port, stop_process_group
-from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_stdin, signal_group
+from rollout_fleet.adapters.shared.processes import (hand_over_secret, interrupts_held,
+                                                    secret_stdin, signal_group)
 from rollout_fleet.adapters.shared.shm import SegmentWatch
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
@@ -52,12 +53,12 @@ class LocalPlacement(Placement):
                 env[launch.host_env] = self._bind_host
             if launch.log_path:
                 os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
-            with open(launch.log_path or os.devnull, "ab") as log:
+            with interrupts_held(), open(launch.log_path or os.devnull, "ab") as log:
                 process = subprocess.Popen(list(launch.argv), env=env, stdout=log,
                                            stderr=subprocess.STDOUT, stdin=secret_stdin(launch.secret),
                                            process_group=0)
+                self._processes[launch.name] = process
             hand_over_secret(process, launch.secret)
-            self._processes[launch.name] = process
             self._segments.track(launch.name, process.pid)
             handles.append(WorkerHandle(index, launch.name, process.pid, self._bind_host, ports,
                                         launch.log_path))

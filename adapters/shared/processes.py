@@ -2,12 +2,53 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 LOG_TAIL_BYTES = 3000
+
+# A signal handler that unwinds a start by raising KeyboardInterrupt (``serve``) may run between
+# any two lines of the main thread, so also between a child's fork and the line that records
+# the child; such a child would outlive every stop. Blocks that start and record a child hold
+# the interrupt until they end.
+_held = 0
+_pending = False
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Around starting a child and recording it: ``interrupt()`` called meanwhile (in the main
+    thread) raises at the end of the block instead. Other threads are not interrupted; for
+    them this does nothing."""
+    global _held, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        due = _pending and _held == 0
+        if due:
+            _pending = False
+    if due:
+        raise KeyboardInterrupt
+
+
+def interrupt() -> None:
+    """For a signal handler: raise KeyboardInterrupt now, or when the ``interrupts_held``
+    block the main thread is in ends."""
+    global _pending
+    if _held:
+        _pending = True
+        return
+    raise KeyboardInterrupt
 
 
 def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
