@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
 
-    from rollout_fleet.wiring.netns import reexec_in_private_netns
+    from private_netns import reexec_in_private_netns
 
     reexec_in_private_netns()
     from bench_vllm_frontend import SERVED_MODEL

@@ -349,9 +349,10 @@ def main(argv=None) -> int:
     if not 1 <= args.rollouts <= 8192 or not 1 <= args.workers <= 16 or not 1 <= args.rounds <= 5:
         parser.error("--rollouts in [1, 8192], --workers in [1, 16], --rounds in [1, 5]")
     if "kv" in args.modes:
-        from rollout_fleet.wiring.netns import in_private_netns, reexec_in_private_netns
+        from private_netns import reexec_in_private_netns
+        from rollout_fleet.wiring.network import loopback_only
 
-        if not in_private_netns():
+        if not loopback_only():
             print("KV router asked: re-running inside a private network namespace", flush=True)
             reexec_in_private_netns()
     deadline = time.monotonic() + args.time_budget_s

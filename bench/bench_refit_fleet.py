@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=16)
     args = parser.parse_args()
 
-    from rollout_fleet.wiring.netns import reexec_in_private_netns
+    from private_netns import reexec_in_private_netns
 
     reexec_in_private_netns()
     import ray

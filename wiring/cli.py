@@ -25,9 +25,6 @@ def _demo(args: argparse.Namespace) -> int:
             raise RolloutFleetError(f"the refit did not reach every worker: {figures['weight_versions']}")
         return 0
     from rollout_fleet.wiring.demo.run import DemoSettings, run_demo
-    from rollout_fleet.wiring.netns import reexec_in_private_netns
-
-    reexec_in_private_netns()  # a local Ray binds every interface: keep it on loopback
     settings = DemoSettings(workers=args.workers, out_dir=args.out,
                             progress=not args.quiet and sys.stderr.isatty(),  # quiet in CI logs
                             asynchronous=args.asynchronous)

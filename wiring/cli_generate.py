@@ -65,10 +65,10 @@ class Prompt:
 def run_generate(args: argparse.Namespace) -> int:
     fleet = None
     if args.fleet_file:
-        from rollout_fleet.wiring.fleet_file import FleetFile, enter_fleet_netns
+        from rollout_fleet.wiring.fleet_file import FleetFile, check_fleet_running
 
         fleet = FleetFile.read(args.fleet_file)
-        enter_fleet_netns(fleet)
+        check_fleet_running(fleet)
     url = args.url or (fleet.frontend_url if fleet else None)
     if url is None:
         raise InvalidValue("--url", None, "is required (or give --fleet-file)")

@@ -34,10 +34,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_refit(args: argparse.Namespace) -> int:
-    from rollout_fleet.wiring.fleet_file import FleetFile, enter_fleet_netns
+    from rollout_fleet.wiring.fleet_file import FleetFile, check_fleet_running
 
     fleet = FleetFile.read(args.fleet_file)
-    enter_fleet_netns(fleet)
+    check_fleet_running(fleet)
     if not args.timeout > 0:
         raise InvalidValue("--timeout", args.timeout, "must be > 0")
     state = load_checkpoint(args.checkpoint)

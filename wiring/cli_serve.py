@@ -28,14 +28,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from rollout_fleet.wiring.config import load_config
 
     config = load_config(args.config)  # a bad config fails here, before anything starts
-    if config.ray_address is None:
-        from rollout_fleet.core.errors import RolloutFleetError
-        from rollout_fleet.wiring.netns import in_private_netns, reexec_in_private_netns
-
-        reexec_in_private_netns()  # a local Ray binds every interface: keep it on loopback
-        if not in_private_netns():
-            raise RolloutFleetError("could not enter a private network namespace (unshare -n); "
-                                    "a local Ray would bind every interface")
     from rollout_fleet.wiring.fleet import Fleet
     from rollout_fleet.wiring.fleet_file import FleetFile
 

@@ -75,7 +75,7 @@ class FleetConfig(_Strict):
     discovery: Literal["file", "etcd"] = "file"
     router: Literal["round-robin", "random", "kv"] = Field(
         "round-robin", description="how the frontend picks a worker; kv: by cached prefix "
-        "(vLLM workers publish KV events; inside a private network namespace)")
+        "(vLLM workers publish KV events; Dynamo's KV-event sockets bind every interface)")
     etcd_endpoint: str | None = Field(None, description="an etcd to use; None starts one on loopback")
     ray_address: str | None = Field(None, description="join this Ray cluster; None starts a local one")
     bind_host: str = Field(

@@ -44,8 +44,8 @@ from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.shared import free_port, read_tail
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
-from rollout_fleet.wiring.config import ConfigError, FleetConfig, port_in_use
-from rollout_fleet.wiring.netns import in_private_netns
+from rollout_fleet.wiring.config import ConfigError, FleetConfig
+from rollout_fleet.wiring.network import check_network
 from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class Fleet:
     @classmethod
     def start(cls, config: FleetConfig, placement: Placement | None = None) -> "Fleet":
         """Start everything; on any failure, stop what was started and raise."""
-        _check_network(config)
+        check_network(config)
         own = None if config.run_dir else tempfile.TemporaryDirectory(prefix="rollout-fleet-")
         run_dir = private_folder(Path(config.run_dir or own.name).resolve())
         fleet = cls(config, placement or placement_for(config), run_dir, secrets.token_hex(16),
@@ -524,20 +524,3 @@ def _health_ready(control_url: str) -> bool:
             return json.load(answer).get("status") == "ready"
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def _check_network(config: FleetConfig) -> None:
-    if port_in_use(config.bind_host, 0):
-        raise ConfigError(f"bind_host={config.bind_host!r} is not an address of this machine "
-                          "(nothing can listen there): give the driver node's own address")
-    if in_private_netns():
-        return
-    if config.placement == "ray" and config.ray_address is None:
-        raise ConfigError(
-            "a local Ray cluster binds every interface; start the fleet inside a private network "
-            "namespace (the rollout-fleet command does this itself; or run under `unshare -n`), "
-            "or join a cluster with ray_address")
-    if config.router == "kv":
-        raise ConfigError(
-            "router='kv': Dynamo's KV-event sockets bind 0.0.0.0; start the fleet inside a "
-            "private network namespace (unshare -n, loopback only)")

@@ -1,17 +1,15 @@
 """The fleet file: how other commands find (and reach) a fleet that ``rollout-fleet serve`` runs.
 
-A fleet with a local Ray lives inside a private network namespace, so its loopback URLs only
-work from inside that namespace. The file names the process whose namespace it is; a command
-given ``--fleet-file`` re-executes itself inside that namespace (``nsenter --net``) first.
-The file holds the control secret, so it is written with mode 0600.
+The fleet runs in its user's own network namespace, so any shell of the same user on the
+driver's machine reaches the URLs the file lists. The file names the ``serve`` process too, so
+a command given a stale file says that the fleet is gone instead of timing out. It holds the
+control secret, so it is written with mode 0600.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,6 @@ import attrs
 
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 
-NSENTER_MARK = "ROLLOUT_FLEET_NSENTER"
 _FLAG = "--fleet-file"
 
 
@@ -28,7 +25,7 @@ class FleetFile:
     frontend_url: str
     control_urls: dict[str, str]
     secret: str = attrs.field(repr=False)
-    netns_pid: int
+    serve_pid: int  # the `serve` process that owns the fleet
     served_model_name: str = "tiny"
     max_model_len: int = 512
     max_new_tokens: int = 64
@@ -48,7 +45,7 @@ class FleetFile:
         if fleet.frontend is not None and fleet.frontend.process is not None:
             processes["frontend"] = fleet.frontend.process.pid
         return cls(frontend_url=fleet.frontend_url, control_urls=live,
-                   secret=fleet.secret, netns_pid=os.getpid(),
+                   secret=fleet.secret, serve_pid=os.getpid(),
                    served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                    max_new_tokens=config.max_new_tokens, buffer_bytes=config.refit.buffer_bytes,
                    num_buffers=config.refit.num_buffers, ranks_per_worker=config.ranks_per_worker,
@@ -91,37 +88,15 @@ class FleetFile:
 
 
 def _check_types(path: str | Path, data: dict[str, Any]) -> None:
-    checks = {"frontend_url": str, "secret": str, "netns_pid": int, "control_urls": dict,
+    checks = {"frontend_url": str, "secret": str, "serve_pid": int, "control_urls": dict,
               "served_model_name": str, "max_model_len": int, "max_new_tokens": int}
     for key, kind in checks.items():
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], kind)):
             raise InvalidValue(f"{_FLAG} {path}: {key}", data[key], f"must be a {kind.__name__}")
 
 
-def enter_fleet_netns(fleet: FleetFile) -> None:
-    """Re-execute this command inside the fleet's network namespace, unless already there."""
-    pid = fleet.netns_pid
-    theirs = f"/proc/{pid}/ns/net"
-    if not os.path.exists(f"/proc/{pid}"):
-        raise RolloutFleetError(f"the fleet's process {pid} is gone: is `rollout-fleet serve` "
-                                "still running?")
-    try:
-        if os.stat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:
-            return
-    except OSError as exc:
-        raise RolloutFleetError(f"cannot read the network namespace of the fleet's process {pid} "
-                                f"({exc.strerror}): run this command as root, or as the user "
-                                "that runs `rollout-fleet serve`") from None
-    if os.environ.get(NSENTER_MARK):
-        raise RolloutFleetError(f"entered {theirs} but still see another network namespace")
-    nsenter = shutil.which("nsenter")
-    if nsenter is None:
-        raise RolloutFleetError("joining the fleet's network namespace needs `nsenter` "
-                                "(util-linux), which is not on PATH")
-    if os.geteuid() != 0:
-        raise RolloutFleetError(f"joining the fleet's network namespace ({theirs}) needs root "
-                                "(nsenter --net): run this command as root, or from a shell "
-                                f"inside that namespace (nsenter --net={theirs})")
-    os.environ[NSENTER_MARK] = "1"
-    argv = [nsenter, f"--net={theirs}", "--", sys.executable, *sys.orig_argv[1:]]  # keeps `-m ...`
-    os.execv(nsenter, argv)
+def check_fleet_running(fleet: FleetFile) -> None:
+    """Refuse a fleet file whose ``serve`` process has exited (the fleet is gone with it)."""
+    if not os.path.exists(f"/proc/{fleet.serve_pid}"):
+        raise RolloutFleetError(f"the fleet's serve process {fleet.serve_pid} is gone: is "
+                                "`rollout-fleet serve` still running?")

@@ -39,7 +39,7 @@ def fleet_file(tmp_path):
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps({"frontend_url": "http://127.0.0.1:1", "secret": "s",
                                 "control_urls": {"worker-0": "http://127.0.0.1:2"},
-                                "netns_pid": gone.pid}))
+                                "serve_pid": gone.pid}))
     return path
 
 
@@ -160,11 +160,12 @@ def test_refit_fleet_file_of_a_stopped_fleet(fleet_file, tmp_path):
 
 
 def _own_fleet_file(tmp_path):
-    """A fleet file naming this process's namespace, so the command gets to the checkpoint."""
+    """A fleet file naming this (running) process as its serve, so the command gets to the
+    checkpoint."""
     path = tmp_path / "own-fleet.json"
     path.write_text(json.dumps({"frontend_url": f"http://127.0.0.1:{free_port()}", "secret": "s",
                                 "control_urls": {"worker-0": f"http://127.0.0.1:{free_port()}"},
-                                "netns_pid": os.getpid()}))
+                                "serve_pid": os.getpid()}))
     return path
 
 
@@ -204,31 +205,3 @@ def test_refit_unreachable_workers(tmp_path):
 def test_build_tiny_model_into_a_path_under_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     assert_one_line_error(run_cli("build-tiny-model", tmp_path / "file" / "model"), "file")
-
-
-def test_joining_another_namespace_without_the_right_is_one_line(prompts):
-    """An unprivileged user cannot enter the fleet's network namespace: one line says so."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    from tests.cli.conftest import COMMAND, ROOT, cli_env
-
-    with tempfile.TemporaryDirectory() as folder:
-        os.chmod(folder, 0o755)
-        fleet_file = os.path.join(folder, "fleet.json")
-        with open(fleet_file, "w") as out:  # pid 1 lives in another network namespace
-            json.dump({"frontend_url": "http://127.0.0.1:1", "secret": "s",
-                       "control_urls": {}, "netns_pid": 1}, out)
-        os.chmod(fleet_file, 0o644)
-        shutil.copy(prompts, os.path.join(folder, "p.jsonl"))
-        os.chmod(os.path.join(folder, "p.jsonl"), 0o644)
-        # As root, become uid 65534 (setpriv keeps the capabilities, so the interpreter under
-        # /root stays reachable; the command decides by its effective uid).
-        drop = (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-                if os.geteuid() == 0 else [])
-        result = subprocess.run([*drop, *COMMAND, "generate", "--fleet-file", fleet_file,
-                                 "--prompts", os.path.join(folder, "p.jsonl")],
-                                capture_output=True, text=True, timeout=120, cwd=ROOT,
-                                env={**cli_env(), "HOME": folder})
-    assert_one_line_error(result, "network namespace", "root")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 from tests.cli.conftest import run_cli
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env, run_cli
 from tests.driver.conftest import engine_answers
 from tests.support.lost_worker import kill_memory_engine
@@ -60,19 +60,13 @@ start_s = 120
     stop_child(process, sig=signal.SIGINT, timeout_s=60)  # a no-op when the test stopped it
 
 
-def _generate(tmp_path, fleet_file, prompts, *extra, elsewhere=False):
-    """``elsewhere``: run the command from a fresh network namespace, so it must join the
-    fleet's (nsenter) to reach it."""
+def _generate(tmp_path, fleet_file, prompts, *extra):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     out = tmp_path / "results.jsonl"
     args = ("generate", "--fleet-file", fleet_file, "--prompts", path, "--out", out, "--greedy",
             *extra)
-    if elsewhere:
-        result = subprocess.run(["unshare", "-n", *COMMAND, *map(str, args)], capture_output=True,
-                                text=True, timeout=120, cwd=ROOT, env=cli_env())
-    else:
-        result = run_cli(*args)
+    result = run_cli(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -122,12 +116,11 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
         assert result["logprobs"] == pytest.approx(list(answer.logprobs), abs=1e-9)
         assert result["finish_reason"] == answer.finish_reason.value
 
-    # text prompts through the model folder's tokenizer, the text of each answer back; run
-    # from another network namespace, where the fleet's loopback URLs do not exist
+    # text prompts through the model folder's tokenizer, the text of each answer back
     tokenizer_dir = fleet_file.parent / "model-memory"
     (tmp_path / "t").mkdir()
     texts = _generate(tmp_path / "t", fleet_file, [{"text": "ab"}, {"text": "the", "max_new_tokens": 3}],
-                      "--tokenizer", tokenizer_dir, elsewhere=True)
+                      "--tokenizer", tokenizer_dir)
     assert [r["id"] for r in texts] == ["0", "1"]
     assert len(texts[1]["token_ids"]) <= 3
     assert all(isinstance(r["text"], str) and len(r["logprobs"]) == len(r["token_ids"])

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rollout_fleet.adapters.memory.model_folder import write_model_folder
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 from tests.cli.conftest import run_cli
 
 START_TIMEOUT_S = 600  # far beyond the failure: a wait that ran it out would fail the test

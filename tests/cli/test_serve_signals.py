@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 from tests.cli.conftest import COMMAND, ROOT, cli_env
 from tests.support.processes import leftover_processes, stop_child
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env, run_cli
 from tests.support.processes import leftover_processes, stop_child
 

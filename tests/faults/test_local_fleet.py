@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_fleet.wiring.config import ConfigError
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 from tests.faults.conftest import (
     check_batch_exactly_once, collect_until_error, local_memory_config, mixed_batch, run,
 )

@@ -3,7 +3,7 @@ inside a private network namespace (scripts/test.sh puts the whole suite in one)
 
 import pytest
 
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_fleet.wiring.netns import in_private_netns
+from tests.support.net import in_private_netns
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = (0, 1)  # model A, model B

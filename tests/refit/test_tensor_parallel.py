@@ -56,7 +56,7 @@ def big_reference(big_models):
 def tp_fleet(big_models, tmp_path_factory):
     from rollout_fleet.wiring.config import parse_config
     from rollout_fleet.wiring.fleet import Fleet
-    from rollout_fleet.wiring.netns import in_private_netns
+    from tests.support.net import in_private_netns
 
     if not in_private_netns():
         pytest.fail("the refit tier starts a local Ray cluster: run it through scripts/test.sh")

@@ -99,3 +99,11 @@ def _ipv6(hex_address: str) -> str:
     # /proc prints the address as four little-endian 32-bit words
     words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
     return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def in_private_netns() -> bool:
+    """True when loopback is the only interface here: the harness's guard for tests that start
+    what binds every interface (a local Ray, Dynamo's KV-event sockets)."""
+    from rollout_fleet.wiring.network import loopback_only
+
+    return loopback_only()

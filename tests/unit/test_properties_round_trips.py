@@ -73,7 +73,7 @@ fleet_files = st.builds(
     frontend_url=st.integers(1, 65535).map("http://127.0.0.1:{}".format),
     control_urls=st.dictionaries(names, names.map("http://127.0.0.1:9000/".__add__), max_size=4),
     secret=st.text(string.hexdigits, min_size=1, max_size=32),
-    netns_pid=st.integers(1, 2**22),
+    serve_pid=st.integers(1, 2**22),
     served_model_name=names, max_model_len=positive, max_new_tokens=positive,
     buffer_bytes=positive, num_buffers=st.integers(1, 64), ranks_per_worker=st.integers(1, 8),
     device=st.sampled_from(["cpu", "gpu"]), collective_backend=st.sampled_from(["gloo", "nccl"]),
