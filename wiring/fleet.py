@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("rollout_fleet.fleet")
 SYSTEM_PORT = "DYN_SYSTEM_PORT"  # each worker's system server: health, controls, metrics
 # The frontend lists the model once ONE worker registered; the others' registrations reach it
-# through the discovery folder within about 0.6 s (FACTS.md).
+# through the discovery folder within about 0.6 s (measured with Dynamo 1.6.1).
 _DISCOVERY_SETTLE_S = 1.5
 _WATCH_S = 1.0  # how often the fleet looks for lost workers
 _REPLACE_BACKOFF_MAX_S = 60.0

@@ -1,5 +1,6 @@
-"""The environment that runs Dynamo with no NATS (see FACTS.md): on loopback with file
-discovery on one machine, or on one node's cluster address (etcd discovery) across nodes.
+"""The environment that runs Dynamo 1.6.1 with no NATS (TCP request plane, ZMQ event plane,
+every host setting named): on loopback with file discovery on one machine, or on one node's
+cluster address (etcd discovery) across nodes.
 
 Pure: builds a dict; the frontend launcher gives it to its child, the worker entry point puts it
 into its own ``os.environ`` before the Dynamo runtime starts (the runtime reads it once).
