@@ -5,7 +5,10 @@ logprob per token; it stops at a stop string or the budget, and honours abort. I
 test (tests/examples/test_examples.py) runs the project's EngineContract suite against it,
 exactly as a real backend's own tests would.
 
-Serve it through Dynamo by adding one entry to rollout_fleet.wiring.worker.ENGINE_FACTORIES.
+CountingKind makes it servable by a fleet: installed as a package that names it in the
+entry-point group ``rollout_fleet.engines`` (docs/adding-a-backend.md), a fleet config selects
+it with ``engine = { kind = "counting" }``, with no change to rollout-fleet
+(tests/examples/test_third_party_backend.py does exactly that).
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from rollout_fleet.core.errors import EngineError
+from rollout_fleet.core.errors import EngineError, InvalidValue
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource
+from rollout_fleet.ports.engine_kind import BuiltEngine, EngineKind, FleetFacts
 
 VOCAB = 26  # token t is the letter chr(ord("a") + t)
 
@@ -66,6 +72,22 @@ class CountingEngine(EnginePort):
 
     def kv_event_sources(self) -> Sequence[KvEventSource]:
         return ()
+
+
+class CountingKind(EngineKind):
+    """How a fleet makes a CountingEngine: one option, ``context_length``."""
+
+    def check(self, options: Mapping[str, Any], fleet: FleetFacts) -> None:
+        for key, value in options.items():
+            if key != "context_length":
+                raise InvalidValue(key, value, "not an option of the counting engine")
+            if not isinstance(value, int) or value < 2:
+                raise InvalidValue(key, value, "must be an int >= 2")
+
+    def build(self, options: Mapping[str, Any], *, run_dir: Path,
+              model_path: str | None) -> BuiltEngine:
+        # model_path: the fleet's model folder (its tokenizer serves the text side)
+        return BuiltEngine(CountingEngine(**options), model_path)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from rollout_fleet.adapters.dynamo.env import check_bind_host, is_loopback
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
-from rollout_fleet.core.validate import check_int_at_least
+from rollout_fleet.ports.engine_kind import FleetFacts
+from rollout_fleet.wiring.engines import engine_kind, without_kind
 
 
 class ConfigError(RolloutFleetError, ValueError):
@@ -106,12 +107,7 @@ class FleetConfig(_Strict):
     def _consistent(self) -> "FleetConfig":
         if "kind" not in self.engine:
             raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
-        engine_ranks = _engine_ranks(self.engine)
-        if engine_ranks != self.ranks_per_worker:
-            raise ValueError(
-                f"ranks_per_worker={_shown(self.ranks_per_worker)} disagrees with the engine's"
-                f" {engine_ranks} rank(s) (engine {_ranks_source(self.engine)}): every engine rank"
-                " joins the refit group, so the two must be equal")
+        self._check_ranks()
         if self.placement == "local" and self.ray_address is not None:
             raise ValueError(f"ray_address={_shown(self.ray_address)}: a local placement uses no Ray")
         try:
@@ -135,6 +131,19 @@ class FleetConfig(_Strict):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self
 
+    def _check_ranks(self) -> None:
+        try:
+            kind = engine_kind(self.engine["kind"])
+        except InvalidValue:
+            return  # parse_config names the kinds there are
+        options = without_kind(self.engine)
+        engine_ranks = kind.refit_ranks(options)
+        if engine_ranks != self.ranks_per_worker:
+            raise ValueError(
+                f"ranks_per_worker={_shown(self.ranks_per_worker)} disagrees with the engine's"
+                f" {engine_ranks} rank(s) (engine {kind.ranks_source(options)}): every engine rank"
+                " joins the refit group, so the two must be equal")
+
     @property
     def sender_spec(self) -> CollectiveSenderSpec:
         """The refit geometry, in the protocol the workers' engines receive in."""
@@ -155,21 +164,6 @@ class FleetConfig(_Strict):
         if self.device == "gpu":
             return {"GPU": float(self.ranks_per_worker), "CPU": self.cpus_per_worker, **extra}
         return {"CPU": self.cpus_per_worker, **extra}
-
-
-def _engine_ranks(engine: dict[str, Any]) -> Any:
-    """The ranks one engine holds in the refit group: vLLM's tensor x pipeline parallel size,
-    the memory engine's ``refit_ranks``."""
-    if engine.get("kind") == "memory":
-        return engine.get("refit_ranks", 1)
-    return engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
-
-
-def _ranks_source(engine: dict[str, Any]) -> str:
-    if engine.get("kind") == "memory":
-        return f"refit_ranks={_shown(engine.get('refit_ranks', 1))}"
-    return (f"tensor_parallel_size={_shown(engine.get('tensor_parallel_size', 1))} x"
-            f" pipeline_parallel_size={_shown(engine.get('pipeline_parallel_size', 1))}")
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -195,22 +189,22 @@ def parse_config(data: Any, source: str = "config") -> FleetConfig:
     return config
 
 
-ENGINE_KINDS = ("memory", "vllm")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 
 
-def engine_config(config: FleetConfig) -> Any:
-    """The typed settings of the config's engine (MemoryEngineConfig or VllmEngineConfig);
-    InvalidValue names the field (``engine.<option>``, ``model``) and the value."""
-    options = dict(config.engine)
-    kind = options.pop("kind")
-    try:
-        if kind == "memory":
-            from rollout_fleet.adapters.memory.config import MemoryEngineConfig
+def fleet_facts(config: FleetConfig) -> FleetFacts:
+    """What the config's engine kind may read of its fleet."""
+    return FleetFacts(device=config.device, max_model_len=config.max_model_len,
+                      num_workers=config.num_workers, kv_routing=config.router == "kv",
+                      model=config.model, one_host=config.ray_address is None)
 
-            return MemoryEngineConfig.from_mapping(options)
-        if kind == "vllm":
-            return _vllm_config(config, options)
+
+def engine_config(config: FleetConfig) -> None:
+    """Check the config's engine options with its kind; InvalidValue names the field
+    (``engine.<option>``, ``model``) and the value."""
+    options = without_kind(config.engine)
+    try:
+        engine_kind(config.engine["kind"]).check(options, fleet_facts(config))
     except InvalidValue as exc:
         if exc.field == "model" or exc.field.startswith("engine."):
             raise
@@ -219,19 +213,6 @@ def engine_config(config: FleetConfig) -> Any:
                            exc.rule) from None
     except (TypeError, ValueError) as exc:  # a value of the wrong shape for an unchecked field
         raise InvalidValue("engine", options, str(exc)) from None
-    raise InvalidValue("engine.kind", kind, f"must be one of {', '.join(ENGINE_KINDS)}")
-
-
-def _vllm_config(config: FleetConfig, options: dict[str, Any]) -> Any:
-    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-
-    seed = options.pop("tiny_model_seed", 0)  # the worker builds the tiny model from it
-    check_int_at_least("tiny_model_seed", seed, 0)
-    if "model" in options:
-        check_model_folder("engine.model", options["model"])
-    elif config.model != "tiny":
-        check_model_folder("model", config.model)
-    return VllmEngineConfig.from_mapping({"model": config.model, **options})
 
 
 def check_model_folder(field: str, folder: Any) -> None:

@@ -44,7 +44,8 @@ from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.shared import free_port, read_tail
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
-from rollout_fleet.wiring.config import ConfigError, FleetConfig
+from rollout_fleet.wiring.config import ConfigError, FleetConfig, fleet_facts
+from rollout_fleet.wiring.engines import engine_kind, without_kind
 from rollout_fleet.wiring.network import check_network
 from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK
 
@@ -139,17 +140,12 @@ class Fleet:
         self._watcher.start()
 
     def _model_folder(self) -> str:
-        engine = self.config.engine
         if self.config.model != "tiny":
             return str(Path(self.config.model).resolve())
-        if engine.get("kind") == "memory":
-            # Written once here, so the workers do not race to write it.
-            from rollout_fleet.adapters.memory.model_folder import write_model_folder
-
-            folder = self.run_dir / "model-memory"
-            if not (folder / "config.json").exists():
-                write_model_folder(folder, context_length=engine.get("context_length", 256))
-            return str(folder)
+        engine = self.config.engine
+        own = engine_kind(engine["kind"]).model_folder(without_kind(engine), self.run_dir)
+        if own is not None:
+            return own
         from rollout_fleet.adapters.tiny_model import build_tiny_model
 
         folder = self.run_dir / "tiny-model"
@@ -179,19 +175,12 @@ class Fleet:
         ``joins_running``: it joins a fleet that may have been refit, so it serves only after
         its first refit. ``slot``: whose share of this host's cores it takes (a replacement
         takes the lost worker's)."""
-        engine = dict(self.config.engine)
-        if self.config.device == "gpu" and engine.get("kind") == "vllm":
-            engine.setdefault("device", "cuda")
-        if self.config.device == "cpu" and engine.get("kind") == "vllm" \
-                and self.config.ray_address is None:
-            # Left alone, every vLLM engine on this host binds its model threads to the same
-            # core and the workers take turns; each gets cores of its own instead.
-            engine.setdefault("cpu_cores", cores_for_worker(
-                sorted(os.sched_getaffinity(0)), self.config.num_workers,
-                (index if slot is None else slot) % self.config.num_workers))
+        kind_name = self.config.engine["kind"]
+        slot = (index if slot is None else slot) % self.config.num_workers
+        engine = {"kind": kind_name, **engine_kind(kind_name).worker_options(
+            without_kind(self.config.engine), fleet_facts(self.config), slot=slot,
+            free_port=lambda: free_port(self.config.bind_host))}
         kv_routing = self.config.router == "kv"
-        if kv_routing and engine.get("kind") == "vllm":
-            engine.setdefault("kv_events_port", free_port(self.config.bind_host))
         return {
             "engine": engine, "run_dir": str(self.run_dir), "kv_routing": kv_routing,
             "collective_backend": self.collective_backend,
@@ -477,15 +466,6 @@ def write_private(path: Path, text: str) -> Path:
 
 def worker_name(index: int) -> str:
     return f"worker-{index}"
-
-
-def cores_for_worker(cores: list[int], num_workers: int, index: int) -> list[int]:
-    """Worker ``index``'s share of ``cores``: an equal contiguous slice, or one core (shared
-    round-robin) when there are more workers than cores."""
-    share = len(cores) // num_workers
-    if share == 0:
-        return [cores[index % len(cores)]]
-    return cores[index * share:(index + 1) * share]
 
 
 def worker_failure(log_path: str) -> str:

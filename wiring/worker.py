@@ -20,8 +20,9 @@ or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON ob
       "sigterm_grace_s": 15            # after SIGTERM, exit anyway if still running by then
     }
 
-An engine kind is one entry of ``ENGINE_FACTORIES``; it returns the engine, its model folder and
-any extra controls the worker should serve. The worker runs until SIGTERM (Dynamo drains and
+The engine's kind is found by name in the entry-point group ``rollout_fleet.engines``
+(``wiring/engines.py``); it returns the engine, its model folder and any extra controls the
+worker should serve. The worker runs until SIGTERM (Dynamo drains and
 unregisters, then this returns).
 
 The control secret is required: a worker without one refuses to start unless its config says
@@ -40,13 +41,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 from rollout_fleet.core.engine import EnginePort
 from rollout_fleet.core.errors import EngineDead, InvalidValue
+from rollout_fleet.ports.engine_kind import BuiltEngine, Control
+from rollout_fleet.wiring.engines import engine_kind, without_kind
 
 logger = logging.getLogger("rollout_fleet.worker")
 # The last line a worker that fails writes: its exception's own message, which the fleet reports.
@@ -59,71 +61,13 @@ ENGINE_WATCH_INTERVAL_S = 0.1
 # How long a worker whose engine died waits for its last answers to leave before it stops.
 ANSWERS_FLUSH_S = 2.0
 
-Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
-
-@attrs.frozen
-class BuiltEngine:
-    engine: EnginePort
-    model_path: str
-    controls: Mapping[str, Control] = attrs.field(factory=dict)
-
-
-def _memory_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | None) -> BuiltEngine:
-    from rollout_fleet.adapters.collective import join_receiver
-    from rollout_fleet.adapters.memory.config import MemoryEngineConfig
-    from rollout_fleet.adapters.memory.model_folder import write_model_folder
-
-    try:
-        settings = MemoryEngineConfig.from_mapping({k: v for k, v in options.items() if k != "kind"})
-    except InvalidValue as exc:
-        raise InvalidValue(f"engine.{exc.field}", exc.value, exc.rule) from None
-    engine = settings.engine(join_receiver=join_receiver)
-    if model_path is None:
-        model_path = str(write_model_folder(run_dir / "model-memory",
-                                            context_length=engine.context_length))
-
-    async def engine_stats(_body: dict[str, Any]) -> dict[str, Any]:
-        # What reached the engine itself (tests read it through the control channel).
-        return {"aborted_ids": list(engine.aborted_ids[-256:]), "served_count": engine.served_count,
-                "in_flight": sorted(engine.in_flight), "started_as": engine.started_as,
-                "cache_resets": engine.cache_resets}
-
-    async def kill_engine(body: dict[str, Any]) -> dict[str, Any]:
-        # A fault drill: the engine dies as a killed engine process would; the worker leaves.
-        engine.die(str(body.get("reason") or "killed by the kill_engine control"))
-        return {"in_flight": len(engine.in_flight)}
-
-    return BuiltEngine(engine, model_path, {"engine_stats": engine_stats, "kill_engine": kill_engine})
-
-
-def _vllm_engine(options: Mapping[str, Any], run_dir: Path, model_path: str | None) -> BuiltEngine:
-    """``{"kind": "vllm", "model": <folder>, ...VllmEngineConfig keys}``; without a model, the
-    embedded tiny model (``tiny_model_seed``, default 0) is built into the run folder."""
-    from rollout_fleet.adapters.tiny_model import build_tiny_model
-    from rollout_fleet.adapters.vllm import engine_from_config
-
-    options = {k: v for k, v in options.items() if k != "kind"}
-    tiny_model_seed = options.pop("tiny_model_seed", 0)
-    options["model"] = options.get("model") or model_path or str(
-        build_tiny_model(run_dir / f"model-tiny-{tiny_model_seed}", seed=tiny_model_seed))
-    return BuiltEngine(engine_from_config(options), model_path or options["model"])
-
-
-# kind -> factory(engine options, run_dir, model_path or None)
-ENGINE_FACTORIES: dict[str, Callable[[Mapping[str, Any], Path, str | None], BuiltEngine]] = {
-    "memory": _memory_engine,
-    "vllm": _vllm_engine,
-}
-
-
 def build_engine(config: Mapping[str, Any]) -> BuiltEngine:
+    """The engine of ``config["engine"]``, made by its kind (an entry point of the group
+    ``rollout_fleet.engines``)."""
     options = config.get("engine") or {}
-    kind = options.get("kind")
-    factory = ENGINE_FACTORIES.get(kind)
-    if factory is None:
-        raise InvalidValue("engine.kind", kind, f"must be one of {sorted(ENGINE_FACTORIES)}")
-    return factory(options, Path(_required(config, "run_dir")), config.get("model_path"))
+    kind = engine_kind(options.get("kind"))
+    return kind.build(without_kind(options), run_dir=Path(_required(config, "run_dir")),
+                      model_path=config.get("model_path"))
 
 
 def refit_controls(engine: Any, config: Mapping[str, Any]) -> dict[str, Control]:

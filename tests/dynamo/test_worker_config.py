@@ -8,7 +8,8 @@ import pytest
 
 from rollout_fleet.adapters.memory.engine import VOCAB, MemoryEngine
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.wiring.worker import ENGINE_FACTORIES, build_engine, load_config, worker_env
+from rollout_fleet.wiring.engines import registered_kinds
+from rollout_fleet.wiring.worker import build_engine, load_config, worker_env
 
 pytestmark = pytest.mark.dynamo
 
@@ -22,7 +23,7 @@ def test_memory_kind_builds_the_engine_and_its_model_folder(tmp_path):
     tokenizer = json.loads((tmp_path / "model-memory" / "tokenizer.json").read_text())
     assert tokenizer["model"]["vocab"]["<eos>"] == 0
     assert "engine_stats" in built.controls
-    assert "memory" in ENGINE_FACTORIES
+    assert {"memory", "vllm"} <= set(registered_kinds())
 
 
 @pytest.mark.parametrize("config,field", [

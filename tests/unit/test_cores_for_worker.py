@@ -2,7 +2,7 @@
 
 import pytest
 
-from rollout_fleet.wiring.fleet import cores_for_worker
+from rollout_fleet.wiring.engines import cores_for_worker
 
 
 @pytest.mark.parametrize("cores, workers, expected", [
