@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_fleet.core.engine import EnginePort
+from rollout_fleet.core.errors import AnnotationError, EngineDead, EngineRejected, InvalidValue
 from rollout_fleet.core.wire import decode_rollout_annotation, engine_data_of
 
 
@@ -28,3 +29,14 @@ async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence
         **extra,
     )
     return engine_data_of(served)
+
+
+def status_of_engine_error(error: BaseException) -> int:
+    """The HTTP status a worker's failure to serve a rollout reaches the client as, the same
+    for every serving adapter and fake: 400 for a request it refuses (never retried), 503 for
+    an engine that died (retried on another worker), 500 for any other failure (retried)."""
+    if isinstance(error, EngineDead):
+        return 503
+    if isinstance(error, AnnotationError | InvalidValue | EngineRejected):
+        return 400
+    return 500

@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rollout_fleet.core.errors import RolloutFleetError, TransportError
+from rollout_fleet.core.errors import TransportError
 from rollout_fleet.core.wire import ROLLOUT_ANNOTATION_PREFIX, find_annotation
-from rollout_fleet.core.worker_service import serve_annotated_rollout
+from rollout_fleet.core.worker_service import serve_annotated_rollout, status_of_engine_error
 from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse
 from rollout_fleet.ports.engine import EnginePort
 
@@ -53,8 +53,9 @@ class EngineCompletionsTransport(CompletionsTransport):
             return _json(400, {"error": {"message": "only rollout requests are served in memory"}})
         try:
             engine_data = await serve_annotated_rollout(self.engine, prompt, annotation)
-        except RolloutFleetError as exc:
-            return _json(400, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
+        except Exception as exc:  # noqa: BLE001 - answered as the real worker answers it
+            return _json(status_of_engine_error(exc),
+                         {"error": {"message": f"{type(exc).__name__}: {exc}"}})
         return _json(200, {"object": "text_completion", "model": self.model,
                            "choices": [{"index": 0, "text": "",
                                         "finish_reason": engine_data["finish_reason"]}],

@@ -1,12 +1,19 @@
 """The completions transport's contract suite.
 
 Provide a ``completions_under_test`` fixture: a ``CompletionsUnderTest`` whose transport
-reaches a fleet serving ``model`` (any engine), run through its own loop.
+reaches a fleet serving ``model`` (any engine), run through its own loop. The suite pins what
+the driver's retry rules rely on: a request the engine refuses is a 4xx that is not retried;
+with ``kill_engine`` given (it makes the fleet's engine die, as a killed engine process
+would), a rollout on a dead engine is a 503, which is retried. The dead engine's test runs
+last but for the close: the fixture's engine serves nothing after it.
 """
 
 from __future__ import annotations
 
 import attrs
+from collections.abc import Callable
+
+from rollout_fleet.core.retry import is_transient_status
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse
@@ -19,6 +26,8 @@ class CompletionsUnderTest:
     loop: LoopThread
     model: str
     prompt: list[int]  # a prompt the fleet's engine accepts
+    refused_prompt: list[int] | None = None  # one it refuses (a token outside its vocabulary)
+    kill_engine: Callable[[], None] | None = None
 
     def post(self, body, request_id="contract") -> TransportResponse:
         return self.loop.run(self.transport.post_completion(body, request_id=request_id))
@@ -39,6 +48,25 @@ class CompletionsContract:
         body = completion_body(RolloutRequest("contract-404", cut.prompt, 2), "no-such-model")
         response = cut.post(body, "contract-404")
         assert 400 <= response.status < 500
+
+
+    def test_a_refused_prompt_is_a_4xx_that_is_not_retried(self, completions_under_test):
+        cut = completions_under_test
+        if cut.refused_prompt is None:
+            return
+        body = completion_body(RolloutRequest("contract-400", cut.refused_prompt, 2), cut.model)
+        response = cut.post(body, "contract-400")
+        assert 400 <= response.status < 500 and not is_transient_status(response.status)
+        assert b"error" in response.body
+
+    def test_zz_a_dead_engine_answers_503_which_is_retried(self, completions_under_test):
+        cut = completions_under_test
+        if cut.kill_engine is None:
+            return
+        cut.kill_engine()
+        body = completion_body(RolloutRequest("contract-503", cut.prompt, 2), cut.model)
+        response = cut.post(body, "contract-503")
+        assert response.status == 503 and is_transient_status(response.status)
 
     def test_aclose_twice_is_harmless(self, completions_under_test):
         cut = completions_under_test

@@ -18,9 +18,8 @@ import attrs
 from aiohttp import web
 
 from rollout_fleet.adapters.memory import MemoryEngine
-from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.wire import REQUEST_ID_HEADER, ROLLOUT_ANNOTATION_PREFIX, find_annotation
-from rollout_fleet.core.worker_service import serve_annotated_rollout
+from rollout_fleet.core.worker_service import serve_annotated_rollout, status_of_engine_error
 from rollout_fleet.ports.contracts.loop import LoopThread
 
 MODEL = "memory"
@@ -108,9 +107,9 @@ class LoopbackFrontend:
             return web.json_response({"error": {"message": "not a rollout"}}, status=400)
         try:
             engine_data = await serve_annotated_rollout(self.engine, body.get("prompt"), annotation)
-        except RolloutFleetError as exc:
+        except Exception as exc:  # noqa: BLE001 - answered as the real worker answers it
             return web.json_response({"error": {"message": f"{type(exc).__name__}: {exc}"}},
-                                     status=400)
+                                     status=status_of_engine_error(exc))
         return web.json_response({
             "id": request.headers.get(REQUEST_ID_HEADER, "cmpl"), "object": "text_completion",
             "model": MODEL,

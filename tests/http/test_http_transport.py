@@ -72,12 +72,15 @@ def rollout(transport, request, clock=None, policy=POLICY):
 
 # -- the port's contract, for every client stack ------------------------------------------------
 @pytest.fixture(scope="module", params=CLIENT_KINDS)
-def completions_under_test(request, frontend):
+def completions_under_test(request):
+    server = LoopbackFrontend()  # its own: the contract's last test kills its engine
     loop = LoopThread()
-    transport = HttpCompletionsTransport(frontend.url, HttpSettings(client=request.param))
-    yield CompletionsUnderTest(transport, loop, MODEL, prompt=[3, 4, 5])
+    transport = HttpCompletionsTransport(server.url, HttpSettings(client=request.param))
+    yield CompletionsUnderTest(transport, loop, MODEL, prompt=[3, 4, 5], refused_prompt=[3, 999],
+                               kill_engine=server.engine.die)
     loop.run(transport.aclose())
     loop.close()
+    server.close()
 
 
 class TestHttpCompletionsContract(CompletionsContract):

@@ -111,7 +111,9 @@ def test_budget_is_fitted_to_the_context():
 @pytest.fixture(scope="class")
 def completions_under_test():
     loop = LoopThread()
-    yield CompletionsUnderTest(EngineCompletionsTransport(MemoryEngine(0)), loop, "memory", [3, 4])
+    engine = MemoryEngine(0)
+    yield CompletionsUnderTest(EngineCompletionsTransport(engine), loop, "memory", [3, 4],
+                               refused_prompt=[3, 999], kill_engine=engine.die)
     loop.close()
 
 
