@@ -7,7 +7,8 @@ from rollout_fleet.adapters.memory.collective import (
 )
 from rollout_fleet.adapters.memory.control import LocalWorkerControl
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel
+from rollout_fleet.adapters.memory.metrics import EngineWorkerMetrics
 from rollout_fleet.adapters.memory.transport import EngineCompletionsTransport
 
 __all__ = ["MemoryEngine", "TinyBigramModel", "EngineCompletionsTransport", "MemoryCollective",
-           "MemoryWeightReceiver", "MemoryWeightSender", "LocalWorkerControl"]
+           "MemoryWeightReceiver", "MemoryWeightSender", "LocalWorkerControl", "EngineWorkerMetrics"]

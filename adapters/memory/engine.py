@@ -170,6 +170,7 @@ class MemoryEngine(EnginePort, RefitTarget):
         self.in_flight: set[str] = set()
         self._live_tokens: dict[str, int] = {}  # request id -> tokens it holds (prompt + generated)
         self.served_count = 0
+        self.generated_tokens = 0  # every token it has generated (its worker's metrics)
         self.aborted_ids: list[str] = []  # ids whose abort reached the engine (tests read it)
         self.started_as: int | str | None = None
         self.cache_resets = 0  # how often the cache was invalidated (tests read it)
@@ -197,9 +198,11 @@ class MemoryEngine(EnginePort, RefitTarget):
         await self._admitting.wait()  # closed only while a drain-mode refit swaps
         self.in_flight.add(request_id)
         try:
-            return await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
-                                        tuple(stop_strings), rng, top_logprobs,
-                                        frozenset(stop_token_ids) | {EOS_TOKEN_ID})
+            served = await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
+                                          tuple(stop_strings), rng, top_logprobs,
+                                          frozenset(stop_token_ids) | {EOS_TOKEN_ID})
+            self.generated_tokens += len(served.token_ids)
+            return served
         finally:
             self.in_flight.discard(request_id)
             self._live_tokens.pop(request_id, None)

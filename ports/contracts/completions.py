@@ -3,8 +3,8 @@
 Provide a ``completions_under_test`` fixture: a ``CompletionsUnderTest`` whose transport
 reaches a fleet serving ``model`` (any engine), run through its own loop. The suite pins what
 the driver's retry rules rely on: a request the engine refuses is a 4xx that is not retried;
-with ``kill_engine`` given (it makes the fleet's engine die, as a killed engine process
-would), a rollout on a dead engine is a 503, which is retried. The dead engine's test runs
+after ``kill_engine`` (the fleet's engine dies, as a killed engine process would), a rollout
+is a 503, which is retried. The dead engine's test runs
 last but for the close: the fixture's engine serves nothing after it.
 """
 
@@ -26,8 +26,8 @@ class CompletionsUnderTest:
     loop: LoopThread
     model: str
     prompt: list[int]  # a prompt the fleet's engine accepts
-    refused_prompt: list[int] | None = None  # one it refuses (a token outside its vocabulary)
-    kill_engine: Callable[[], None] | None = None
+    refused_prompt: list[int]  # one it refuses (a token outside its vocabulary)
+    kill_engine: Callable[[], None]  # makes the fleet's engine die
 
     def post(self, body, request_id="contract") -> TransportResponse:
         return self.loop.run(self.transport.post_completion(body, request_id=request_id))
@@ -52,8 +52,6 @@ class CompletionsContract:
 
     def test_a_refused_prompt_is_a_4xx_that_is_not_retried(self, completions_under_test):
         cut = completions_under_test
-        if cut.refused_prompt is None:
-            return
         body = completion_body(RolloutRequest("contract-400", cut.refused_prompt, 2), cut.model)
         response = cut.post(body, "contract-400")
         assert 400 <= response.status < 500 and not is_transient_status(response.status)
@@ -61,8 +59,6 @@ class CompletionsContract:
 
     def test_zz_a_dead_engine_answers_503_which_is_retried(self, completions_under_test):
         cut = completions_under_test
-        if cut.kill_engine is None:
-            return
         cut.kill_engine()
         body = completion_body(RolloutRequest("contract-503", cut.prompt, 2), cut.model)
         response = cut.post(body, "contract-503")
