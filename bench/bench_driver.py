@@ -47,7 +47,7 @@ from rollout_fleet.adapters.nemo_rl import GenerationConfig  # noqa: E402
 from rollout_fleet.core.rollout import RolloutRequest  # noqa: E402
 from rollout_fleet.core.wire import REQUEST_ID_HEADER, completion_body  # noqa: E402
 from rollout_fleet.wiring.driver import build_generation  # noqa: E402
-from tests.driver.real_fleet import SERVED_MODEL, start_local_fleet, stop_local_fleet  # noqa: E402
+from local_fleet import SERVED_MODEL, start_local_fleet, stop_local_fleet  # noqa: E402
 
 MAX_NEW_TOKENS = 16
 MAX_MODEL_LEN = 128

@@ -184,7 +184,7 @@ class Fleet:
     def __init__(self, run_dir: Path, config) -> None:
         from rollout_fleet.adapters.dynamo import DynamoFrontend
         from rollout_fleet.adapters.vllm import VllmEngine
-        from tests.support import free_port
+        from rollout_fleet.adapters.shared import free_port
 
         self.run_dir, self.config = run_dir, config
         self.engine = VllmEngine(config)

@@ -175,7 +175,7 @@ def print_breakdown(title: str, profile, cpu: float, wall: float, args) -> None:
 
 
 def main(argv=None) -> int:
-    from tests.driver.real_fleet import start_local_fleet, stop_local_fleet
+    from local_fleet import start_local_fleet, stop_local_fleet
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
