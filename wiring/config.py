@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from rollout_fleet.adapters.dynamo.env import check_bind_host, is_loopback
+from rollout_fleet.adapters.dynamo.env import check_bind_host
+from rollout_fleet.adapters.shared import is_loopback
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy

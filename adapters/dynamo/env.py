@@ -34,10 +34,6 @@ def check_bind_host(field: str, host: object) -> str:
     return host
 
 
-def is_loopback(host: str) -> bool:
-    return ipaddress.ip_address(host).is_loopback
-
-
 def dynamo_env(run_dir: str | Path, *, system_port: int | None = None,
                log_level: str = "warn", host: str = LOOPBACK) -> dict[str, str]:
     """DYN_* variables for one process of a run whose discovery folder lives in ``run_dir``.

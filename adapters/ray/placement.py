@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.ray.sealed import seal
+from rollout_fleet.adapters.shared import is_loopback
 from rollout_fleet.adapters.ray.supervisor import ProcessSupervisor
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
@@ -210,7 +211,7 @@ class RayPlacement(Placement):
         options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                    "configure_logging": False}
         if self._address:
-            if not _is_loopback(self._bind_host):
+            if not is_loopback(self._bind_host):
                 # Ray would guess this node's address from a route to the internet, which a
                 # cluster network need not have; the driver joins from its cluster address.
                 options["_node_ip_address"] = self._bind_host
@@ -232,12 +233,3 @@ class RayPlacement(Placement):
                 os.killpg(handle.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

@@ -4,7 +4,7 @@ Not an adapter: it wraps no third-party thing, and imports only the standard lib
 so adapters importing it stay independent of each other (tests/layering.py states the rule).
 """
 
-from rollout_fleet.adapters.shared.net import PORT_RANGE, free_port
+from rollout_fleet.adapters.shared.net import PORT_RANGE, free_port, is_loopback
 from rollout_fleet.adapters.shared.processes import read_tail, stop_process_group
 
-__all__ = ["PORT_RANGE", "free_port", "read_tail", "stop_process_group"]
+__all__ = ["PORT_RANGE", "free_port", "is_loopback", "read_tail", "stop_process_group"]

@@ -1,7 +1,8 @@
-"""Free ports on this host, in the range every fleet server accepts."""
+"""Free ports on this host, in the range every fleet server accepts; loopback addresses."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 
@@ -23,3 +24,11 @@ def free_port(host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE)
                 continue
             return port
     raise OSError(f"no free port in {low}-{high} on {host}")
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
