@@ -55,9 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("rollout_fleet.fleet")
 SYSTEM_PORT = "DYN_SYSTEM_PORT"  # each worker's system server: health, controls, metrics
-# The frontend lists the model once ONE worker registered; the others' registrations reach it
-# through the discovery folder within about 0.6 s (measured with Dynamo 1.6.1).
-_DISCOVERY_SETTLE_S = 1.5
 _WATCH_S = 1.0  # how often the fleet looks for lost workers
 _REPLACE_BACKOFF_MAX_S = 60.0
 
@@ -133,8 +130,8 @@ class Fleet:
             self._wait_worker_ready(worker, deadline)
         self.frontend.wait_for_model(self.config.served_model_name,
                                      timeout_s=max(1.0, deadline - time.monotonic()))
-        if len(self.workers) > 1:
-            time.sleep(_DISCOVERY_SETTLE_S)
+        self.frontend.wait_for_instances(self._instances.values(),
+                                         timeout_s=max(1.0, deadline - time.monotonic()))
         self._watcher = threading.Thread(target=self._watch_workers, name="fleet-watcher",
                                          daemon=True)
         self._watcher.start()

@@ -115,6 +115,30 @@ class DynamoFrontend:
             f"(listed: {listed}); is its worker running with DYN_FILE_KV={self.env['DYN_FILE_KV']}? "
             f"log {self.log_path}:\n{self.log_tail()}")
 
+    def wait_for_instances(self, instance_ids: Iterable[int], timeout_s: float = 30.0) -> None:
+        """Block until the frontend's discovery holds every one of ``instance_ids`` (the
+        workers' Dynamo instance ids): it lists a model once ONE worker registered, and
+        routes only to the workers it knows. FrontendError names the ones still missing."""
+        wanted = set(instance_ids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = wanted - self.known_instances()
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise FrontendError(f"the frontend at {self.url} did not see instances "
+                                    f"{sorted(missing)} within {timeout_s:.0f} s; log "
+                                    f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def known_instances(self) -> set[int]:
+        """The instance ids of the workers the frontend's discovery holds (its /health)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as answer:
+                return {int(i["instance_id"]) for i in json.load(answer).get("instances", [])}
+        except (OSError, ValueError, KeyError, TypeError):
+            return set()  # not up yet, or a half-written answer
+
     def listed_models(self) -> list[str]:
         try:
             with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2.0) as answer:

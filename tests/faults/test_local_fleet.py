@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_fleet.wiring.config import ConfigError
+from rollout_fleet.wiring.fleet import call_control
 from tests.support.net import in_private_netns
 from tests.faults.conftest import (
     check_batch_exactly_once, collect_until_error, local_memory_config, mixed_batch, run,
@@ -39,3 +40,20 @@ def test_the_kv_router_serves_every_rollout_once_inside_a_private_namespace(star
     # The KV router (not the default push router) took the workers in: it logs each one.
     log = fleet.frontend.log_path.read_text(errors="replace")
     assert log.count("dynamo_kv_router") >= 3, log[-2000:]
+
+
+def test_a_started_fleet_routes_to_every_worker_at_once(start_fleet):
+    """Fleet.start returns once the frontend knows every worker (no settling sleep): the very
+    first batch, round-robin, reaches each of them."""
+    fleet = start_fleet(workers=3)
+    assert set(fleet.instance_ids.values()) <= fleet.frontend.known_instances()
+    prompts, data = mixed_batch(12, seed=7, max_len=8)
+    generation = fleet.generation(max_new_tokens=4, max_model_len=64, max_concurrency=4)
+    try:
+        pairs, error = run(collect_until_error(generation, data))
+    finally:
+        generation.shutdown()
+    assert error is None, repr(error)
+    served = {name: call_control(url, "stats", fleet.secret)["served"]
+              for name, url in fleet.control_urls.items()}
+    assert all(count > 0 for count in served.values()), served
