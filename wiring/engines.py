@@ -118,6 +118,19 @@ class VllmKind(EngineKind):
         return (f"tensor_parallel_size={options.get('tensor_parallel_size', 1)!r} x"
                 f" pipeline_parallel_size={options.get('pipeline_parallel_size', 1)!r}")
 
+    def model_folder(self, options: Mapping[str, Any], run_dir: Path) -> str:
+        """The engine's own ``model`` when it names one, else the project's tiny Llama, built
+        once from ``tiny_model_seed`` (default 0)."""
+        from rollout_fleet.adapters.tiny_model import build_tiny_model
+
+        if options.get("model"):
+            return str(Path(options["model"]).expanduser().resolve())
+        seed = options.get("tiny_model_seed", 0)
+        folder = run_dir / f"model-tiny-{seed}"
+        if not (folder / "config.json").exists():
+            build_tiny_model(folder, seed=seed)
+        return str(folder)
+
     def worker_options(self, options: Mapping[str, Any], fleet: FleetFacts, *, slot: int,
                        free_port: Callable[[], int]) -> dict[str, Any]:
         options = dict(options)

@@ -86,3 +86,18 @@ def test_the_memory_config_builds_the_engine_it_describes():
     assert (engine.context_length, engine.token_delay_s) == (64, 0.5)
     with pytest.raises(InvalidValue, match="kv_block_size"):
         MemoryEngineConfig(kv_block_size=0)
+
+
+def test_the_vllm_kinds_tiny_model_follows_tiny_model_seed(tmp_path):
+    """model = "tiny": the fleet's model folder is the tiny Llama of the engine's seed, built
+    once; an engine that names its own model folder is served from that folder."""
+    import json
+
+    from rollout_fleet.wiring.engines import engine_kind
+
+    kind = engine_kind("vllm")
+    seed_3 = kind.model_folder({"tiny_model_seed": 3}, tmp_path)
+    assert seed_3.endswith("model-tiny-3") and json.loads(
+        (tmp_path / "model-tiny-3" / "config.json").read_text())["model_type"] == "llama"
+    assert kind.model_folder({"tiny_model_seed": 3}, tmp_path) == seed_3  # built once
+    assert kind.model_folder({"model": seed_3}, tmp_path / "elsewhere") == seed_3
