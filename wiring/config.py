@@ -7,13 +7,15 @@ names the field and the value.
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollout_fleet.adapters.dynamo.env import check_bind_host
 from rollout_fleet.adapters.shared import is_loopback
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
@@ -21,6 +23,12 @@ from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.ports.engine_kind import FleetFacts
 from rollout_fleet.wiring.engines import engine_kind, without_kind
+
+
+# Every --router-mode Dynamo 1.6.1's frontend accepts ("direct" is refused: see FleetConfig).
+ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "direct", "least-loaded",
+                "device-aware-weighted")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class ConfigError(RolloutFleetError, ValueError):
@@ -61,7 +69,8 @@ class RefitSection(_Strict):
 
 
 class FleetConfig(_Strict):
-    model: str = Field("tiny", description='a model folder, or "tiny" (built into the run folder)')
+    model: str = Field("tiny", description='a model folder, a Hugging Face model id found in the '
+                       'local Hugging Face cache (offline), or "tiny" (built into the run folder)')
     served_model_name: str = "tiny"
     engine: dict[str, Any] = Field(default_factory=lambda: {"kind": "vllm"},
                                    description="engine kind and its options, given to each worker")
@@ -75,9 +84,11 @@ class FleetConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict,
                                 description="extra DYN_* settings for the frontend and every worker")
     discovery: Literal["file", "etcd"] = "file"
-    router: Literal["round-robin", "random", "kv"] = Field(
-        "round-robin", description="how the frontend picks a worker; kv: by cached prefix "
-        "(vLLM workers publish KV events; Dynamo's KV-event sockets bind every interface)")
+    router: Literal[ROUTER_MODES] = Field(
+        "round-robin", description="how the frontend picks a worker (Dynamo's --router-mode): "
+        "round-robin, random, power-of-two (the less busy of two random workers), least-loaded "
+        "(the fewest active requests), device-aware-weighted (by device kind), kv (by cached "
+        "prefix: vLLM workers publish KV events)")
     etcd_endpoint: str | None = Field(None, description="an etcd to use; None starts one on loopback")
     ray_address: str | None = Field(None, description="join this Ray cluster; None starts a local one")
     bind_host: str = Field(
@@ -104,8 +115,18 @@ class FleetConfig(_Strict):
     timeouts: TimeoutSection = TimeoutSection()
     refit: RefitSection = RefitSection()
 
+    @field_validator("model")
+    @classmethod
+    def _resolve_model(cls, value: str) -> str:
+        return resolve_model(value)
+
     @model_validator(mode="after")
     def _consistent(self) -> "FleetConfig":
+        if self.router == "direct":
+            raise ValueError("router='direct': Dynamo's direct mode sends each request to the "
+                             "worker the request names, and this fleet's clients name none; "
+                             "use round-robin, random, power-of-two, least-loaded, "
+                             "device-aware-weighted or kv")
         if "kind" not in self.engine:
             raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
         self._check_ranks()
@@ -227,6 +248,32 @@ def check_model_folder(field: str, folder: Any) -> None:
         raise InvalidValue(field, folder, "holds no config.json: not a model folder")
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
         raise InvalidValue(field, folder, f"holds no weights ({', '.join(WEIGHT_FILES)})")
+
+
+def resolve_model(model: str) -> str:
+    """``model`` as given when it is "tiny" or an existing path; a Hugging Face model id
+    (``org/name``) becomes the folder of its snapshot in the local Hugging Face cache, found
+    offline (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub)."""
+    if model == "tiny" or Path(model).expanduser().exists() or not _HUB_ID.match(model):
+        return model
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(model, local_files_only=True, cache_dir=hub_cache_dir())
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise ValueError(
+            f"model={model!r} is neither a folder nor a model id in the local Hugging Face cache "
+            f"({hub_cache_dir()}); nothing is downloaded: put it in the cache first "
+            "(huggingface-cli download) or give a model folder") from None
+
+
+def hub_cache_dir() -> str:
+    """Where Hugging Face keeps downloaded models, read from the environment at each call."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
 
 
 def _first(value: Any) -> str:

@@ -143,6 +143,9 @@ class VllmKind(EngineKind):
                 sorted(os.sched_getaffinity(0)), fleet.num_workers, slot % fleet.num_workers))
         if fleet.kv_routing:
             options.setdefault("kv_events_port", free_port())
+        # Each engine its own seed (the base + its slot): unseeded sampled rollouts of one
+        # prompt on two workers differ.
+        options["seed"] = int(options.get("seed", 0)) + slot
         return options
 
     def build(self, options: Mapping[str, Any], *, run_dir: Path,

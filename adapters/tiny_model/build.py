@@ -29,6 +29,9 @@ class TinyModelSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 512
     init_std: float = 0.08  # wider than the usual 0.02, so greedy choices are rarely near-ties
+    # Tied: the output layer is the embedding (as Qwen2.5's small models); the checkpoint then
+    # holds no lm_head.weight, while a trainer's state dict does.
+    tie_word_embeddings: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
@@ -71,7 +74,7 @@ def llama_config(spec: TinyModelSpec):
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         torch_dtype="float32", architectures=["LlamaForCausalLM"])  # Dynamo's model card needs it
 
 
@@ -85,6 +88,8 @@ def tiny_state_dict(seed: int, spec: TinyModelSpec = TinyModelSpec()) -> dict:
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name, param in sorted(skeleton.state_dict().items()):
+        if spec.tie_word_embeddings and name == "lm_head.weight":
+            continue  # the embedding's, as save_pretrained writes a tied model
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(param.shape, dtype=torch.float32)
         else:

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-from rollout_fleet.adapters.vllm.weights import checkpoint_metas
+from rollout_fleet.adapters.vllm.weights import checkpoint_metas, tied_metas
 from rollout_fleet.core.errors import (
     EngineDead, EngineError, EngineRejected, InvalidValue, RefitError, WeightMismatch,
 )
@@ -73,6 +73,7 @@ class VllmEngine(EnginePort, RefitTarget):
         self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, once started
         self._facts: EngineFacts | None = None
         self._metas: dict[str, TensorMeta] = {}
+        self._ignored: dict[str, TensorMeta] = {}  # accepted in a refit; vLLM's loader skips them
         self._start_lock = asyncio.Lock()
         self._weight_lock = asyncio.Lock()
         self._live: dict[str, _Live] = {}
@@ -99,7 +100,9 @@ class VllmEngine(EnginePort, RefitTarget):
                     _set_worker_priority(self.config.cpu_worker_nice, self._engine_processes)
                 await self._engine.update_weight_version(str(self._version))
                 self._facts = _read_facts(self._engine)
-                self._metas = checkpoint_metas(self._engine.model_config.model, _engine_dtype(self._engine))
+                folder = self._engine.model_config.model
+                self._metas = checkpoint_metas(folder, _engine_dtype(self._engine))
+                self._ignored = tied_metas(folder, self._metas)
                 # As vLLM's own server does after init: the millions of objects that importing
                 # and building the engine left behind go to the permanent generation, else
                 # every full collection scans them (0.2-0.5 s with the loop and GIL held, here).
@@ -167,7 +170,7 @@ class VllmEngine(EnginePort, RefitTarget):
     # -- refit port ---------------------------------------------------------------------------
     def weight_metas(self) -> Mapping[str, TensorMeta]:
         self._require_engine()
-        return dict(self._metas)
+        return {**self._ignored, **self._metas}
 
     def refit_ranks(self) -> int:
         return self.config.refit_ranks
@@ -205,7 +208,7 @@ class VllmEngine(EnginePort, RefitTarget):
         engine = self._require_engine()
         if not self._joined:
             raise RefitError("update_weights before init_collective")
-        _check_complete(info, self._metas)
+        _check_complete(info, self._metas, self._ignored)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self._weight_lock, _paused(engine, mode), self._refit_priority():
@@ -605,12 +608,14 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _check_complete(info: RefitInfo, metas: Mapping[str, TensorMeta]) -> None:
+def _check_complete(info: RefitInfo, metas: Mapping[str, TensorMeta],
+                    ignored: Mapping[str, TensorMeta] = {}) -> None:  # noqa: B006 - read only
     """Every name, shape and dtype is the engine's, and every parameter is there: vLLM rebuilds
     each fused layer (q, k and v into ``qkv_proj``) from all its parts, and a layer refit in
-    part would be left half empty."""
+    part would be left half empty. ``ignored`` names (a tied ``lm_head.weight``) may come or
+    not: vLLM's loader skips them."""
     try:
-        info.check_against(metas)
+        info.check_against({**ignored, **metas})
     except WeightMismatch:
         raise
     except InvalidValue as error:

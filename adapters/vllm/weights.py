@@ -30,6 +30,26 @@ def checkpoint_metas(model_dir: str | Path, dtype: str) -> dict[str, TensorMeta]
     return metas
 
 
+# Names a trainer's state dict holds that vLLM's loader skips when the model ties its output
+# layer to its embedding (checkpoint name -> the name it is tied to).
+TIED_NAMES = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def tied_metas(model_dir: str | Path, metas: dict[str, TensorMeta]) -> dict[str, TensorMeta]:
+    """What a tied model's refit may also carry and vLLM's loader ignores: ``lm_head.weight``
+    in the embedding's shape when ``config.json`` says ``tie_word_embeddings`` and the
+    checkpoint holds no such tensor."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    text = config.get("text_config") or {}
+    if not (config.get("tie_word_embeddings") or text.get("tie_word_embeddings")):
+        return {}
+    return {name: TensorMeta(name, metas[source].shape, metas[source].dtype)
+            for name, source in TIED_NAMES.items() if name not in metas and source in metas}
+
+
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
