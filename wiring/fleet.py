@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,8 +64,9 @@ class FleetStartError(RolloutFleetError):
     """The fleet did not come up; names the worker, its own error and its log."""
 
 
-def placement_for(config: FleetConfig) -> Placement:
-    """The placement the config names."""
+def placement_for(config: FleetConfig, groups: Sequence[Any] = ()) -> Placement:
+    """The placement the config names; ``groups``: Ray placement groups reserved already, one
+    bundle per engine rank, that the workers go into (none of its own is then reserved)."""
     if config.placement == "local":
         from rollout_fleet.adapters.local import LocalPlacement
 
@@ -73,7 +75,8 @@ def placement_for(config: FleetConfig) -> Placement:
 
     return RayPlacement(address=config.ray_address, bundle=config.bundle,
                         strategy=config.placement_strategy, bind_host=config.bind_host,
-                        bind_per_node=config.spans_nodes, ready_timeout_s=config.timeouts.start_s)
+                        bind_per_node=config.spans_nodes, ready_timeout_s=config.timeouts.start_s,
+                        groups=groups, bundles_per_worker=config.ranks_per_worker if groups else 1)
 
 
 @attrs.define

@@ -31,7 +31,7 @@ from typing import Any
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import VLLM_PROTOCOL
 from rollout_fleet.wiring.config import FleetConfig, parse_config
-from rollout_fleet.wiring.fleet import Fleet
+from rollout_fleet.wiring.fleet import Fleet, placement_for
 
 # NeMo-RL's logger keys -> the native driver's timelines.
 LOGGER_METRICS = {"inflight_batch_sizes": "inflight_requests",
@@ -94,7 +94,7 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
         * int(vllm.get("pipeline_parallel_size") or 1)
     temperature = float(_get(config, "temperature"))
     interval = float(vllm.get("vllm_metrics_logger_interval") or 1.0)
-    on_gpu = cluster is not None  # NeMo-RL hands over a GPU cluster
+    on_gpu = cluster is not None and getattr(cluster, "use_gpus", True)  # NeMo-RL's are GPU ones
     fleet = {
         "model": _get(config, "model_name"), "served_model_name": _get(config, "model_name"),
         "engine": _engine(vllm, config.get("vllm_kwargs") or {}, on_gpu),
@@ -138,7 +138,8 @@ class DynamoGeneration:
         self.settings = read_nemo_rl_config(config, cluster)
         self.dp_openai_server_base_urls: list[str | None] = [None]
         self.refit_info: Any = None
-        self._fleet: Fleet | None = Fleet.start(self.settings.fleet)
+        self._fleet: Fleet | None = Fleet.start(
+            self.settings.fleet, placement_for(self.settings.fleet, _groups_of(cluster)))
         try:
             self.native = self._fleet.generation(**self.settings.generation)
             if self.native.config.metrics_interval_s > 0:
@@ -398,6 +399,13 @@ def _refuse_unoffered(config: Mapping[str, Any], dynamo: Mapping[str, Any],
                 raise InvalidValue(f"{PREFIX}.dynamo_cfg.{section}.{key}", args[key],
                                    "not offered: the fleet builds its workers' and frontend's "
                                    "arguments itself; use the rollout_fleet section")
+
+
+def _groups_of(cluster: Any) -> list:
+    """The placement groups of NeMo-RL's cluster (``RayVirtualCluster.get_placement_groups``),
+    one bundle per engine rank; none when it has none (the fleet then reserves its own)."""
+    get = getattr(cluster, "get_placement_groups", None)
+    return list(get()) if callable(get) else []
 
 
 def _workers_of(cluster: Any, ranks: int) -> int:

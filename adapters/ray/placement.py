@@ -34,12 +34,22 @@ class RayPlacement(Placement):
     workers to the nodes offering it. ``bind_host`` is this (the driver's) node's address: a
     local Ray runs there, and a cluster is joined from there. ``bind_per_node``: each worker
     binds its own node's address in the cluster (found on that node) instead of ``bind_host``.
+
+    ``groups``: placement groups reserved already (NeMo-RL's cluster for inference): workers
+    go there, none is reserved, and none is removed at ``stop``. Each worker takes
+    ``bundles_per_worker`` consecutive bundles of one group (one per engine rank, as NeMo-RL
+    lays them out): its supervisor sits in the first, and where the bundles hold GPUs, a
+    holder in each keeps its GPU for the worker, which sees them all (CUDA_VISIBLE_DEVICES).
     """
 
     def __init__(self, *, address: str | None = None, bundle: Mapping[str, float] | None = None,
                  strategy: str = "PACK", bind_host: str = "127.0.0.1", num_cpus: int | None = None,
-                 ready_timeout_s: float = 120.0, bind_per_node: bool = False) -> None:
+                 ready_timeout_s: float = 120.0, bind_per_node: bool = False,
+                 groups: Sequence[Any] = (), bundles_per_worker: int = 1) -> None:
         self._address = address
+        self._given = _places_in(groups, bundles_per_worker)  # (group, bundle indices) each
+        self._given_taken = 0
+        self._holders: dict[str, list[Any]] = {}  # worker -> the actors holding its GPUs
         self._bundle = dict(bundle or {"CPU": 1})
         self._strategy = strategy
         self._bind_host = bind_host
@@ -51,7 +61,7 @@ class RayPlacement(Placement):
         self._groups: list[Any] = []  # one placement group per launch
         self._actors: dict[str, Any] = {}
         self._handles: dict[str, WorkerHandle] = {}
-        self._places: dict[str, tuple[Any, int]] = {}  # worker -> (its group, its bundle index)
+        self._places: dict[str, tuple[Any, tuple[int, ...]]] = {}  # worker -> (group, bundles)
         self._replaced: set[str] = set()  # lost workers a later launch took the place of
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
@@ -61,8 +71,7 @@ class RayPlacement(Placement):
         if any(launch.in_place_of for launch in launches):
             refuse_live_places(launches, self.alive(), self._replaced)
         fresh = [launch for launch in launches if not launch.in_place_of]
-        group = self._reserve(len(fresh)) if fresh else None
-        fresh_places = iter((group, index) for index in range(len(fresh)))
+        fresh_places = iter(self._reserve(len(fresh)) if fresh else [])
         handles = []
         for launch in launches:
             place = self._take_place_of(launch.in_place_of) if launch.in_place_of \
@@ -71,7 +80,8 @@ class RayPlacement(Placement):
             # Sealed for this actor's own key: no Ray object holds the secret itself.
             sealed = None if launch.secret is None else seal(launch.secret, key)
             bind_host = None if self._bind_per_node else self._bind_host
-            started = ray.get(actor.start.remote(launch.argv, dict(launch.env), launch.log_path,
+            env = {**launch.env, **self._held_gpus(launch, place)}
+            started = ray.get(actor.start.remote(launch.argv, env, launch.log_path,
                                                  launch.port_env, bind_host, sealed,
                                                  launch.host_env))
             # index continues after the workers of earlier launches
@@ -82,7 +92,7 @@ class RayPlacement(Placement):
             handles.append(handle)
         return handles
 
-    def _take_place_of(self, lost: str) -> tuple[Any, int]:
+    def _take_place_of(self, lost: str) -> tuple[Any, tuple[int, ...]]:
         """The bundle of a lost worker: its supervising actor is ended, so what it held there
         is free again (if the node itself was lost, Ray places the bundle anew elsewhere)."""
         import ray
@@ -94,7 +104,8 @@ class RayPlacement(Placement):
         self._replaced.add(lost)
         return self._places[lost]
 
-    def _placed_supervisor(self, launch: WorkerLaunch, place: tuple[Any, int]) -> tuple[Any, Any]:
+    def _placed_supervisor(self, launch: WorkerLaunch, place: tuple[Any, tuple[int, ...]]
+                           ) -> tuple[Any, Any]:
         """A supervising actor in ``place`` and its public key, once Ray has placed it.
 
         The bundle of a lost node may still be booked on that node until Ray declares the node
@@ -106,11 +117,12 @@ class RayPlacement(Placement):
 
         supervisor = ray.remote(ProcessSupervisor)
         deadline = time.monotonic() + self._ready_timeout_s
+        cpus, gpus = self._supervisor_resources(place)
         while True:
             actor = supervisor.options(
-                name=None, num_cpus=self._bundle.get("CPU", 0), num_gpus=self._bundle.get("GPU", 0),
+                name=None, num_cpus=cpus, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=place[0], placement_group_bundle_index=place[1]),
+                    placement_group=place[0], placement_group_bundle_index=place[1][0]),
             ).remote()
             self._actors[launch.name] = actor
             self._places[launch.name] = place
@@ -133,8 +145,53 @@ class RayPlacement(Placement):
                 + f" within {self._ready_timeout_s:.0f} s ({error}); available: "
                 f"{ray.available_resources()}") from None
 
-    def _reserve(self, count: int) -> Any:
-        """A placement group of ``count`` bundles, ready; one per launch (groups are fixed-size)."""
+    def _supervisor_resources(self, place: tuple[Any, tuple[int, ...]]) -> tuple[float, float]:
+        """In a group of its own, the worker's bundle; in a given group, the CPUs it needs
+        out of its first bundle's (the bundles' GPUs are kept by holders: ``_held_gpus``)."""
+        if not self._given:
+            return self._bundle.get("CPU", 0), self._bundle.get("GPU", 0)
+        spec = place[0].bundle_specs[place[1][0]]
+        cpus = min(self._bundle.get("CPU", 0), spec.get("CPU", 0))
+        return cpus, 0.0
+
+    def _held_gpus(self, launch: WorkerLaunch, place: tuple[Any, tuple[int, ...]]) -> dict:
+        """In a given group whose bundles hold GPUs: a holder per bundle keeps its GPU, and the
+        worker is told to see them all (its engine ranks span them)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not self._given or not any(place[0].bundle_specs[i].get("GPU", 0) for i in place[1]):
+            return {}
+        holders = self._holders.get(launch.in_place_of) or [
+            ray.remote(_BundleHolder).options(
+                num_cpus=0, num_gpus=place[0].bundle_specs[index].get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=place[0], placement_group_bundle_index=index)).remote()
+            for index in place[1]]
+        self._holders[launch.name] = holders
+        ids = ray.get([holder.gpu_ids.remote() for holder in holders],
+                      timeout=self._ready_timeout_s)
+        return {"CUDA_VISIBLE_DEVICES": ",".join(gpu for held in ids for gpu in held)}
+
+    def _reserve(self, count: int) -> list[tuple[Any, tuple[int, ...]]]:
+        """``count`` places: the next free ones of the given groups, else a placement group of
+        ``count`` bundles of its own, ready (one per launch: groups are fixed-size)."""
+        if self._given:
+            return self._take_given(count)
+        group = self._reserve_group(count)
+        return [(group, (index,)) for index in range(count)]
+
+    def _take_given(self, count: int) -> list[tuple[Any, tuple[int, ...]]]:
+        left = len(self._given) - self._given_taken
+        if count > left:
+            raise PlacementError(
+                f"the given placement groups have room for {len(self._given)} workers"
+                f" ({left} free) and {count} more were asked for")
+        places = self._given[self._given_taken:self._given_taken + count]
+        self._given_taken += count
+        return places
+
+    def _reserve_group(self, count: int) -> Any:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -196,7 +253,10 @@ class RayPlacement(Placement):
         self._handles.clear()
         self._places.clear()
         self._replaced.clear()
-        for group in self._groups:
+        for holder in (h for held in self._holders.values() for h in held):
+            ray.kill(holder)
+        self._holders.clear()
+        for group in self._groups:  # never the given ones: their owner removes them
             remove_placement_group(group)
         self._groups.clear()
         if self._started_ray or self._joined_ray:
@@ -233,3 +293,26 @@ class RayPlacement(Placement):
                 os.killpg(handle.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+class _BundleHolder:
+    """Keeps one bundle's GPU reserved for a worker whose engine ranks span several bundles."""
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+
+def _places_in(groups: Sequence[Any], bundles_per_worker: int) -> list[tuple[Any, tuple[int, ...]]]:
+    """Each worker's bundles in the given groups: consecutive runs of ``bundles_per_worker``."""
+    places = []
+    for number, group in enumerate(groups):
+        count = group.bundle_count
+        if count % bundles_per_worker:
+            raise PlacementError(f"placement group {number} has {count} bundles, not a multiple"
+                                 f" of the {bundles_per_worker} bundles of one worker")
+        places += [(group, tuple(range(start, start + bundles_per_worker)))
+                   for start in range(0, count, bundles_per_worker)]
+    return places
+

@@ -35,6 +35,54 @@ class TestRayPlacement(PlacementContract):
     pass
 
 
+@pytest.fixture
+def given_groups(ray_cluster):
+    """Placement groups reserved by someone else (as NeMo-RL's cluster does): 2 + 1 bundles."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    import ray
+
+    groups = [placement_group([{"CPU": 1}] * 2), placement_group([{"CPU": 1}])]
+    ray.get([g.ready() for g in groups], timeout=60)
+    yield groups
+    for group in groups:
+        remove_placement_group(group)
+
+
+class TestRayPlacementInGivenGroups(PlacementContract):
+    """The same contract, the workers placed in the given groups' bundles."""
+
+    @pytest.fixture
+    def placement_under_test(self, given_groups):
+        placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=60, groups=given_groups)
+        yield placement
+        placement.stop()
+
+
+def test_given_groups_take_the_workers_reserve_nothing_and_outlive_the_placement(
+        given_groups, tmp_path):
+    from ray.util import placement_group_table
+
+    before = set(placement_group_table())
+    placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=10, groups=given_groups)
+    try:
+        placement.launch([_sleeper(tmp_path, f"w{i}") for i in range(3)])
+        assert set(placement_group_table()) == before  # no group of its own
+        with pytest.raises(PlacementError, match=r"room for 3 workers \(0 free\)"):
+            placement.launch([_sleeper(tmp_path, "w3")])
+        assert placement.alive() == {f"w{i}": True for i in range(3)}
+    finally:
+        placement.stop()
+    states = {placement_group_table()[g.id.hex()]["state"] for g in given_groups}
+    assert states == {"CREATED"}  # the owner's groups are left as they were
+
+
+def test_a_given_group_that_does_not_split_into_workers_is_refused(given_groups):
+    with pytest.raises(PlacementError, match="placement group 1 has 1 bundles, not a multiple"
+                                             " of the 2 bundles of one worker"):
+        RayPlacement(groups=given_groups, bundles_per_worker=2)
+
+
 def _sleeper(tmp_path, name: str) -> WorkerLaunch:
     return WorkerLaunch(name=name, argv=(sys.executable, "-c", "import time; time.sleep(600)"),
                         log_path=str(tmp_path / f"{name}.log"))

@@ -1,0 +1,183 @@
+"""A replay of NeMo-RL's GRPO call sequence against the drop-in ``DynamoGeneration``.
+
+The order is NeMo-RL's (``nemo_rl/algorithms/grpo.py`` setup and train loop, backend
+"dynamo", not colocated): the generation config is prepared as ``configure_generation_config``
+does and checked by NeMo-RL's own validator (vendored ``DynamoConfig``); the backend is built
+from the inference cluster; NeMo-RL's own ``CollectiveWeightSynchronizer`` (vendored) runs
+``prepare_refit_info`` and ``init_collective`` on both sides; then each step refits when stale,
+``prepare_for_generation``, generates through ``generate_async`` with NeMo-RL's
+``BatchedDataDict`` and its right-padding check on the way in and out, ``finish_generation``,
+trains (new weights), and refits through ``sync_weights``.
+
+On the CPU NeMo-RL has no sender, so the trainer ranks are a Ray actor that sends with the
+project's trainer helper in the protocol the drop-in's sender spec names (``nccl_peer``), with
+the buffer geometry the synchroniser passes from that spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from rollout_fleet.adapters.shared import free_port
+from rollout_fleet.wiring.nemo_rl import DynamoGeneration
+from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
+from tests.nemo_rl_upstream.batches import BatchedDataDict, verify_right_padding
+from tests.nemo_rl_upstream.collective_weight_synchronizer import CollectiveWeightSynchronizer
+from tests.nemo_rl_upstream.dynamo_config import DynamoConfig
+
+
+def configure_generation_config(config: dict, *, model: str, pad_token_id: int,
+                                eos_token_id: int) -> dict:
+    """What NeMo-RL's setup writes into ``policy.generation`` before building the backend."""
+    config = {**config, "model_name": model, "_pad_token_id": pad_token_id}
+    if config.get("stop_token_ids") is None:
+        config["stop_token_ids"] = [eos_token_id]
+    config["vllm_cfg"] = {**config["vllm_cfg"], "load_format": "dummy"}  # weights come by refit
+    return config
+
+
+class TrainCluster:
+    """The trainer's RayVirtualCluster, as the synchroniser reads it."""
+
+    def get_master_address_and_port(self) -> tuple[str, int]:
+        return "127.0.0.1", free_port("127.0.0.1")
+
+    def world_size(self) -> int:
+        return 1
+
+
+class InferenceCluster:
+    """NeMo-RL's RayVirtualCluster for inference without GPUs: its placement groups."""
+
+    use_gpus = False
+
+    def __init__(self, groups: Sequence[Any]) -> None:
+        self.groups = list(groups)
+
+    def get_placement_groups(self) -> list:
+        return self.groups
+
+    def world_size(self) -> int:
+        return sum(group.bundle_count for group in self.groups)
+
+
+@ray.remote(num_cpus=0)
+class TrainerRank:
+    """The trainer's one rank (NeMo-RL's policy worker), sending with the project's helper."""
+
+    def __init__(self) -> None:
+        self.session = None
+
+    def init_collective(self, ip: str, port: int, world_size: int, train_world_size: int,
+                        nccl_peer: str) -> bool:
+        from rollout_fleet.adapters.collective import TrainerRefitSession
+        from rollout_fleet.core.refit import CollectiveSenderSpec
+
+        self.session = TrainerRefitSession(ip, port, 0, world_size, timeout_s=120,
+                                           train_world_size=train_world_size,
+                                           spec=CollectiveSenderSpec(protocol=nccl_peer))
+        return True
+
+    def broadcast(self, weights: Mapping[str, torch.Tensor], protocol: str,
+                  buffer_size_bytes: int, num_buffers: int) -> bool:
+        from rollout_fleet.adapters.collective.transfer import TorchWeightSender
+        from rollout_fleet.core.refit import CollectiveSenderSpec
+
+        spec = CollectiveSenderSpec(protocol=protocol, buffer_bytes=buffer_size_bytes,
+                                    num_buffers=num_buffers)
+        if self.session.sender.spec != spec:  # NeMo-RL passes the geometry at each broadcast
+            self.session.sender = TorchWeightSender(self.session.group, spec)
+        self.session.send_state_dict(dict(weights))
+        return True
+
+
+class Policy:
+    """NeMo-RL's policy as the synchroniser drives it: futures from its worker group."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.weights = dict(weights)
+        self.rank = TrainerRank.remote()
+        self.nccl_peer: str | None = None
+
+    def prepare_refit_info(self) -> dict:
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.weights.items()}
+
+    def init_collective(self, ip, port, world_size, *, train_world_size, nccl_peer="nemo"):
+        self.nccl_peer = nccl_peer
+        return [self.rank.init_collective.remote(ip, port, world_size, train_world_size, nccl_peer)]
+
+    def broadcast_weights_for_collective(self, kv_scales=None, *, buffer_size_bytes=None,
+                                         num_buffers=None):
+        return [self.rank.broadcast.remote(self.weights, self.nccl_peer, buffer_size_bytes,
+                                           num_buffers)]
+
+    def train(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.weights = dict(weights)
+
+
+def right_padded(prompts: Sequence[Sequence[int]], pad: int) -> BatchedDataDict:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    return BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts]),
+                            "stop_strings": [None] * len(prompts)})
+
+
+def generate(generation: DynamoGeneration, prompts, pad: int, greedy: bool) -> BatchedDataDict:
+    """As NeMo-RL's async rollouts do: samples as they finish, stacked in sample order."""
+    batch = right_padded(prompts, pad)
+    verify_right_padding(batch, pad_value=pad)
+
+    async def collect():
+        return [pair async for pair in generation.generate_async(batch, greedy=greedy)]
+
+    pairs = sorted(asyncio.run(collect()), key=lambda pair: pair[0])
+    assert [index for index, _ in pairs] == list(range(len(prompts)))
+    assert all(isinstance(sample, BatchedDataDict) for _, sample in pairs)  # the caller's type
+    out = BatchedDataDict.from_batches([sample for _, sample in pairs],
+                                       pad_value_dict={"output_ids": pad})
+    verify_right_padding(out, pad_value=pad)
+    return out
+
+
+def replay(config: dict, cluster: InferenceCluster, policy: Policy, *, prompts, pad: int,
+           steps: Sequence[Mapping[str, torch.Tensor]],
+           check: Callable[[BatchedDataDict, Mapping[str, torch.Tensor]], None]) -> dict:
+    """Run the sequence; ``check(greedy outputs, weights served)`` after each refit. Returns
+    what the test asserts on at the end."""
+    DynamoConfig.model_validate(config)  # NeMo-RL's validator takes the config first
+    before = own_children_before()
+    generation = DynamoGeneration(cluster, config)
+    fleet = generation._fleet
+    pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
+    ports = fleet_ports(fleet)
+    try:
+        synchronizer = CollectiveWeightSynchronizer(policy, generation, TrainCluster(), cluster)
+        synchronizer.init_communicator()
+        generation.weight_synchronizer = synchronizer
+        for weights in steps:
+            if synchronizer.is_stale:  # the first step: the weights are the trainer's
+                synchronizer.sync_weights()
+            generation.prepare_for_generation()
+            sampled = generate(generation, prompts, pad, greedy=False)
+            assert sampled["output_ids"].shape[0] == len(prompts)
+            check(generate(generation, prompts, pad, greedy=True), policy.weights)
+            generation.finish_generation()
+            policy.train(weights)
+            synchronizer.sync_weights()
+        generation.prepare_for_generation()
+        check(generate(generation, prompts, pad, greedy=True), policy.weights)
+        outcome = {"metrics": generation.get_logger_metrics(),
+                   "spec": generation.get_collective_sender_spec(),
+                   "versions": generation.native.get_weight_versions(),
+                   "bundles": [w.node_id for w in fleet.workers]}
+    finally:
+        assert generation.shutdown() is True
+    assert_nothing_left(pgids, ports, before)
+    return outcome
