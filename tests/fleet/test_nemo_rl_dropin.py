@@ -254,3 +254,19 @@ def test_a_pickled_copy_generates_and_its_shutdown_leaves_the_fleet_running(drop
     finally:
         assert copy.shutdown() is True
     assert len(asyncio.run(collect(dropin, data))) == 3  # the owner's fleet still serves
+
+
+def test_logger_metrics_after_a_worker_is_lost_keep_every_ordinal(dropin):
+    """Last in this module: it leaves one worker out of the drop-in for good."""
+    asyncio.run(collect(dropin, mixed_batch(4, seed=17)[1]))
+    dropin.native.sample_worker_metrics()
+    before = dropin.get_logger_metrics()
+    lost = dropin.native.worker_ids[1]
+    assert dropin.native.forget_workers([lost]) == (lost,)  # as when the fleet reports it lost
+    dropin.native.sample_worker_metrics()
+    after = dropin.get_logger_metrics()
+    for key in NEMO_RL_KEYS:
+        assert set(after[key]) == set(before[key]) == {0, 1}, (key, after[key])
+        # the lost worker's samples stay under its own ordinal; the survivor's grow
+        assert after[key][1] == before[key][1]
+        assert len(after[key][0]) > len(before[key][0])

@@ -97,3 +97,57 @@ def test_dropin_over_vllm_generates_refits_and_shuts_down(tiny_models, vllm_engi
     finally:
         assert dropin.shutdown() is True
     assert_nothing_left(pgids, ports, before)
+
+
+@pytest.fixture
+def ray_with_inference_group():
+    """NeMo-RL's inference cluster: Ray running, one bundle reserved for the engine's rank."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    group = placement_group([{"CPU": 1}])
+    ray.get(group.ready(), timeout=60)
+    yield [group]
+    remove_placement_group(group)
+    ray.shutdown()
+
+
+def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_group, tmp_path):
+    """The GRPO replay (tests/support/grpo_replay.py) with NeMo-RL's example config over a real
+    vLLM worker (bfloat16, KV routing), started with NeMo-RL's ``load_format: dummy``: the trainer's state dict of a tied-embedding model holds
+    ``lm_head.weight``, which the checkpoint lacks; it is accepted and, as vLLM's loader does,
+    ignored: garbage there changes nothing, other weights change the answers."""
+    import torch
+
+    from rollout_fleet.adapters.tiny_model import TinyModelSpec, build_tiny_model, tiny_state_dict
+    from tests.support.grpo_replay import (
+        InferenceCluster, Policy, configure_generation_config, replay,
+    )
+    from tests.support.nemo_rl_configs import load_example
+
+    spec = TinyModelSpec(tie_word_embeddings=True)
+    folder = build_tiny_model(tmp_path / "tied", seed=MODEL_SEED, spec=spec)
+
+    def trainer_weights(seed, lm_head=None):
+        weights = tiny_state_dict(seed, spec)
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"] if lm_head is None else lm_head
+        return {name: tensor.to(torch.bfloat16) for name, tensor in weights.items()}
+
+    original = trainer_weights(MODEL_SEED)
+    garbage = torch.randn(original["lm_head.weight"].shape, generator=torch.Generator().manual_seed(9))
+    # NeMo-RL's example config (its validator takes bfloat16 only, as the trainer sends);
+    # 1 MiB refit buffers: the tiny model is a few MiB.
+    example = load_example("grpo_math_1B_dynamo.yaml")["policy"]["generation"]
+    config = configure_generation_config(example, model=str(folder), pad_token_id=0, eos_token_id=2)
+    config["rollout_fleet"] = {"refit": {"buffer_bytes": 1 << 20, "num_buffers": 2}}
+    served: list[list[list[int]]] = []
+    prompts = [[1, 40 + i, 80 + 2 * i, 120 + 3 * i] for i in range(4)]
+    outcome = replay(
+        config, InferenceCluster(ray_with_inference_group), Policy(original), prompts=prompts,
+        pad=0, steps=[trainer_weights(OTHER_SEED), trainer_weights(MODEL_SEED, lm_head=garbage)],
+        check=lambda out, _weights: served.append(out["output_ids"].tolist()))
+    first, other, tied_again = served
+    assert other != first, "a refit to other weights changed nothing"
+    assert tied_again == first  # the garbage lm_head.weight was skipped, as vLLM's loader does
+    assert set(outcome["versions"].values()) == {3}
