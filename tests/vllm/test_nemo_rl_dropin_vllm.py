@@ -115,7 +115,7 @@ def ray_with_inference_group():
 
 def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_group, tmp_path):
     """The GRPO replay (tests/support/grpo_replay.py) with NeMo-RL's example config over a real
-    vLLM worker (bfloat16, KV routing), started with NeMo-RL's ``load_format: dummy``: the trainer's state dict of a tied-embedding model holds
+    vLLM worker (KV routing), started with NeMo-RL's ``load_format: dummy``: the trainer's state dict of a tied-embedding model holds
     ``lm_head.weight``, which the checkpoint lacks; it is accepted and, as vLLM's loader does,
     ignored: garbage there changes nothing, other weights change the answers."""
     import torch
@@ -132,15 +132,17 @@ def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_gr
     def trainer_weights(seed, lm_head=None):
         weights = tiny_state_dict(seed, spec)
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"] if lm_head is None else lm_head
-        return {name: tensor.to(torch.bfloat16) for name, tensor in weights.items()}
+        return weights  # float32, the engine's dtype
 
     original = trainer_weights(MODEL_SEED)
     garbage = torch.randn(original["lm_head.weight"].shape, generator=torch.Generator().manual_seed(9))
-    # NeMo-RL's example config (its validator takes bfloat16 only, as the trainer sends);
-    # 1 MiB refit buffers: the tiny model is a few MiB.
+    # NeMo-RL's example config as shipped (its validator takes precision bfloat16 only); on
+    # this CPU the engine runs float32 (greedy answers compared for equality must not sit on
+    # bfloat16 near-ties), set in the fleet's own section; 1 MiB refit buffers.
     example = load_example("grpo_math_1B_dynamo.yaml")["policy"]["generation"]
     config = configure_generation_config(example, model=str(folder), pad_token_id=0, eos_token_id=2)
-    config["rollout_fleet"] = {"refit": {"buffer_bytes": 1 << 20, "num_buffers": 2}}
+    config["rollout_fleet"] = {"engine": {"dtype": "float32"},
+                               "refit": {"buffer_bytes": 1 << 20, "num_buffers": 2}}
     served: list[list[list[int]]] = []
     prompts = [[1, 40 + i, 80 + 2 * i, 120 + 3 * i] for i in range(4)]
     outcome = replay(
