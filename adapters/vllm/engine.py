@@ -311,7 +311,8 @@ class VllmEngine(EnginePort, RefitTarget):
 
     def _update_info(self, info: RefitInfo) -> dict[str, Any]:
         if self.config.refit_protocol == PACKED_PROTOCOL:
-            return {"refit_info": info.to_wire()}
+            sent = {t.name for t in info.tensors}
+            return {"refit_info": info.to_wire(), "skip": sorted(sent & set(self._ignored))}
         return native_update_info(info)
 
     async def _note_failed_refit(self) -> None:

@@ -57,6 +57,9 @@ class PackedUpdateInfo:
     """``update_weights``'s dict for this backend: the refit info, as ``RefitInfo.to_wire``."""
 
     refit_info: dict[str, Any]
+    # Received but not loaded: a tied model's alias (``lm_head.weight``), which vLLM's loader
+    # skips when it reads a checkpoint; loaded here, it would overwrite the embedding it shares.
+    skip: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         RefitInfo.from_wire(self.refit_info)
@@ -174,7 +177,9 @@ class PackedTransferEngine:
         received: list[tuple[str, Any]] = []
         waiting = [0.0]
         try:
-            self.model.load_weights(_recording(self.receiver.receive(info), received, waiting))
+            skip = frozenset(update_info.skip)
+            self.model.load_weights(item for item in _recording(
+                self.receiver.receive(info), received, waiting) if item[0] not in skip)
             if len(received) != len(info.tensors):
                 raise RefitError(f"the model's load_weights stopped after {len(received)} of"
                                  f" {len(info.tensors)} tensors")
@@ -187,7 +192,7 @@ class PackedTransferEngine:
                  " for the wire)", self.stats.tensors, self.stats.nbytes / 2**20,
                  self.stats.seconds, self.stats.waiting_s)
         if self.rollback == "last_good":
-            self._last_good = received
+            self._last_good = [item for item in received if item[0] not in skip]
 
     def finish_weight_update(self) -> None:
         if self._updating:
