@@ -62,6 +62,9 @@ class TimeoutSection(_Strict):
 class RefitSection(_Strict):
     buffer_bytes: int = Field(1 << 30, ge=1)
     num_buffers: int = Field(2, ge=1)
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "
+        "gloo on GPUs: a trainer that shares the workers' GPU (NCCL refuses two ranks on one GPU)")
 
     def spec(self, protocol: str = PACKED_PROTOCOL) -> CollectiveSenderSpec:
         return CollectiveSenderSpec(protocol=protocol, buffer_bytes=self.buffer_bytes,
@@ -149,6 +152,8 @@ class FleetConfig(_Strict):
         if bad:
             name, value = next(iter(bad.items()))
             raise ValueError(f"resources_per_worker.{name}={_shown(value)}: must be > 0")
+        if self.refit.backend == "nccl" and self.device == "cpu":
+            raise ValueError("refit.backend='nccl' needs device='gpu'")
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self

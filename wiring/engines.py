@@ -109,6 +109,8 @@ class VllmKind(EngineKind):
             check_model_folder("engine.model", options["model"])
         elif fleet.model != "tiny":
             check_model_folder("model", fleet.model)
+        if fleet.device == "gpu":  # checked as the workers get it (worker_options)
+            options.setdefault("device", "cuda")
         VllmEngineConfig.from_mapping({"model": fleet.model, **options})
 
     def refit_ranks(self, options: Mapping[str, Any]) -> int:

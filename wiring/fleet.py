@@ -302,7 +302,10 @@ class Fleet:
 
     @property
     def collective_backend(self) -> str:
-        """What the refit group runs on: NCCL between GPUs, gloo between CPUs."""
+        """What the refit group runs on: NCCL between GPUs, gloo between CPUs (or as
+        ``refit.backend`` says)."""
+        if self.config.refit.backend != "auto":
+            return self.config.refit.backend
         return "nccl" if self.config.device == "gpu" else "gloo"
 
     def control_url(self, worker: WorkerHandle) -> str:

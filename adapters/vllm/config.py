@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -16,6 +18,10 @@ DEVICES = ("cpu", "cuda")
 CPU_KV_CACHE_BYTES = 64 * 2**20  # room for 256 blocks of the tiny model; a laptop-sized cache
 CPU_WORKER_NICE = 10  # see VllmEngineConfig.cpu_worker_nice
 MAX_NICE = 19
+KV_EVENTS_TOPIC = "kv-events"
+# config.json's dtype (transformers >= 4.56 writes "dtype", older ones "torch_dtype") -> vLLM's
+_CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+                      "float32": "float32", "float": "float32"}
 
 
 def _device(_inst: Any, _attr: Any, value: Any) -> None:
@@ -47,6 +53,13 @@ def _optional_positive_int(field: str):
     return check
 
 
+def _bool(field: str):
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise InvalidValue(field, value, "must be true or false")
+    return check
+
+
 @attrs.frozen
 class VllmEngineConfig:
     """What the adapter asks vLLM for. ``None`` means the device's default (see ``engine_kwargs``).
@@ -58,8 +71,12 @@ class VllmEngineConfig:
     still get any core nothing else wants; None leaves their priority alone). ``cpu_cores``: the
     cores vLLM binds its model threads to; None lets vLLM pick, and every engine on one host
     then picks the same cores (a fleet gives each local worker its own).
-    GPU defaults: the model's dtype and context, CUDA graphs, 90% of GPU memory, and vLLM's
-    native NCCL weight-transfer engine for refit.
+    GPU defaults: the checkpoint's own dtype (config.json: bf16 stays bf16, float32 stays
+    float32; vLLM's "auto" would serve a float32 checkpoint in float16), the model's context,
+    CUDA graphs, 90% of GPU memory, and the project's packed refit protocol over NCCL
+    (``refit_protocol="vllm"`` picks vLLM's own NCCL engine instead). Float32 on a GPU means
+    IEEE float32 matmuls: TF32 stays off in vLLM's processes unless ``allow_tf32`` (see
+    ``precision_env``).
     """
 
     model: str = attrs.field()
@@ -68,6 +85,7 @@ class VllmEngineConfig:
     dtype: str | None = None
     max_model_len: int | None = attrs.field(default=None, validator=_optional_positive_int("max_model_len"))
     enforce_eager: bool | None = None
+    allow_tf32: bool = attrs.field(default=False, validator=_bool("allow_tf32"))
     kv_cache_memory_bytes: int | None = attrs.field(
         default=None, validator=_optional_positive_int("kv_cache_memory_bytes"))
     gpu_memory_utilization: float = 0.9
@@ -152,13 +170,34 @@ class VllmEngineConfig:
             return None
         return f"ipc://{tempfile.gettempdir()}/rollout-fleet-kv-events-{self.kv_events_port}"
 
+    def checkpoint_dtype(self) -> str | None:
+        """The dtype the model folder's config.json names (vLLM's spelling); None for a hub
+        name, a folder without config.json, or a dtype this table does not know."""
+        path = Path(self.model).expanduser() / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        named = config.get("dtype") or config.get("torch_dtype") \
+            or config.get("text_config", {}).get("dtype")
+        return _CHECKPOINT_DTYPES.get(str(named).removeprefix("torch.")) if named else None
+
+    def served_dtype(self) -> str:
+        """What vLLM is asked for: the config's dtype, else float32 on the CPU and the
+        checkpoint's dtype on GPUs ("auto", vLLM's own rule, when the folder names none)."""
+        if self.dtype is not None:
+            return self.dtype
+        if self.device == "cpu":
+            return "float32"
+        return self.checkpoint_dtype() or "auto"
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
         on_cpu = self.device == "cpu"
         kwargs: dict[str, Any] = dict(
             model=self.model,
             served_model_name=self.served_model_name,
-            dtype=self.dtype or ("float32" if on_cpu else "auto"),
+            dtype=self.served_dtype(),
             max_model_len=self.max_model_len or (512 if on_cpu else None),
             enforce_eager=self.enforce_eager if self.enforce_eager is not None else on_cpu,
             seed=self.seed,
@@ -181,6 +220,21 @@ class VllmEngineConfig:
             kwargs["max_num_seqs"] = self.max_num_seqs
         if self.kv_events_endpoint is not None:
             kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                          "endpoint": self.kv_events_endpoint, "topic": "kv-events"}
+                                          "endpoint": self.kv_events_endpoint, "topic": KV_EVENTS_TOPIC}
         kwargs.update(self.extra_engine_args)
         return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def precision_env(config: VllmEngineConfig) -> dict[str, str]:
+    """The environment vLLM's engine core and workers start with (they inherit it) so that
+    float32 on a GPU is IEEE float32: vLLM sets torch's float32 matmul precision from
+    ``VLLM_FLOAT32_MATMUL_PRECISION``; Triton kernels (vLLM's attention for float32) read their
+    float32 dot default from ``TRITON_F32_DEFAULT`` (else TF32); the project's vLLM plugin
+    turns cuBLAS and cuDNN TF32 off from ``ROLLOUT_FLEET_ALLOW_TF32``. Nothing for the CPU."""
+    if config.device == "cpu":
+        return {}
+    if config.allow_tf32:
+        return {"VLLM_FLOAT32_MATMUL_PRECISION": "high", "TRITON_F32_DEFAULT": "tf32",
+                "ROLLOUT_FLEET_ALLOW_TF32": "1"}
+    return {"VLLM_FLOAT32_MATMUL_PRECISION": "highest", "TRITON_F32_DEFAULT": "ieee",
+            "ROLLOUT_FLEET_ALLOW_TF32": "0"}

@@ -26,7 +26,8 @@ from typing import Any
 
 import attrs
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
-from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+from rollout_fleet.adapters.vllm.config import KV_EVENTS_TOPIC, VllmEngineConfig, precision_env
+from rollout_fleet.adapters.vllm.features import VllmFeatures, detect_features
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas, tied_metas
 from rollout_fleet.core.errors import (
     EngineDead, EngineError, EngineRejected, InvalidValue, RefitError, WeightMismatch,
@@ -84,6 +85,7 @@ class VllmEngine(EnginePort, RefitTarget):
         self._torn: str | None = None  # why rollouts are refused: a refit died half way
         self._segments: list[SharedMemoryTracker] = []  # vLLM's /dev/shm queues, per engine core
         self._engine_processes: set[int] = set()  # what vLLM started under this process
+        self._features: VllmFeatures | None = None  # what this vLLM offers (features.py)
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -92,13 +94,14 @@ class VllmEngine(EnginePort, RefitTarget):
                 # Building the engine blocks for ~20 s on a CPU (it spawns and waits for the
                 # engine core); a thread keeps this loop answering meanwhile.
                 children_before = _child_pids()
-                with _cpu_binding(self.config):
+                with _cpu_binding(self.config), _environment(precision_env(self.config)):
                     self._engine = await _in_thread(_build_engine, self.config)
+                self._features = detect_features(self._engine)
                 self._engine_processes = _child_pids() - children_before
                 self._track_segments(self._engine_processes)
                 if self.config.device == "cpu" and self.config.cpu_worker_nice is not None:
                     _set_worker_priority(self.config.cpu_worker_nice, self._engine_processes)
-                await self._engine.update_weight_version(str(self._version))
+                await self._label_weight_version()
                 self._facts = _read_facts(self._engine)
                 folder = self._engine.model_config.model
                 self._metas = checkpoint_metas(folder, _engine_dtype(self._engine))
@@ -108,7 +111,8 @@ class VllmEngine(EnginePort, RefitTarget):
                 # every full collection scans them (0.2-0.5 s with the loop and GIL held, here).
                 gc.collect()
                 gc.freeze()
-                log.info("vLLM engine up for worker %s: %s", worker_id, self._facts)
+                log.info("vLLM engine up for worker %s: %s; %s", worker_id, self._facts, self._features)
+                await self._report_precision(worker_id)
         return self._facts
 
     async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
@@ -159,6 +163,9 @@ class VllmEngine(EnginePort, RefitTarget):
     def kv_event_sources(self) -> Sequence[KvEventSource]:
         if self._engine is None or self.config.kv_events_port is None:
             return ()
+        if not self._features.kv_event_sources:  # an older vLLM: the sources it was told
+            return (KvEventSource(kind="zmq", endpoint=self.config.kv_events_endpoint,
+                                  topic=KV_EVENTS_TOPIC),)
         sources = []
         for events in self._engine.get_kv_event_sources().values():
             if events.enable_kv_cache_events and events.publisher == "zmq":
@@ -206,6 +213,10 @@ class VllmEngine(EnginePort, RefitTarget):
         reset the prefix cache as the mode says, resume."""
         mode = refit_mode(mode)
         engine = self._require_engine()
+        if mode not in self._features.refit_modes:
+            raise InvalidValue("mode", mode, "this vLLM labels no token with the weights it was"
+                               " sampled under (CompletionOutput.weight_versions): only"
+                               f" {', '.join(self._features.refit_modes)} keeps labels exact")
         if not self._joined:
             raise RefitError("update_weights before init_collective")
         _check_complete(info, self._metas, self._ignored)
@@ -233,7 +244,7 @@ class VllmEngine(EnginePort, RefitTarget):
                  " cache reset %.3f s", version, len(info.tensors), info.total_bytes / 2**20,
                  loaded - started, ", ".join(
                      f"{rank.get('seconds', 0):.3f} s, {rank.get('waiting_s', 0):.3f} s waiting"
-                     " for the wire" for rank in ranks), reset - loaded)
+                     " for the wire" + _cuda_memory_text(rank) for rank in ranks), reset - loaded)
         return version
 
     def weight_version(self) -> int:
@@ -348,8 +359,29 @@ class VllmEngine(EnginePort, RefitTarget):
         else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
             await self.reset_cache()
         self._version = next_version(self._version, version)
-        await self._engine.update_weight_version(str(self._version))
+        await self._label_weight_version()
         return self._version
+
+    async def _label_weight_version(self) -> None:
+        """Tell vLLM the version to label tokens with, where it has per-engine versions; an
+        older vLLM has none and the adapter's count alone is the version (features.py)."""
+        if self._features.per_engine_versions:
+            await self._engine.update_weight_version(str(self._version))
+
+    async def _report_precision(self, worker_id: int | str) -> None:
+        """Log, and print to the worker's output, what the engine serves in: the parameters'
+        dtype and the float32 matmul precision of each engine rank."""
+        ranks = await self._engine.collective_rpc("rollout_fleet_precision")
+        served = _engine_dtype(self._engine)
+        line = (f"worker {worker_id} serves dtype={served}"
+                f" (checkpoint {self.config.checkpoint_dtype() or 'unknown'}); per rank: "
+                + "; ".join(", ".join(f"{k}={v}" for k, v in rank.items()) for rank in ranks))
+        log.info("%s", line)
+        print(line, flush=True)
+        checkpoint = self.config.checkpoint_dtype()
+        if checkpoint and checkpoint != served:
+            log.warning("the checkpoint is %s but vLLM serves it in %s (engine.dtype=%r)",
+                        checkpoint, served, self.config.dtype)
 
     async def _keep_running_kv(self) -> None:
         """Keep mode: the rollouts in flight keep the KV they hold. vLLM resets its prefix cache
@@ -451,6 +483,22 @@ def _cpu_binding(config: VllmEngineConfig):
             os.environ.pop(_OMP_BIND, None)
         else:
             os.environ[_OMP_BIND] = before
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]):
+    """Set ``values`` in this process's environment while vLLM starts: its engine core and
+    workers inherit them."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _child_pids() -> set[int]:
@@ -561,8 +609,10 @@ def _to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> Se
     # Each step also holds the top_n most likely tokens (ranks 1..top_n; the chosen one may
     # rank lower and is in ``chosen``).
     tops = tuple(_top_of(step, top_n) for step in logprobs) if top_n else None
+    # An older vLLM has no per-token versions: every token is tagged with ``version``, exact
+    # because such an engine accepts drain refits only (features.py).
     return _served(token_ids, chosen, reason, prompt_len, version, tops,
-                   _version_runs(completion.weight_versions, len(token_ids), version))
+                   _version_runs(getattr(completion, "weight_versions", None), len(token_ids), version))
 
 
 def _top_of(step: Mapping[int, Any], top_n: int) -> tuple[tuple[int, float], ...]:
@@ -602,6 +652,15 @@ def native_update_info(info: RefitInfo) -> dict[str, Any]:
     return {"names": [t.name for t in info.tensors],
             "dtype_names": [t.dtype for t in info.tensors],
             "shapes": [list(t.shape) for t in info.tensors]}
+
+
+def _cuda_memory_text(rank: Mapping[str, Any]) -> str:
+    if rank.get("cuda_before", -1) < 0:
+        return ""
+    mib = {k: rank[k] / 2**20 for k in ("cuda_before", "cuda_peak", "cuda_after")}
+    return (f", GPU memory allocated before {mib['cuda_before']:.1f} MiB, peak"
+            f" {mib['cuda_peak']:.1f} MiB (+{mib['cuda_peak'] - mib['cuda_before']:.1f}),"
+            f" after {mib['cuda_after']:.1f} MiB")
 
 
 def _first_line(error: BaseException) -> str:

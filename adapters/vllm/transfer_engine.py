@@ -15,6 +15,15 @@ serving consistent weights; ``"none"`` keeps no copy and reports the weights as 
 then refuses rollouts until a refit succeeds). CPU engines default to the first, GPU engines to
 the second (a second model-sized copy in GPU memory is what a GPU fleet cannot spare).
 
+Across vLLM versions (features detected, not versions): vLLM 0.25's base class also declares
+an abstract ``trainer_send_weights`` (the trainer's side, which the project's trainers do with
+the collective adapter's sender): ``compose_transfer_engine`` gives it one that says so, and
+names any other abstract method the base may add instead of letting vLLM fail to instantiate the
+engine. Layerwise reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``) is
+used when vLLM has it; without it the model's ``load_weights`` copies each tensor into the live
+parameters directly (``InPlaceReload``), which is right for unquantized checkpoints, whose
+loaded tensors need no processing after loading.
+
 vLLM is imported lazily: the class runs without it (``standalone``, with ``InPlaceReload``), which
 is how bench/bench_gpu_refit.py proves this very receiver on GPUs where vLLM is not installed.
 The composition root registers it with vLLM under ``BACKEND_NAME`` and sets ``join_receiver``.
@@ -25,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +89,19 @@ class LayerwiseReload:
         finalize_layerwise_reload(model, model_config)
 
 
+def reload_strategy() -> "LayerwiseReload | InPlaceReload":
+    """vLLM's layerwise reload where this vLLM has it, else loading in place (logged)."""
+    try:
+        from vllm.model_executor.model_loader.reload import (  # noqa: F401
+            finalize_layerwise_reload, initialize_layerwise_reload,
+        )
+    except ImportError:
+        log.warning("this vLLM has no layerwise reload: refits load each tensor in place"
+                    " (right for unquantized checkpoints)")
+        return InPlaceReload()
+    return LayerwiseReload()
+
+
 class InPlaceReload:
     """A plain torch model whose ``load_weights`` copies each tensor into its parameter."""
 
@@ -99,6 +122,11 @@ class RefitStats:
     waiting_s: float = 0.0  # of which waiting for the next tensor to arrive (the wire)
     rolled_back: bool = False
     torn: bool = False
+    # On CUDA: torch's allocated bytes on this rank's GPU before the receive, at its peak
+    # during it, and after (what a refit costs in GPU memory); -1 elsewhere.
+    cuda_before: int = -1
+    cuda_peak: int = -1
+    cuda_after: int = -1
 
 
 class PackedTransferEngine:
@@ -118,7 +146,8 @@ class PackedTransferEngine:
         self.parallel_config = getattr(vllm_config, "parallel_config", None)
         self.device = device
         self.model = model
-        self.reload: LayerwiseReload | InPlaceReload = LayerwiseReload()
+        self.reload: LayerwiseReload | InPlaceReload = reload_strategy() if vllm_config is not None \
+            else InPlaceReload()
         self.engine_rank = _engine_rank(self.parallel_config)
         self.receiver: WeightReceiver | None = None
         self.rollback = "none"
@@ -176,6 +205,7 @@ class PackedTransferEngine:
         started = time.perf_counter()
         received: list[tuple[str, Any]] = []
         waiting = [0.0]
+        memory_before = _cuda_memory_start(self.device)
         try:
             skip = frozenset(update_info.skip)
             self.model.load_weights(item for item in _recording(
@@ -187,7 +217,7 @@ class PackedTransferEngine:
             self._recover(error, loaded=len(received))
             raise
         self.stats = RefitStats(len(received), info.total_bytes, time.perf_counter() - started,
-                                waiting[0])
+                                waiting[0], **_cuda_memory_end(self.device, memory_before))
         log.info("refit received and loaded: %d tensors, %.0f MiB in %.3f s (%.3f s of it waiting"
                  " for the wire)", self.stats.tensors, self.stats.nbytes / 2**20,
                  self.stats.seconds, self.stats.waiting_s)
@@ -203,6 +233,13 @@ class PackedTransferEngine:
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
             receiver.close()
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """vLLM's trainer-side hook (abstract in some versions): the project's trainers send
+        with the collective adapter's sender (``Fleet.refit``), never through this class."""
+        raise RefitError(f"{BACKEND_NAME}: trainers send with rollout_fleet's collective sender"
+                         " (Fleet.refit / the refit port), not through vLLM's trainer_send_weights")
 
     # vLLM retargets engines at a draft model; this one serves the main model only.
     def set_weight_update_target(self, model: Any, model_config: Any) -> None:
@@ -251,6 +288,21 @@ class PackedTransferEngine:
         return tensors
 
 
+def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int], WeightReceiver],
+                            module: str = __name__, name: str = "RolloutFleetTransferEngine") -> type:
+    """``PackedTransferEngine`` on top of vLLM's base class (``base``) with its receiver set.
+    An abstract method of ``base`` that the project does not implement is named here (a
+    TypeError at composition) rather than as vLLM's "Can't instantiate abstract class" inside
+    its engine core."""
+    cls = types.new_class(name, (PackedTransferEngine, base), exec_body=lambda ns: ns.update(
+        join_receiver=staticmethod(join_receiver), __module__=module))
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(f"{name}: vLLM's {base.__qualname__} declares abstract methods the"
+                        f" project's refit engine lacks: {', '.join(missing)}")
+    return cls
+
+
 def _recording(stream: Iterator[tuple[str, Any]], into: list, waiting: list[float]
                ) -> Iterator[tuple[str, Any]]:
     """Pass the stream on, keeping each item and adding the time spent waiting for it."""
@@ -270,6 +322,25 @@ def _engine_rank(parallel_config: Any) -> int:
     if parallel_config is None:
         return 0
     return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+def _cuda_memory_start(device: Any) -> int:
+    if getattr(device, "type", "cpu") != "cuda":
+        return -1
+    import torch
+
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _cuda_memory_end(device: Any, before: int) -> dict[str, int]:
+    if before < 0:
+        return {}
+    import torch
+
+    torch.cuda.synchronize(device)
+    return {"cuda_before": before, "cuda_peak": torch.cuda.max_memory_allocated(device),
+            "cuda_after": torch.cuda.memory_allocated(device)}
 
 
 def _synchronize(device: Any) -> None:

