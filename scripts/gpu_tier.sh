@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU tier on a machine prepared by scripts/gpu_bundle.sh (its parts stashed in /root/stash).
+# Run from the checkout's root there:
+#   scripts/gpu_tier.sh install      install the bundle and the project's wheel into /root/site
+#   scripts/gpu_tier.sh tests        pytest tests/gpu (serve / generate / refit on the GPU)
+#   scripts/gpu_tier.sh bench [ARGS] bench/bench_gpu_fleet.py (fleet vs bare vLLM)
+# Output and figures go to $OUT (or ./gpu-out). The project's wheel is built beforehand where
+# pip works (`pip wheel --no-deps -w wheel .`) and found in ./wheel: vLLM finds the project's
+# plugin through the wheel's entry point.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+SITE=${SITE:-/root/site}
+OUT=${OUT:-$root/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH=/root/bin:$PATH
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+ip_shim() {
+  # `serve` enters a private network namespace and brings loopback up with `ip`; a machine
+  # without iproute2 gets the one call it needs (SIOCSIFFLAGS) from Python.
+  command -v ip >/dev/null && return 0
+  mkdir -p /root/bin
+  cat > /root/bin/ip <<'EOF'
+#!/usr/bin/env python3
+import fcntl, socket, struct, sys
+if sys.argv[1:] != ["link", "set", "lo", "up"]:
+    sys.exit(f"ip (shim): only 'ip link set lo up', not {' '.join(sys.argv[1:])!r}")
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH22x", fcntl.ioctl(sock, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
+fcntl.ioctl(sock, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))
+EOF
+  chmod +x /root/bin/ip
+}
+
+case "${1:-}" in
+  install)
+    started=$(date +%s)
+    bash scripts/gpu_bundle.sh install "$SITE" >/dev/null
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" wheel/rollout_fleet-*.whl
+    ip_shim
+    python3 -c "import vllm, torch, dynamo.frontend, rollout_fleet.wiring.worker; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    echo "installed in $(( $(date +%s) - started )) s"
+    ;;
+  tests)
+    shift
+    python3 -m pytest tests/gpu -v -p no:cacheprovider -o addopts="" --timeout=580 "$@" 2>&1 | tee "$OUT/gpu-tests.log"
+    ;;
+  bench)
+    shift
+    python3 bench/bench_gpu_fleet.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench-gpu-fleet.log"
+    ;;
+  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,40 @@
+"""The GPU tier's own logic, run on the CPU: the model folders it builds load in transformers,
+and the comparison to the first near-tie counts what it says (bench/gpu_fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from gpu_fidelity import Reference, agreement, reference_decode  # noqa: E402
+from gpu_models import SMALL, build_llama, random_prompts  # noqa: E402
+
+
+def test_a_built_model_decodes_and_agrees_with_itself(tmp_path):
+    shape = {**SMALL, "num_hidden_layers": 1}
+    folder = build_llama(tmp_path / "m", shape, "bfloat16", seed=0)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == SMALL["vocab_size"] and tokenizer.decode([5, 6]) == "w5 w6"
+    prompts = random_prompts(3, 4, SMALL["vocab_size"], seed=1)
+    refs = reference_decode(str(folder), prompts, 6, device="cpu", dtype="float32")
+    answers = [(list(r.token_ids), list(r.logprobs)) for r in refs]
+    result = agreement(answers, refs)
+    assert (result.equal_to_first_near_tie, result.max_dlogprob) == (3, 0.0)
+    assert all(len(r.token_ids) == len(r.gaps) and all(g >= 0 for g in r.gaps) for r in refs)
+
+
+def test_agreement_stops_at_the_first_near_tie_and_counts_a_difference_before_it():
+    ref = Reference((5, 6, 7), (-0.1, -0.2, -0.3), (0.5, 1e-5, 0.5))
+    tie_cut = agreement([([5, 9, 9], [-0.1, -1.0, -1.0])], [ref])
+    assert (tie_cut.equal_to_first_near_tie, tie_cut.near_ties, tie_cut.compared_tokens) == (1, 1, 1)
+    early = agreement([([4, 6, 7], [-0.1, -0.2, -0.3])], [ref], near_tie=1e-6)
+    assert early.equal_to_first_near_tie == 0 and early.compared_tokens == 0
+    logprob_off = agreement([([5, 6, 7], [-0.1, -0.2, -0.35])], [ref], near_tie=1e-6)
+    assert logprob_off.equal_to_first_near_tie == 1 and abs(logprob_off.max_dlogprob - 0.05) < 1e-9
+    longer = agreement([([5, 6, 7, 8], [-0.1] * 4)], [ref], near_tie=1e-6)
+    assert longer.equal_to_first_near_tie == 0
