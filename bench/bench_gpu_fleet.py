@@ -114,6 +114,17 @@ def _thread_name(pid: int, tid: int) -> str:
         return str(tid)
 
 
+def worker_engine_kwargs(config) -> dict:
+    """The keyword arguments the fleet's worker gives vLLM for this config."""
+    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+    from rollout_fleet.wiring.config import fleet_facts
+    from rollout_fleet.wiring.engines import engine_kind, without_kind
+
+    options = engine_kind("vllm").worker_options(without_kind(config.engine), fleet_facts(config),
+                                                 slot=0, free_port=lambda: 0)
+    return VllmEngineConfig.from_mapping({"model": config.model, **options}).engine_kwargs()
+
+
 def own_caches(root: Path, side: str) -> None:
     for name in CACHE_VARS:
         os.environ[name] = str(root / f"{side}-{name.lower()}")
@@ -216,7 +227,7 @@ async def bench(args, work: Path) -> dict:
 
     from rollout_fleet.adapters.http import HttpSettings
     from rollout_fleet.adapters.nemo_rl import GenerationConfig
-    from rollout_fleet.wiring.config import engine_config, parse_config
+    from rollout_fleet.wiring.config import parse_config
     from rollout_fleet.wiring.driver import build_generation
     from rollout_fleet.wiring.fleet import Fleet
 
@@ -224,7 +235,7 @@ async def bench(args, work: Path) -> dict:
     model = build_llama(work / "model", shape, dtype, seed=0)
     prompts = random_prompts(args.prompts, PROMPT_TOKENS, shape["vocab_size"], seed=1)
     config = parse_config(fleet_config(model, work / "run", args))
-    kwargs = engine_config(config).engine_kwargs()
+    kwargs = worker_engine_kwargs(config)
     print("engine arguments (both ways):", json.dumps(kwargs, default=str), flush=True)
 
     bare, bare_start = None, float("nan")

@@ -22,7 +22,8 @@ from rollout_fleet.adapters.vllm.transfer_engine import (
 )
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import RefitInfo
-from rollout_fleet.wiring.config import engine_config, parse_config
+from rollout_fleet.wiring.config import fleet_facts, parse_config
+from rollout_fleet.wiring.engines import engine_kind, without_kind
 
 
 # -- a fake vLLM surface: 0.25's shapes and 0.32's -------------------------------------------
@@ -247,7 +248,9 @@ def test_the_plugin_sets_torchs_tf32_switches_from_the_environment(monkeypatch):
 # -- the fleet's device reaches the engine config ------------------------------------------------
 def test_a_gpu_fleet_with_vllms_own_refit_protocol_loads():
     config = parse_config({"device": "gpu", "engine": {"kind": "vllm", "refit_protocol": "vllm"}})
-    engine = engine_config(config)
+    options = engine_kind("vllm").worker_options(without_kind(config.engine), fleet_facts(config),
+                                                 slot=0, free_port=lambda: 0)
+    engine = VllmEngineConfig.from_mapping({"model": config.model, **options})
     assert engine.device == "cuda" and engine.refit_protocol == "vllm"
 
 
