@@ -18,6 +18,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollout_fleet.adapters.dynamo.env import check_bind_host
 from rollout_fleet.adapters.shared import is_loopback
+from rollout_fleet.core.attempt_timeout import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
@@ -29,6 +30,9 @@ from rollout_fleet.wiring.engines import engine_kind, without_kind
 ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "direct", "least-loaded",
                 "device-aware-weighted")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A step of a healthy GPU engine takes well under a second; a loaded CPU one, seconds.
+HANG_TIMEOUT_GPU_S = 30.0
+HANG_TIMEOUT_CPU_S = 120.0
 
 
 class ConfigError(RolloutFleetError, ValueError):
@@ -54,7 +58,16 @@ class RetrySection(_Strict):
 class TimeoutSection(_Strict):
     start_s: float = Field(300.0, gt=0, description="until every worker is registered")
     connect_s: float = Field(10.0, gt=0)
-    request_s: float = Field(600.0, gt=0, description="one rollout attempt")
+    request_s: float = Field(600.0, gt=0, description="one rollout attempt, at most")
+    attempt_fixed_s: float = Field(
+        DEFAULT_ATTEMPT_FIXED_S, gt=0, description="one rollout attempt may take this plus "
+        "attempt_per_token_s per token of its budget (never above request_s); past it the "
+        "driver sends it again (a worker that hangs unseen costs that, not request_s)")
+    attempt_per_token_s: float = Field(DEFAULT_ATTEMPT_PER_TOKEN_S, ge=0)
+    hang_timeout_s: float | None = Field(
+        None, gt=0, description="a worker whose engine completes no step for this long while "
+        "it has rollouts in flight declares itself hung and leaves the fleet; None: "
+        f"{HANG_TIMEOUT_GPU_S:g} s on GPUs, {HANG_TIMEOUT_CPU_S:g} s on CPUs")
     refit_s: float = Field(600.0, gt=0, description="each refit step on every worker")
     shutdown_s: float = Field(15.0, gt=0)
 
@@ -170,6 +183,13 @@ class FleetConfig(_Strict):
                 f"ranks_per_worker={_shown(self.ranks_per_worker)} disagrees with the engine's"
                 f" {engine_ranks} rank(s) (engine {kind.ranks_source(options)}): every engine rank"
                 " joins the refit group, so the two must be equal")
+
+    @property
+    def hang_timeout_s(self) -> float:
+        """How long a worker's engine may make no progress under load before it is hung."""
+        if self.timeouts.hang_timeout_s is not None:
+            return self.timeouts.hang_timeout_s
+        return HANG_TIMEOUT_GPU_S if self.device == "gpu" else HANG_TIMEOUT_CPU_S
 
     @property
     def sender_spec(self) -> CollectiveSenderSpec:

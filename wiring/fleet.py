@@ -187,7 +187,7 @@ class Fleet:
             "namespace": "fleet", "served_model_name": self.config.served_model_name,
             "model_path": self.model_path or None,
             "worker_id": worker_name(index), "env": {**self._discovery_env, **self.config.env},
-            "hold_until_refit": joins_running,
+            "hold_until_refit": joins_running, "hang_timeout_s": self.config.hang_timeout_s,
         }
 
     def _launch(self, index: int, *, joins_running: bool = False, slot: int | None = None,
@@ -440,10 +440,12 @@ class Fleet:
 
 def http_settings(config: FleetConfig, max_in_flight: int) -> HttpSettings:
     """The driver's client: one connection per rollout in flight, the config's timeouts (one
-    attempt may take ``request_s`` in all; a read may wait as long)."""
+    attempt may take ``attempt_fixed_s + attempt_per_token_s`` per token of its budget, never
+    more than ``request_s``; a read may wait as long)."""
     t = config.timeouts
     return HttpSettings(max_in_flight=max_in_flight, connect_timeout_s=t.connect_s,
-                        read_timeout_s=t.request_s, request_timeout_s=t.request_s)
+                        read_timeout_s=t.request_s, request_timeout_s=t.request_s,
+                        attempt_fixed_s=t.attempt_fixed_s, attempt_per_token_s=t.attempt_per_token_s)
 
 
 def private_folder(path: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+from rollout_fleet.core.attempt_timeout import AttemptTimeout
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.validate import finite_at_least, int_at_least, positive_int
 
@@ -38,9 +39,25 @@ class HttpSettings:
     request_timeout_s: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(
             finite_at_least("http.request_timeout_s", strictly=True)))
+    # The per-attempt bound that follows the request: ``attempt_fixed_s + attempt_per_token_s *
+    # max_tokens`` (never above request_timeout_s), so a worker that hangs unseen costs about
+    # that, not the whole request_timeout_s. None (either): only request_timeout_s bounds it.
+    attempt_fixed_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(
+            finite_at_least("http.attempt_fixed_s", strictly=True)))
+    attempt_per_token_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(
+            finite_at_least("http.attempt_per_token_s")))
     keepalive_s: float = attrs.field(default=120.0, validator=finite_at_least("http.keepalive_s", strictly=True))
     client: str = attrs.field(default="aiohttp", validator=_client_kind)
 
     @property
     def max_connections(self) -> int:
         return self.max_in_flight + self.extra_connections
+
+    def attempt_timeout(self) -> AttemptTimeout | None:
+        """The per-attempt bound of a rollout, when both allowances are set."""
+        if self.attempt_fixed_s is None or self.attempt_per_token_s is None:
+            return None
+        return AttemptTimeout(self.attempt_fixed_s, self.attempt_per_token_s,
+                              self.request_timeout_s)

@@ -66,12 +66,13 @@ class HttpCompletionsTransport(CompletionsTransport):
         self.url = self.frontend_url + COMPLETIONS_PATH
         self.clients = clients or LoopClients(settings or HttpSettings())
         self.settings = self.clients.settings
+        self._attempt_timeout = self.settings.attempt_timeout()
 
     async def post_completion(self, body: Mapping[str, Any], *, request_id: str) -> TransportResponse:
         answer = await self.clients.current().post_json(
             self.url, dumps(body),
             {"content-type": JSON_CONTENT_TYPE, REQUEST_ID_HEADER: request_id},
-            timeout_s=self.settings.request_timeout_s)
+            timeout_s=self._timeout_s(body))
         if answer.status == 404 and not answer.body.strip():
             # Dynamo's frontend mounts /v1/completions only once it has discovered a model: a
             # frontend that (re)started answers a bare 404 for a moment (an unknown model gets a
@@ -80,6 +81,16 @@ class HttpCompletionsTransport(CompletionsTransport):
                                  "completions route yet (starting up, no model discovered)")
         retry_after = None if answer.retry_after is None else parse_retry_after(answer.retry_after)
         return TransportResponse(answer.status, answer.body, retry_after)
+
+    def _timeout_s(self, body: Mapping[str, Any]) -> float | None:
+        """This attempt's bound: from the body's token budget when the settings give one."""
+        bound = self._attempt_timeout
+        if bound is None:
+            return self.settings.request_timeout_s
+        tokens = body.get("max_tokens")
+        if type(tokens) is not int:  # no budget to go by: the whole request bound
+            return self.settings.request_timeout_s
+        return bound.bound_s(tokens)
 
     async def aclose(self) -> None:
         await self.clients.aclose()

@@ -33,6 +33,7 @@ class Fault:
     status: int = 503
     headers: dict = attrs.field(factory=dict)
     reset: bool = False
+    hang: bool = False  # never answer (a worker that hangs where nobody sees it)
 
     @classmethod
     def connection_reset(cls) -> "Fault":
@@ -82,6 +83,10 @@ class LoopbackFrontend:
             self.attempt_ids.append(request.headers.get(REQUEST_ID_HEADER))
             fault = self.faults.popleft() if self.faults else None
         if fault is not None:
+            if fault.hang:
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.05)  # until the client gives up and goes away
+                return web.Response(status=500)
             if fault.reset:
                 request.transport.abort()  # the client sees its connection reset
                 return web.Response(status=500)

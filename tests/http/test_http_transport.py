@@ -177,6 +177,21 @@ def test_an_attempt_past_its_request_timeout_is_a_transport_error(kind):
         slow.close()
 
 
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+def test_an_attempt_that_hangs_is_sent_again_after_its_budgets_bound_and_comes_back_once(
+        fresh_frontend, kind):
+    fresh_frontend.faults.append(Fault(hang=True))
+    # The first attempt is given up after its bound (fixed + per token), not request_timeout_s.
+    settings = HttpSettings(client=kind, read_timeout_s=600.0, request_timeout_s=600.0,
+                            attempt_fixed_s=0.5, attempt_per_token_s=0.01)
+    transport = HttpCompletionsTransport(fresh_frontend.url, settings)
+    result = rollout(transport, RolloutRequest("r-hang", [3, 4, 5], 6))
+    assert result.attempts == 2
+    assert fresh_frontend.attempt_ids == ["r-hang", "r-hang"]
+    expected = engine_answer(fresh_frontend, [3, 4, 5], 6)
+    assert result.token_ids == expected.token_ids and result.logprobs == expected.logprobs
+
+
 # -- one pool, sized from the configured in-flight rollouts -------------------------------------
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
 def test_1000_concurrent_rollouts_through_one_client_stay_within_the_socket_limit(kind):
