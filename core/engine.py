@@ -89,6 +89,12 @@ class EnginePort(ABC):
         worker polls it and leaves the fleet's routing when it says so. None by default."""
         return None
 
+    def progress(self) -> int | None:
+        """A count that grows each time the engine completes a step (a token of any request);
+        None when the engine does not count. The worker's hang watchdog reads it: a busy engine
+        whose count stands still for ``hang_timeout_s`` is hung. None by default (not watched)."""
+        return None
+
     async def close(self) -> None:
         """Release what the engine holds (processes, memory) now; the worker calls it once,
         when it stops. Nothing to do by default."""

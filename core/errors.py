@@ -103,6 +103,11 @@ class EngineDead(EngineError):
     so the request is not at fault and another worker can serve it."""
 
 
+class EngineHung(EngineDead):
+    """A worker's engine made no progress for its hang timeout while requests waited on it: it
+    is taken for dead (its requests go to other workers, the worker leaves the fleet)."""
+
+
 class WeightMismatch(InvalidValue):
     """Weights offered to an engine do not match its parameters."""
 

@@ -90,8 +90,14 @@ class MemoryKind(EngineKind):
             engine.die(str(body.get("reason") or "killed by the kill_engine control"))
             return {"in_flight": len(engine.in_flight)}
 
+        async def freeze_engine(_body: dict[str, Any]) -> dict[str, Any]:
+            # A fault drill: the engine hangs (alive, no progress); the watchdog must notice.
+            engine.freeze()
+            return {"in_flight": len(engine.in_flight)}
+
         return BuiltEngine(engine, model_path, {"engine_stats": engine_stats,
-                                                "kill_engine": kill_engine})
+                                                "kill_engine": kill_engine,
+                                                "freeze_engine": freeze_engine})
 
 
 class VllmKind(EngineKind):

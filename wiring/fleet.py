@@ -99,6 +99,7 @@ class Fleet:
     _starting: set[str] = attrs.field(factory=set)  # added workers not registered yet
     _instances: dict[str, int] = attrs.field(factory=dict)  # worker -> its Dynamo instance id
     _forgotten: set[str] = attrs.field(factory=set)  # lost workers taken out of discovery
+    _killed_lost: set[str] = attrs.field(factory=set)  # lost workers whose group was killed
     _stopping: threading.Event = attrs.field(factory=threading.Event)
     _watcher: threading.Thread | None = None
 
@@ -271,6 +272,7 @@ class Fleet:
             try:
                 lost = self.dead_workers()  # the placement asked once a round
                 self._forget_lost_in_discovery(lost)
+                self._kill_what_is_left_of(lost)
                 if self.config.replace_lost_workers and time.monotonic() >= next_replacement:
                     self.replace_lost_workers(lost)
                     backoff_s = _WATCH_S
@@ -281,6 +283,20 @@ class Fleet:
                 next_replacement = time.monotonic() + backoff_s
                 logger.exception("watching the workers failed; next replacement try in %.0f s",
                                  backoff_s)
+
+    def _kill_what_is_left_of(self, lost: list[str]) -> None:
+        """SIGKILL each lost worker's process group once: a worker that left because its engine
+        hung may leave that engine's process behind, stopped or deaf to SIGTERM, holding its
+        memory and devices (a replacement needs them)."""
+        for name in lost:
+            if name in self._killed_lost:
+                continue
+            self._killed_lost.add(name)
+            try:
+                self.placement.kill(name)
+            except Exception as exc:  # noqa: BLE001 - its node may be gone with it
+                logger.info("%s: nothing of it could be killed (%s: %s)", name,
+                            type(exc).__name__, exc)
 
     def _forget_lost_in_discovery(self, lost: list[str]) -> None:
         """The frontend drops a lost worker at once, not when its registration expires."""

@@ -17,7 +17,8 @@ or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON ob
       "insecure_controls": false,      # true: no secret, controls open to anyone (tests only)
       "kv_routing": false,             # publish the engine's KV events to a KV router
       "bind_host": "127.0.0.1",        # where its servers listen ($ROLLOUT_FLEET_BIND_HOST wins)
-      "sigterm_grace_s": 15            # after SIGTERM, exit anyway if still running by then
+      "sigterm_grace_s": 15,           # after SIGTERM, exit anyway if still running by then
+      "hang_timeout_s": 120            # busy engine, no step completed this long: it is hung
     }
 
 The engine's kind is found by name in the entry-point group ``rollout_fleet.engines``
@@ -46,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout_fleet.core.engine import EnginePort
-from rollout_fleet.core.errors import EngineDead, InvalidValue
+from rollout_fleet.core.errors import EngineDead, EngineHung, InvalidValue
+from rollout_fleet.core.progress_watch import ProgressWatch
 from rollout_fleet.ports.engine_kind import BuiltEngine, Control
 from rollout_fleet.wiring.engines import engine_kind, without_kind
 
@@ -60,6 +62,8 @@ BIND_HOST_ENV = "ROLLOUT_FLEET_BIND_HOST"
 ENGINE_WATCH_INTERVAL_S = 0.1
 # How long a worker whose engine died waits for its last answers to leave before it stops.
 ANSWERS_FLUSH_S = 2.0
+# A worker run without a fleet: long enough for a loaded CPU engine (the fleet sets its own).
+DEFAULT_HANG_TIMEOUT_S = 120.0
 
 def build_engine(config: Mapping[str, Any]) -> BuiltEngine:
     """The engine of ``config["engine"]``, made by its kind (an entry point of the group
@@ -103,6 +107,7 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
 
     secret = control_secret(config)
     held = hold_until_refit(config)
+    watch_progress = ProgressWatch(hang_timeout_s(config))
     built = build_engine(config)
     refit = refit_controls(built.engine, config)
     if held and not refit:
@@ -120,21 +125,45 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
             served_model_name=_required(config, "served_model_name"),
             namespace=config.get("namespace", "fleet"), engine_env=env,
             enable_kv_routing=bool(config.get("kv_routing", False)))
-        watch = asyncio.ensure_future(_leave_when_engine_dies(built.engine, adapter))
+        watch = asyncio.ensure_future(_leave_when_engine_dies(built.engine, adapter, watch_progress))
         await serving
     finally:
         if watch is not None:
             watch.cancel()
+        if _is_hang(adapter.dead_reason):
+            kill_child_processes()  # a stopped engine process would never answer its close
         await built.engine.close()  # vLLM: stop its engine-core processes now
     if adapter.dead_reason is not None:  # the worker exits non-zero, naming why
-        raise EngineDead(adapter.dead_reason)
+        raise (EngineHung if _is_hang(adapter.dead_reason) else EngineDead)(adapter.dead_reason)
 
 
-async def _leave_when_engine_dies(engine: EnginePort, adapter: Any) -> None:
-    """Once the engine is dead (an idle worker too), leave the fleet at once: refuse every
-    request, then stop as on SIGTERM, so Dynamo takes this worker out of discovery."""
+HANG_REASON_PREFIX = "engine hung: "
+
+
+def _is_hang(reason: str | None) -> bool:
+    return reason is not None and reason.startswith(HANG_REASON_PREFIX)
+
+
+def _hang_reason(engine: EnginePort, adapter: Any, watch: ProgressWatch) -> str | None:
+    """Why the engine counts as hung now (busy, no step for hang_timeout_s), else None. A
+    control call (a refit pauses the engine) holds the clock back."""
+    busy = adapter.requests_in_flight > 0 and adapter.controls_running == 0
+    stalled = watch.observe(time.monotonic(), engine.progress(), busy)
+    if stalled is None:
+        return None
+    return (f"{HANG_REASON_PREFIX}no step completed in {stalled:.1f} s with "
+            f"{adapter.requests_in_flight} request(s) waiting on it (hang_timeout_s="
+            f"{watch.hang_timeout_s:g})")
+
+
+async def _leave_when_engine_dies(engine: EnginePort, adapter: Any, watch: ProgressWatch) -> None:
+    """Once the engine is dead or hung (an idle worker too), leave the fleet at once: refuse
+    every request, then stop as on SIGTERM, so Dynamo takes this worker out of discovery."""
+    watched = engine.progress() is not None
     while True:
         reason = engine.dead_reason() or adapter.dead_reason
+        if reason is None and watched:
+            reason = _hang_reason(engine, adapter, watch)
         if reason is not None:
             adapter.engine_died(reason)  # every request it held is answered 503 now
             logger.error("worker: leaving the fleet: %s", reason)
@@ -163,6 +192,36 @@ def control_secret(config: Mapping[str, Any]) -> str | None:
     if insecure:
         raise InvalidValue("insecure_controls", insecure, "contradicts the control_secret given")
     return secret
+
+
+def hang_timeout_s(config: Mapping[str, Any]) -> float:
+    """How long a busy engine may complete no step before the worker takes it for hung."""
+    value = config.get("hang_timeout_s")
+    return DEFAULT_HANG_TIMEOUT_S if value is None else value  # ProgressWatch checks it
+
+
+def kill_child_processes() -> None:
+    """SIGKILL every process this one started, and theirs (Linux): a hung engine process may
+    be stopped or deaf to SIGTERM."""
+    for pid in reversed(_descendants(os.getpid())):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(pid: int) -> list[int]:
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found.extend(children)
+            queue.extend(children)
+    return found
 
 
 def hold_until_refit(config: Mapping[str, Any]) -> bool:
@@ -211,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             config["control_secret"] = read_secret_from_stdin()
         control_secret(config)  # refuse now, before Dynamo or an engine starts
         hold_until_refit(config)
+        ProgressWatch(hang_timeout_s(config))
     except InvalidValue as exc:
         print(f"{FAILURE_MARK}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -91,6 +91,7 @@ class DynamoEngineAdapter(LLMEngine):
         self._token_texts: _TokenTexts | None = None
         self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS_KEPT)
         self._counts = collections.Counter()
+        self._controls_running = 0  # a refit may pause the engine: no progress is no hang then
         self._request_kinds: dict[str, Callable[..., Awaitable[list[GenerateChunk]]]] = {
             ROLLOUT_ANNOTATION_PREFIX: self._serve_rollout_request,
         }
@@ -155,6 +156,11 @@ class DynamoEngineAdapter(LLMEngine):
     def requests_in_flight(self) -> int:
         """Requests this adapter is serving now (rollouts and plain completions)."""
         return len(self._serving)
+
+    @property
+    def controls_running(self) -> int:
+        """Control calls being handled now (a refit among them pauses the engine)."""
+        return self._controls_running
 
     async def cleanup(self) -> None:
         # The worker owns the engine and stops it; here only stop taking requests. Idempotent.
@@ -315,11 +321,14 @@ class DynamoEngineAdapter(LLMEngine):
         if refusal:
             return _error(f"control {control!r} refused: {refusal}")
         args = {k: v for k, v in body.items() if k != CONTROL_SECRET_FIELD}
+        self._controls_running += 1
         try:
             answer = await handler(args)
         except Exception as exc:
             logger.warning("control %r failed: %s: %s", control, type(exc).__name__, exc)
             return _error(f"control {control!r} failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._controls_running -= 1
         if control == _FIRST_REFIT_CONTROL and self._held:
             self._held = False
             logger.info("serving from now on: the fleet's weights are loaded (version %s)",

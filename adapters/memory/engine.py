@@ -180,6 +180,9 @@ class MemoryEngine(EnginePort, RefitTarget):
         self._admitting = asyncio.Event()
         self._admitting.set()
         self._dead: str | None = None  # why it died (``die``): it serves nothing more
+        self._running = asyncio.Event()  # cleared by ``freeze``: no request takes a step
+        self._running.set()
+        self._steps = 0  # tokens generated, all requests together (``progress``)
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -222,6 +225,15 @@ class MemoryEngine(EnginePort, RefitTarget):
         """A fault drill: the engine dies as a crashed engine process would. Rollouts in
         flight fail at their next token, and every later one at once, with ``EngineDead``."""
         self._dead = f"the memory engine died ({reason})"
+
+    def freeze(self) -> None:
+        """A fault drill: the engine hangs as a wedged engine process would (alive, silent).
+        Rollouts in flight stop at their next token, later ones at their first; nothing fails
+        and ``progress`` stands still."""
+        self._running.clear()
+
+    def progress(self) -> int:
+        return self._steps
 
     def dead_reason(self) -> str | None:
         return self._dead
@@ -330,6 +342,8 @@ class MemoryEngine(EnginePort, RefitTarget):
                 await asyncio.sleep(self.token_delay_s)
             elif step % 8 == 0:
                 await asyncio.sleep(0)  # let aborts and other requests in
+            if not self._running.is_set():
+                await self._running.wait()  # frozen: never set again
             self._check_alive()
             if request_id in self._aborted:
                 finish = FinishReason.ABORT
@@ -346,6 +360,7 @@ class MemoryEngine(EnginePort, RefitTarget):
             else:
                 versions.append([self._version, 1])
             self._live_tokens[request_id] = len(prompt) + len(tokens)
+            self._steps += 1
             prev = token
             if token in stop_ids:
                 finish = FinishReason.STOP

@@ -86,6 +86,7 @@ class VllmEngine(EnginePort, RefitTarget):
         self._segments: list[SharedMemoryTracker] = []  # vLLM's /dev/shm queues, per engine core
         self._engine_processes: set[int] = set()  # what vLLM started under this process
         self._features: VllmFeatures | None = None  # what this vLLM offers (features.py)
+        self._steps = 0  # engine-core outputs received: grows with every step (``progress``)
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -98,6 +99,7 @@ class VllmEngine(EnginePort, RefitTarget):
                     self._engine = await _in_thread(_build_engine, self.config)
                 self._features = detect_features(self._engine)
                 self._engine_processes = _child_pids() - children_before
+                self._count_steps(self._engine)
                 self._track_segments(self._engine_processes)
                 if self.config.device == "cpu" and self.config.cpu_worker_nice is not None:
                     _set_worker_priority(self.config.cpu_worker_nice, self._engine_processes)
@@ -152,6 +154,22 @@ class VllmEngine(EnginePort, RefitTarget):
         live.aborted = True
         if live.admitted:
             await self._engine.abort(request_id)
+
+    def progress(self) -> int:
+        return self._steps
+
+    def _count_steps(self, engine: Any) -> None:
+        """Count each batch of outputs vLLM's output loop takes from the engine core (one per
+        step with work): a hung engine core sends none, so the count stands still."""
+        core = engine.engine_core
+        receive = core.get_output_async
+
+        async def counted_receive():
+            outputs = await receive()
+            self._steps += 1
+            return outputs
+
+        core.get_output_async = counted_receive
 
     def dead_reason(self) -> str | None:
         """vLLM's engine core is gone (killed, crashed): this engine serves nothing more."""
