@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -511,11 +512,23 @@ def call_control(control_url: str, name: str, secret: str, body: dict | None = N
     payload = json.dumps({**(body or {}), "control_secret": secret}).encode()
     request = urllib.request.Request(f"{control_url}/engine/control/{name}", data=payload,
                                      headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-        data = json.loads(answer.read())
-    if not isinstance(data, dict) or data.get("status") != "ok":
-        raise ValueError(f"control {name} answered {data!r:.300}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            status, data = answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as refused:
+        if refused.code not in (401, 403):
+            raise
+        status, data = refused.code, _json_or_text(refused.read())
+    if status != 200 or not isinstance(data, dict) or data.get("status") != "ok":
+        raise ValueError(f"control {name} answered HTTP {status}: {data!r:.300}")
     return data
+
+
+def _json_or_text(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body[:300].decode("utf-8", "replace")
 
 
 def _health_ready(control_url: str) -> bool:

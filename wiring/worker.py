@@ -118,8 +118,9 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
                                   controls={**built.controls, **refit})
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
-    watch = None
+    watch = front = None
     try:
+        front = await _front_the_system_port(adapter, env)
         serving = start_dynamo_endpoint(
             adapter, model_path=built.model_path,
             served_model_name=_required(config, "served_model_name"),
@@ -130,11 +131,30 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
     finally:
         if watch is not None:
             watch.cancel()
+        if front is not None:
+            await front.close()
         if _is_hang(adapter.dead_reason):
             kill_child_processes()  # a stopped engine process would never answer its close
         await built.engine.close()  # vLLM: stop its engine-core processes now
     if adapter.dead_reason is not None:  # the worker exits non-zero, naming why
         raise (EngineHung if _is_hang(adapter.dead_reason) else EngineDead)(adapter.dead_reason)
+
+
+async def _front_the_system_port(adapter: Any, env: dict[str, str]) -> Any:
+    """Serve the system port with the worker's own front (controls answer 401 when refused)
+    and move Dynamo's system server behind it, to a loopback port; None without a system port."""
+    from rollout_fleet.adapters.dynamo.control_front import ControlFront
+    from rollout_fleet.adapters.shared import free_port
+
+    port = int(env.get("DYN_SYSTEM_PORT") or os.environ.get("DYN_SYSTEM_PORT") or -1)
+    if port <= 0:
+        return None
+    host = env.get("DYN_SYSTEM_HOST") or "127.0.0.1"
+    inner = free_port("127.0.0.1")
+    env.update(DYN_SYSTEM_PORT=str(inner), DYN_SYSTEM_HOST="127.0.0.1")
+    front = ControlFront(adapter, f"http://127.0.0.1:{inner}")
+    await front.start(host, port)
+    return front
 
 
 HANG_REASON_PREFIX = "engine hung: "

@@ -312,14 +312,24 @@ class DynamoEngineAdapter(LLMEngine):
         return set(self._controls)
 
     async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Dynamo's entry (its system server answers 200 whatever this says)."""
+        return (await self.answer_control(control, body))[1]
+
+    async def answer_control(self, control: str, body: Any) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, answer) of one control call: 401 for a missing or wrong secret, 404
+        for an unknown control, else 200 (a failed handler answers ``status: error``)."""
         handler = self._controls.get(control)
         if handler is None:
-            return _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
+            return 404, _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
         if not isinstance(body, dict):
-            return _error(f"control {control!r}: the body must be a JSON object")
+            return 200, _error(f"control {control!r}: the body must be a JSON object")
         refusal = self._secret_refusal(body)
         if refusal:
-            return _error(f"control {control!r} refused: {refusal}")
+            return 401, _error(f"control {control!r} refused: {refusal}")
+        return 200, await self._run_control(control, handler, body)
+
+    async def _run_control(self, control: str, handler: ControlHandler,
+                           body: dict[str, Any]) -> dict[str, Any]:
         args = {k: v for k, v in body.items() if k != CONTROL_SECRET_FIELD}
         self._controls_running += 1
         try:

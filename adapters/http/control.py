@@ -27,8 +27,8 @@ class HttpWorkerControl(WorkerControl):
     """``POST {control_url}/engine/control/{name}`` with the shared secret in the JSON body.
 
     Holds only an endpoint and a secret, so a pickled copy reaches the same worker.
-    A refusal (``{"status": "error"}``, whatever the HTTP status) raises ControlRefused:
-    the body is always read, never just the status.
+    A refusal (HTTP 401/403 for a missing or wrong secret, or ``{"status": "error"}`` whatever
+    the HTTP status) raises ControlRefused: the status is checked and the body always read.
     """
 
     def __init__(self, worker_id: str, control_url: str, *, secret: str,
@@ -64,6 +64,9 @@ class HttpWorkerControl(WorkerControl):
             answer = json.loads(body) if body else None
         except (ValueError, RecursionError):
             answer = None
+        if status in (401, 403):  # the worker refused the secret: never a success
+            message = answer.get("message") if isinstance(answer, dict) else body[:200]
+            raise ControlRefused(f"{where} refused (HTTP {status}): {str(message)[:500]}")
         if isinstance(answer, dict) and answer.get("status") == "error":
             raise ControlRefused(f"{where} refused: {str(answer.get('message'))[:500]}")
         if status == 404:

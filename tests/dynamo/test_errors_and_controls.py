@@ -100,10 +100,25 @@ def test_unknown_control_is_refused(fleet):
 def test_control_without_the_secret_is_refused(fleet, secret):
     before = fleet.control("engine_stats").json()
     answer = fleet.control("flush_cache", secret=secret)
-    assert answer.status_code == 200
+    assert answer.status_code == 401
     body = answer.json()
     assert body["status"] == "error" and "control_secret" in body["message"]
     assert fleet.control("engine_stats").json() == before  # nothing ran
+
+
+def test_a_control_with_the_secret_answers_200_and_health_and_metrics_still_answer(fleet):
+    answer = fleet.control("stats")
+    assert answer.status_code == 200 and answer.json()["status"] == "ok"
+    health = httpx.get(f"{fleet.system_url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ready"
+    metrics = httpx.get(f"{fleet.system_url}/metrics", timeout=10)
+    assert metrics.status_code == 200 and "rollout_fleet_generated_tokens" in metrics.text
+
+
+def test_a_control_body_that_is_not_json_is_a_400(fleet):
+    answer = httpx.post(f"{fleet.system_url}/engine/control/stats", content=b"{not json",
+                        headers={"content-type": "application/json"}, timeout=10)
+    assert answer.status_code == 400
 
 
 def test_wait_for_an_unlisted_model_fails_with_the_log(fleet):

@@ -126,8 +126,10 @@ class LoopbackFrontend:
         body = json.loads(await request.read())
         with self._lock:
             self.control_bodies.append((name, body))
-        if body.get("control_secret") != SECRET:
-            return web.json_response({"status": "error", "message": "bad control secret"}, status=403)
+        if body.get("control_secret") != SECRET:  # as a worker answers it
+            return web.json_response({"status": "error", "message": "bad control secret"}, status=401)
+        if name == "refuse_with_401_text":  # a refusal whose body says nothing of it
+            return web.Response(status=401, text="unauthorized")
         if name == "flush_cache":
             await self.engine.reset_cache()
             self.flushes += 1

@@ -52,6 +52,22 @@ def test_a_bad_secret_is_a_refusal(server):
         call(control, "flush_cache")
 
 
+def test_a_401_is_a_refusal_whatever_its_body_says(server):
+    control = HttpWorkerControl("w0", server.url, secret=SECRET)
+    with pytest.raises(ControlRefused, match=r"refused \(HTTP 401\)"):
+        call(control, "refuse_with_401_text")
+
+
+def test_the_blocking_control_call_checks_the_status_too(server):
+    from rollout_fleet.wiring.fleet import call_control
+
+    assert call_control(server.url, "flush_cache", SECRET)["status"] == "ok"
+    with pytest.raises(ValueError, match=r"HTTP 401.*bad control secret"):
+        call_control(server.url, "flush_cache", "wrong")
+    with pytest.raises(ValueError, match=r"HTTP 401.*unauthorized"):
+        call_control(server.url, "refuse_with_401_text", SECRET)
+
+
 def test_an_unknown_control_is_a_refusal(server):
     control = HttpWorkerControl("w0", server.url, secret=SECRET)
     with pytest.raises(ControlRefused, match="no such control"):
