@@ -134,3 +134,33 @@ def test_a_lost_worker_is_left_out_and_the_survivors_form_the_next_group():
     versions = refit_with(coordinator, group, TinyBigramModel.from_seed(7).state_dict())
     assert versions == {"w0": 1, "w2": 1}
     assert [engine.weight_version() for engine in engines] == [1, 0, 1]
+
+
+@pytest.mark.parametrize("step", ["prepare_refit_info", "update_weights"])
+def test_a_refit_step_that_hangs_on_one_worker_is_bounded_and_names_that_worker(step):
+    group = MemoryCollective()
+    engines = [MemoryEngine(seed=0, join_receiver=group.join_receiver) for _ in range(2)]
+    controls = [WorkerRefit(engine).controls() for engine in engines]
+
+    async def never_answers(_body):
+        await asyncio.Event().wait()  # a rank stuck in its step: no answer, no error
+
+    controls[1] = {**controls[1], step: never_answers}
+    coordinator = RefitCoordinator([LocalWorkerControl(f"w{i}", c) for i, c in enumerate(controls)],
+                                   timeout_s=0.5)
+    info = RefitInfo.from_state_dict_info({"embed.weight": ((48, 8), "float32")})
+    state = {"embed.weight": TinyBigramModel.from_seed(1).state_dict()["embed.weight"]}
+
+    async def go():
+        await asyncio.gather(*coordinator.init_collective_calls("127.0.0.1", 1, 3, 1, SPEC))
+        await coordinator.prepare_refit_info(info)
+        updates = asyncio.ensure_future(coordinator.update_weights())
+        await asyncio.sleep(0)
+        sending = asyncio.to_thread(MemoryWeightSender(group, SPEC).send, info, state.items())
+        await asyncio.gather(updates, sending, return_exceptions=True)
+        return updates.result()
+
+    with pytest.raises(WorkerFailures) as failure:
+        asyncio.run(asyncio.wait_for(go(), 30))  # bounded here too: a hang fails the test
+    assert "w1" in failure.value.failures
+    assert f"{step} on worker w1 timed out after" in str(failure.value)
