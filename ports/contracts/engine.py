@@ -105,6 +105,13 @@ class EngineContract:
         usage = engine_under_test.engine.kv_cache_usage()
         assert usage is None or (isinstance(usage, float) and 0.0 <= usage <= 1.0), usage
 
+    def test_progress_is_unknown_or_grows_with_each_rollout(self, engine_under_test: EngineUnderTest):
+        engine = engine_under_test.engine
+        before = engine.progress()
+        engine_under_test.serve(engine_under_test.prompts[0], 4)
+        after = engine.progress()
+        assert (before is None and after is None) or after > before, (before, after)
+
     def test_start_again_is_harmless(self, engine_under_test: EngineUnderTest):
         again = engine_under_test.loop.run(engine_under_test.engine.start(0))
         assert again == engine_under_test.facts
