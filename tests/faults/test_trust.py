@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import pickle
+import urllib.error
 import urllib.request
 
 import attrs
@@ -42,8 +43,15 @@ def post_control(system_url: str, name: str, body: dict) -> dict:
     request = urllib.request.Request(f"{system_url}/engine/control/{name}",
                                      data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return json.load(answer)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            status, data = answer.status, json.load(answer)
+    except urllib.error.HTTPError as refused:
+        status, data = refused.code, json.load(refused)
+    # A secret refused is a 401, whatever else a 200: a client reading statuses is not misled.
+    refusal = data.get("status") == "error" and "refused" in str(data.get("message"))
+    assert status == (401 if refusal else 200), (status, data)
+    return data
 
 
 def stranger_bodies() -> dict[str, dict]:

@@ -94,12 +94,16 @@ def _stranger_controls(fleet) -> dict[str, dict[str, str]]:
 
 
 def _post_without_secret(control_url: str, control: str) -> str:
+    import urllib.error
     import urllib.request
 
     request = urllib.request.Request(f"{control_url}/engine/control/{control}", data=b"{}",
                                      headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        data = json.loads(answer.read())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            data = json.loads(answer.read())
+    except urllib.error.HTTPError as refused:  # 401: the secret is missing
+        return f"HTTP {refused.code}: {json.loads(refused.read())}"
     return "ok" if data.get("status") == "ok" else str(data)
 
 
