@@ -17,6 +17,8 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from rollout_fleet.core.errors import (
     EngineDead, EngineRejected, InvalidValue, RefitError, WeightMismatch,
 )
@@ -189,7 +191,8 @@ class MemoryEngine(EnginePort, RefitTarget):
     async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
-                            stop_token_ids: Sequence[int] = ()) -> ServedRollout:
+                            stop_token_ids: Sequence[int] = (),
+                            extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
         self._check_alive()
         self._check_input(prompt_token_ids, max_new_tokens)
         if not is_int(top_logprobs) or not 0 <= top_logprobs <= len(VOCAB):
@@ -200,7 +203,7 @@ class MemoryEngine(EnginePort, RefitTarget):
         try:
             served = await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
                                           tuple(stop_strings), rng, top_logprobs,
-                                          frozenset(stop_token_ids) | {EOS_TOKEN_ID})
+                                          _Steering.of(extra_sampling or {}, stop_token_ids))
             self.generated_tokens += len(served.token_ids)
             return served
         finally:
@@ -208,6 +211,9 @@ class MemoryEngine(EnginePort, RefitTarget):
             self._live_tokens.pop(request_id, None)
             self._aborted.pop(request_id, None)
             self.served_count += 1
+
+    def sampling_offered(self) -> frozenset[str]:
+        return _Steering.OFFERED
 
     async def abort(self, request_id: str) -> None:
         self.aborted_ids.append(request_id)
@@ -317,7 +323,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 f"context_length={self.context_length}")
 
     async def _generate(self, prompt, request_id, max_new_tokens, sampling, stop_strings, rng,
-                        top_n, stop_ids):
+                        top_n, steering: "_Steering"):
         tokens: list[int] = []
         logprobs: list[float] = []
         tops: list[tuple[tuple[int, float], ...]] = []
@@ -335,7 +341,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 finish = FinishReason.ABORT
                 break
             row = self.model.logprobs_after(prev)
-            token = _pick(row, sampling, rng)
+            token = _pick(steering.steered(row, step), sampling, rng)
             tokens.append(token)
             logprobs.append(row[token])
             if top_n:
@@ -347,7 +353,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 versions.append([self._version, 1])
             self._live_tokens[request_id] = len(prompt) + len(tokens)
             prev = token
-            if token in stop_ids:
+            if token in steering.stop_ids:
                 finish = FinishReason.STOP
                 break
             text += VOCAB[token]
@@ -357,6 +363,35 @@ class MemoryEngine(EnginePort, RefitTarget):
         return ServedRollout(tokens, logprobs, finish, Usage(len(prompt), len(tokens)),
                              weight_version=self._version, weight_versions=versions,
                              top_logprobs=tuple(tops) if top_n else None)
+
+
+@attrs.frozen
+class _Steering:
+    """What the offered sampling options change: which tokens may be picked at a step (the
+    logprobs reported stay the model's own, as vLLM's raw logprobs do) and where it stops."""
+
+    OFFERED = frozenset({"ignore_eos", "min_tokens", "allowed_token_ids"})
+
+    stop_ids: frozenset[int]
+    min_tokens: int = 0
+    allowed: frozenset[int] | None = None
+
+    @classmethod
+    def of(cls, extra: Mapping[str, Any], stop_token_ids: Sequence[int]) -> "_Steering":
+        unknown = sorted(set(extra) - cls.OFFERED)
+        if unknown:
+            raise EngineRejected(f"{unknown[0]}={extra[unknown[0]]!r}: not offered by the memory engine")
+        stop_ids = frozenset(stop_token_ids) | (set() if extra.get("ignore_eos") else {EOS_TOKEN_ID})
+        allowed = extra.get("allowed_token_ids")
+        return cls(frozenset(stop_ids), extra.get("min_tokens", 0),
+                   None if allowed is None else frozenset(allowed))
+
+    def steered(self, row: list[float], step: int) -> list[float]:
+        if self.allowed is None and step >= self.min_tokens:
+            return row
+        banned = self.stop_ids if step < self.min_tokens else ()
+        return [lp if (self.allowed is None or t in self.allowed) and t not in banned
+                else -math.inf for t, lp in enumerate(row)]
 
 
 async def _all_ranks(calls: list[Callable[[], Any]], on_partial: Callable[[list], Any] | None = None
