@@ -126,7 +126,7 @@ class VllmEngine(EnginePort, RefitTarget):
                             stop_token_ids: Sequence[int] = (),
                             extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
         engine = self._require_engine()
-        prompt = self._admissible(prompt_token_ids, max_new_tokens)
+        prompt = self._admissible(prompt_token_ids, max_new_tokens, stop_token_ids, extra_sampling)
         if self._early_aborts.pop(request_id, "absent") is None:
             return _served([], [], FinishReason.ABORT, len(prompt), self._version)
         params = _sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs,
@@ -154,7 +154,7 @@ class VllmEngine(EnginePort, RefitTarget):
         """A piece per engine step, as vLLM hands out each step's new tokens (its DELTA
         outputs)."""
         engine = self._require_engine()
-        prompt = self._admissible(prompt_token_ids, max_new_tokens)
+        prompt = self._admissible(prompt_token_ids, max_new_tokens, stop_token_ids, extra_sampling)
         if self._early_aborts.pop(request_id, "absent") is None:
             yield RolloutPiece((), (), FinishReason.ABORT)
             return
@@ -172,12 +172,21 @@ class VllmEngine(EnginePort, RefitTarget):
         finally:
             self._live.pop(request_id, None)
 
-    def _admissible(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    def _admissible(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
+                    stop_token_ids: Sequence[int] = (),
+                    extra_sampling: Mapping[str, Any] | None = None) -> list[int]:
         if self._torn:
             raise EngineError(f"this worker's weights are torn ({self._torn}); it serves again"
                               " after a refit succeeds")
         prompt = list(prompt_token_ids)
         self._check_input(prompt, max_new_tokens)
+        if stop_token_ids or extra_sampling:
+            vocab = self._engine.model_config.get_vocab_size()
+            extra = extra_sampling or {}
+            for field, ids in (("stop_token_ids", stop_token_ids),
+                               ("allowed_token_ids", extra.get("allowed_token_ids") or ()),
+                               ("logit_bias", list(extra.get("logit_bias") or ()))):
+                _check_vocabulary(field, ids, vocab)
         return prompt
 
     async def abort(self, request_id: str) -> None:
@@ -377,10 +386,7 @@ class VllmEngine(EnginePort, RefitTarget):
     def _check_input(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:
             raise EngineRejected("prompt_token_ids is empty")
-        vocab = self._engine.model_config.get_vocab_size()
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise EngineRejected(f"prompt_token_ids has IDs outside the vocabulary [0, {vocab}): {bad[:5]}")
+        _check_vocabulary("prompt_token_ids", prompt, self._engine.model_config.get_vocab_size())
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineRejected(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         context = self._facts.context_length
@@ -741,6 +747,14 @@ def _cuda_memory_text(rank: Mapping[str, Any]) -> str:
     return (f", GPU memory allocated before {mib['cuda_before']:.1f} MiB, peak"
             f" {mib['cuda_peak']:.1f} MiB (+{mib['cuda_peak'] - mib['cuda_before']:.1f}),"
             f" after {mib['cuda_after']:.1f} MiB")
+
+
+def _check_vocabulary(field: str, token_ids: Sequence[Any], vocab: int) -> None:
+    """EngineRejected naming the first token ID outside the model's vocabulary, and its size."""
+    for index, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise EngineRejected(f"{field}[{index}]={token!r} is outside the model's vocabulary of"
+                                 f" {vocab} tokens (IDs 0..{vocab - 1})")
 
 
 def _first_line(error: BaseException) -> str:
