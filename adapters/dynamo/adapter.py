@@ -5,10 +5,12 @@ Two kinds of request reach ``generate``:
 * a **rollout** (an ``nvext.annotations`` entry ``rollout:<spec>``): served by the engine's
   ``serve_rollout`` and answered as ONE final chunk whose ``engine_data`` carries the whole
   result (token IDs and logprobs together), so the client reads it from ``nvext.engine_data``;
-* a **plain** completion (no annotation we know): served as an ordinary OpenAI completion,
-  token chunks streamed (with per-token logprobs when asked, ``n`` choices), so any OpenAI
-  client works against the fleet. An option the engine cannot honour is refused with a 400
-  that names it, never silently ignored.
+* a **plain** completion (no annotation we know): served as an ordinary OpenAI completion
+  from the engine's ``stream_rollout``, one chunk per token as the engine hands it over (with
+  per-token logprobs when asked), so any OpenAI client works against the fleet, streaming
+  included. One choice per request: Dynamo 1.6.1's frontend ends an answer at the first
+  choice that finishes, so ``n > 1`` is refused. Neutral sampling values are accepted; an
+  option the engine cannot honour is refused with a 400 that names it, never silently ignored.
 
 The request kinds are a table keyed by annotation prefix: a new kind is one entry.
 """
