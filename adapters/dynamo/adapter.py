@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -189,9 +190,11 @@ class DynamoEngineAdapter(LLMEngine):
         try:
             # A plain request's chunks go out as the engine makes them; a rollout's one chunk
             # when it is done.
-            async for chunk in _chunks_of(serve(request, context_id, annotation)):
-                last = chunk
-                yield chunk
+            # Closed at once if the client leaves mid-stream: the engine's generation ends too.
+            async with contextlib.aclosing(_chunks_of(serve(request, context_id, annotation))) as chunks:
+                async for chunk in chunks:
+                    last = chunk
+                    yield chunk
         except asyncio.CancelledError:
             if self._dead_reason is None:
                 raise  # the client went away, or the worker is stopping
@@ -295,16 +298,18 @@ class DynamoEngineAdapter(LLMEngine):
             prompt, request_id=context_id,
             max_new_tokens=self._plain_budget(len(prompt), plain.max_tokens),
             sampling=plain.sampling, stop_strings=plain.stop_strings, **plain.engine_keywords)
-        async for piece in pieces:
-            generated += len(piece.token_ids)
-            chunks = _piece_chunks(piece, hidden, logprobs=plain.logprobs is not None, texts=texts)
-            if piece.finish_reason is not None:
-                if not chunks:
-                    chunks = [{"token_ids": [], "index": 0}]
-                chunks[-1]["finish_reason"] = _openai_finish(piece.finish_reason)
-                chunks[-1]["completion_usage"] = _usage(len(prompt), generated)
-            for chunk in chunks:
-                yield chunk
+        async with contextlib.aclosing(pieces):
+            async for piece in pieces:
+                generated += len(piece.token_ids)
+                chunks = _piece_chunks(piece, hidden, logprobs=plain.logprobs is not None,
+                                       texts=texts)
+                if piece.finish_reason is not None:
+                    if not chunks:
+                        chunks = [{"token_ids": [], "index": 0}]
+                    chunks[-1]["finish_reason"] = _openai_finish(piece.finish_reason)
+                    chunks[-1]["completion_usage"] = _usage(len(prompt), generated)
+                for chunk in chunks:
+                    yield chunk
 
     def _texts(self) -> "_TokenTexts":
         if self._token_texts is None:
@@ -543,8 +548,9 @@ async def _chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
     """The chunks of a request kind's answer: an async iterator of chunks, or a coroutine
     that returns them all."""
     if hasattr(served, "__aiter__"):
-        async for chunk in served:
-            yield chunk
+        async with contextlib.aclosing(served):
+            async for chunk in served:
+                yield chunk
         return
     for chunk in await served:
         yield chunk

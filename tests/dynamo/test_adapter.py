@@ -281,13 +281,19 @@ class SteppedEngine(MemoryEngine):
     def __init__(self) -> None:
         super().__init__(seed=0)
         self.go_on = asyncio.Event()
+        self.closed_early = False
 
     async def stream_rollout(self, prompt_token_ids, **_keywords):
         from rollout_fleet.ports.engine import RolloutPiece
 
-        yield RolloutPiece((7,), (-0.5,))
-        await self.go_on.wait()
-        yield RolloutPiece((8,), (-0.25,), FinishReason.LENGTH)
+        finished = False
+        try:
+            yield RolloutPiece((7,), (-0.5,))
+            await self.go_on.wait()
+            yield RolloutPiece((8,), (-0.25,), FinishReason.LENGTH)
+            finished = True
+        finally:
+            self.closed_early = not finished
 
 
 def test_a_plain_requests_first_chunk_leaves_before_the_generation_ends():
@@ -307,3 +313,17 @@ def test_a_plain_requests_first_chunk_leaves_before_the_generation_ends():
     assert rest[-1]["finish_reason"] == "length"
     assert rest[-1]["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
                                             "total_tokens": 5}
+
+
+def test_a_client_leaving_mid_stream_closes_the_engines_stream_at_once():
+    engine = SteppedEngine()
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+
+    async def run():
+        chunks = adapter.generate(plain_request(), Context(id="left"))
+        await chunks.__anext__()
+        await chunks.aclose()  # what Dynamo does when the client goes away
+        return engine.closed_early  # now, not when the loop's shutdown closes what is left
+
+    assert asyncio.run(run())
+    assert asyncio.run(adapter.engine_control("stats", {}))["in_flight"] == 0
