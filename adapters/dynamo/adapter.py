@@ -6,7 +6,7 @@ Two kinds of request reach ``generate``:
   ``serve_rollout`` and answered as ONE final chunk whose ``engine_data`` carries the whole
   result (token IDs and logprobs together), so the client reads it from ``nvext.engine_data``;
 * a **plain** completion (no annotation we know): served as an ordinary OpenAI completion
-  from the engine's ``stream_rollout``, one chunk per token as the engine hands it over (with
+  from the engine's ``stream_rollout``, a chunk per piece as the engine hands it over (with
   per-token logprobs when asked), so any OpenAI client works against the fleet, streaming
   included. One choice per request: Dynamo 1.6.1's frontend ends an answer at the first
   choice that finishes, so ``n > 1`` is refused. Neutral sampling values are accepted; an
@@ -526,22 +526,21 @@ class _TokenTexts:
 
 def _piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = False,
                   texts: Callable[[int], str | None] | None = None) -> list[GenerateChunk]:
-    """One chunk per visible token of a piece, with its logprob (and the top alternatives)
-    when asked. Hidden stop tokens (EOS) are not shown: the frontend ends a stream at one."""
-    tops = piece.top_logprobs or ((),) * len(piece.token_ids)
-    chunks: list[GenerateChunk] = []
-    for token, logprob, top in zip(piece.token_ids, piece.logprobs, tops):
-        if token in hidden:
-            continue
-        chunk: GenerateChunk = {"token_ids": [token], "index": 0}
-        if logprobs:
-            chunk["log_probs"] = [logprob]
-            chunk["top_logprobs"] = [[
-                {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
-                 "logprob": alt_logprob}
-                for rank, (alt, alt_logprob) in enumerate(top, start=1)]]
-        chunks.append(chunk)
-    return chunks
+    """The chunk of a piece: its visible tokens (one engine step's, or several when the engine
+    ran ahead of this loop), with their logprobs (and the top alternatives) when asked. Hidden
+    stop tokens (EOS) are left out: the frontend ends a stream at one."""
+    steps = zip(piece.token_ids, piece.logprobs, piece.top_logprobs or ((),) * len(piece.token_ids))
+    shown = [(t, lp, top) for t, lp, top in steps if t not in hidden]
+    if not shown:
+        return []
+    chunk: GenerateChunk = {"token_ids": [t for t, _, _ in shown], "index": 0}
+    if logprobs:
+        chunk["log_probs"] = [lp for _, lp, _ in shown]
+        chunk["top_logprobs"] = [[
+            {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
+             "logprob": alt_logprob}
+            for rank, (alt, alt_logprob) in enumerate(top, start=1)] for _, _, top in shown]
+    return [chunk]
 
 
 async def _chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:

@@ -156,16 +156,19 @@ def served_directly(engine, max_new_tokens=8, **keywords):
                                             sampling=SamplingSpec(), **keywords))
 
 
+def flat(chunks, key):
+    return [item for chunk in chunks for item in chunk.get(key, [])]
+
+
 def test_plain_chunks_carry_each_tokens_logprob_and_top_alternatives():
     engine = MemoryEngine(seed=0)
     chunks = collect(DynamoEngineAdapter(engine, model_path="/m"),
                      plain_request(output_options={"logprobs": 3}))
     direct = served_directly(engine, top_logprobs=3)
     shown = [t for t in direct.token_ids if t != 0]
-    assert [c["token_ids"][0] for c in chunks] == shown
-    assert [c["log_probs"][0] for c in chunks] == [lp for t, lp in zip(direct.token_ids, direct.logprobs) if t != 0]
-    for chunk, top in zip(chunks, direct.top_logprobs):
-        alternatives = chunk["top_logprobs"][0]
+    assert flat(chunks, "token_ids") == shown
+    assert flat(chunks, "log_probs") == [lp for t, lp in zip(direct.token_ids, direct.logprobs) if t != 0]
+    for alternatives, top in zip(flat(chunks, "top_logprobs"), direct.top_logprobs):
         assert [(a["token_id"], a["logprob"]) for a in alternatives] == list(top)
         assert [a["rank"] for a in alternatives] == [1, 2, 3]
         assert all(a["logprob"] >= b["logprob"] for a, b in zip(alternatives, alternatives[1:]))
@@ -180,7 +183,8 @@ def test_plain_chunks_without_logprobs_asked_carry_none():
 def test_logprobs_zero_gives_the_chosen_tokens_logprob_only():
     chunks = collect(DynamoEngineAdapter(MemoryEngine(seed=0), model_path="/m"),
                      plain_request(output_options={"logprobs": 0}))
-    assert all(len(c["log_probs"]) == 1 and c["top_logprobs"] == [[]] for c in chunks)
+    assert all(len(c["log_probs"]) == len(c["token_ids"]) and c["top_logprobs"] == [[]] * len(c["token_ids"])
+               for c in chunks)
 
 
 def test_stop_token_ids_end_the_generation_at_that_token():
@@ -189,7 +193,7 @@ def test_stop_token_ids_end_the_generation_at_that_token():
     stop_at = free.token_ids[2]
     chunks = collect(DynamoEngineAdapter(engine, model_path="/m"),
                      plain_request(stop_conditions={"stop_token_ids": [stop_at]}))
-    tokens = [c["token_ids"][0] for c in chunks]
+    tokens = flat(chunks, "token_ids")
     assert tokens == list(free.token_ids[:free.token_ids.index(stop_at) + 1])
     assert chunks[-1]["finish_reason"] == FinishReason.STOP.value
 
@@ -271,7 +275,7 @@ def test_offered_sampling_options_reach_the_engine():
     chunks = collect(adapter, plain_request(**asks))
     direct = served_directly(engine, max_new_tokens=12, extra_sampling={
         "min_tokens": 6, "ignore_eos": True, "allowed_token_ids": [4, 7, 9]})
-    assert [c["token_ids"][0] for c in chunks if c["token_ids"]] == list(direct.token_ids)
+    assert flat(chunks, "token_ids") == list(direct.token_ids)
     assert set(direct.token_ids) <= {4, 7, 9} and len(direct.token_ids) == 12
 
 
