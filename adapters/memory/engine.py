@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -35,6 +35,7 @@ from rollout_fleet.core.refit import (
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.core.validate import is_int
 from rollout_fleet.ports.engine import (
+    RolloutPiece,
     EngineFacts,
     EnginePort,
     KvEventSource,
@@ -182,6 +183,8 @@ class MemoryEngine(EnginePort, RefitTarget):
         self._admitting = asyncio.Event()
         self._admitting.set()
         self._dead: str | None = None  # why it died (``die``): it serves nothing more
+        # request id -> where each token goes as it is picked (a streamed rollout's queue)
+        self._token_sinks: dict[str, Callable[[tuple], None]] = {}
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -214,6 +217,26 @@ class MemoryEngine(EnginePort, RefitTarget):
 
     def sampling_offered(self) -> frozenset[str]:
         return _Steering.OFFERED
+
+    async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                             **keywords: Any) -> AsyncIterator[RolloutPiece]:
+        """Each token as it is picked (the alternatives, when asked, come with the last piece
+        only: they are not streamed here), then the finish."""
+        picked: asyncio.Queue = asyncio.Queue()
+        self._token_sinks[request_id] = picked.put_nowait
+        serving = asyncio.ensure_future(self.serve_rollout(prompt_token_ids, request_id=request_id,
+                                                           **keywords))
+        serving.add_done_callback(lambda _: picked.put_nowait(None))
+        try:
+            if keywords.get("top_logprobs"):
+                yield RolloutPiece.whole(await serving)
+                return
+            while (step := await picked.get()) is not None:
+                yield RolloutPiece((step[0],), (step[1],))
+            yield RolloutPiece((), (), (await serving).finish_reason)
+        finally:
+            self._token_sinks.pop(request_id, None)
+            serving.cancel()
 
     async def abort(self, request_id: str) -> None:
         self.aborted_ids.append(request_id)
@@ -344,6 +367,9 @@ class MemoryEngine(EnginePort, RefitTarget):
             token = _pick(steering.steered(row, step), sampling, rng)
             tokens.append(token)
             logprobs.append(row[token])
+            sink = self._token_sinks.get(request_id)
+            if sink is not None:
+                sink((token, row[token]))
             if top_n:
                 best = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:top_n]
                 tops.append(tuple((t, row[t]) for t in best))
