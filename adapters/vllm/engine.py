@@ -162,8 +162,10 @@ class VllmEngine(EnginePort, RefitTarget):
                                   stop_token_ids, extra_sampling, stream=True)
         live = self._live[request_id] = _Live()
         try:
-            async for output in self._outputs(engine, prompt, params, request_id, live):
-                yield _piece_of(output, top_logprobs)
+            async with contextlib.aclosing(self._outputs(engine, prompt, params, request_id,
+                                                         live)) as outputs:
+                async for output in outputs:  # closed at once if our consumer stops early
+                    yield _piece_of(output, top_logprobs)
         except Exception as error:
             reason = self.dead_reason()
             if reason is not None:
