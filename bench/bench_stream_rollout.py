@@ -60,7 +60,7 @@ async def bench(args) -> list[str]:
     model = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-stream-")) / "model", seed=0)
     engine = VllmEngine(VllmEngineConfig(model=str(model)))
     await engine.start(0)
-    prompts = [[5 + (i * 7 + j) % 900 for j in range(16)] for i in range(args.prompts)]
+    prompts = [[5 + (i * 7 + j) % 500 for j in range(16)] for i in range(args.prompts)]
     ways = {"final": final_way, "stream": stream_way}
     rates: dict[str, list[float]] = {way: [] for way in ways}
     try:
