@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import attrs
-from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
+from rollout_fleet.core.sampling import NEUTRAL_SAMPLING
 
 
 @attrs.frozen
@@ -24,6 +26,22 @@ class EngineFacts:
     total_kv_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int | None = None
+
+
+@attrs.frozen(slots=True)
+class RolloutPiece:
+    """Tokens a streamed generation produced since its previous piece (their logprobs, and the
+    top alternatives when asked); the last piece says why it ended. Built once per engine step
+    by the engine, so it is checked there, not here."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason | None = None  # set on the last piece only
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+    @classmethod
+    def whole(cls, served: ServedRollout) -> "RolloutPiece":
+        return cls(served.token_ids, served.logprobs, served.finish_reason, served.top_logprobs)
 
 
 @attrs.frozen
@@ -68,8 +86,27 @@ class EnginePort(ABC):
         * ``top_logprobs: int`` (>= 1): also return, per generated token, that many most
           likely tokens with their logprobs (``ServedRollout.top_logprobs``);
         * ``stop_token_ids: Sequence[int]``: end at any of these tokens, which is kept as the
-          last token (finish reason ``stop``), as an end-of-sequence token is.
+          last token (finish reason ``stop``), as an end-of-sequence token is;
+        * ``extra_sampling: Mapping[str, Any]``: non-neutral values of the options the engine
+          declares in ``sampling_offered`` (names and meanings: ``core.sampling``, vLLM's).
         """
+
+    def sampling_offered(self) -> frozenset[str]:
+        """The options of ``core.sampling.NEUTRAL_SAMPLING`` this engine honours (passed in
+        ``extra_sampling``); none by default. Neutral values never reach the engine."""
+        return frozenset()
+
+    async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                             max_new_tokens: int, sampling: SamplingSpec,
+                             stop_strings: Sequence[str] = (), **keywords: Any
+                             ) -> AsyncIterator[RolloutPiece]:
+        """``serve_rollout`` as it generates: pieces whose tokens, joined, are what it returns
+        (same keywords, same errors). By default one piece, the whole answer; an engine that
+        can hand out tokens as they come overrides it."""
+        served = await self.serve_rollout(prompt_token_ids, request_id=request_id,
+                                          max_new_tokens=max_new_tokens, sampling=sampling,
+                                          stop_strings=stop_strings, **keywords)
+        yield RolloutPiece.whole(served)
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -101,6 +138,7 @@ class EnginePort(ABC):
 
 
 OPTIONAL_ROLLOUT_KEYWORDS = ("top_logprobs", "stop_token_ids")
+SAMPLING_OPTIONS = tuple(NEUTRAL_SAMPLING)
 
 
 def offered_keywords(engine: EnginePort) -> frozenset[str]:

@@ -8,15 +8,17 @@ from collections.abc import Mapping
 
 from rollout_fleet.core.engine import (
     OPTIONAL_ROLLOUT_KEYWORDS,
+    SAMPLING_OPTIONS,
     EngineFacts,
     EnginePort,
     KvEventSource,
+    RolloutPiece,
     offered_keywords,
 )
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
 
-__all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "EngineFacts", "EnginePort", "KvEventSource",
-           "RefitTarget", "offered_keywords"]
+__all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "EngineFacts", "EnginePort",
+           "KvEventSource", "RefitTarget", "RolloutPiece", "offered_keywords"]
 
 
 class RefitTarget(ABC):

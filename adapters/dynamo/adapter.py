@@ -5,10 +5,12 @@ Two kinds of request reach ``generate``:
 * a **rollout** (an ``nvext.annotations`` entry ``rollout:<spec>``): served by the engine's
   ``serve_rollout`` and answered as ONE final chunk whose ``engine_data`` carries the whole
   result (token IDs and logprobs together), so the client reads it from ``nvext.engine_data``;
-* a **plain** completion (no annotation we know): served as an ordinary OpenAI completion,
-  token chunks streamed (with per-token logprobs when asked, ``n`` choices), so any OpenAI
-  client works against the fleet. An option the engine cannot honour is refused with a 400
-  that names it, never silently ignored.
+* a **plain** completion (no annotation we know): served as an ordinary OpenAI completion
+  from the engine's ``stream_rollout``, a chunk per piece as the engine hands it over (with
+  per-token logprobs when asked), so any OpenAI client works against the fleet, streaming
+  included. One choice per request: Dynamo 1.6.1's frontend ends an answer at the first
+  choice that finishes, so ``n > 1`` is refused. Neutral sampling values are accepted; an
+  option the engine cannot honour is refused with a 400 that names it, never silently ignored.
 
 The request kinds are a table keyed by annotation prefix: a new kind is one entry.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -34,7 +37,8 @@ from dynamo.common.backend.publisher import ZmqSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 from rollout_fleet.core.errors import AnnotationError, EngineDead, EngineRejected, InvalidValue
 from rollout_fleet.core.validate import check_int_at_least
-from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec
+from rollout_fleet.core.sampling import NEUTRAL_SAMPLING, extra_sampling
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX,
     decode_rollout_annotation,
@@ -46,6 +50,7 @@ from rollout_fleet.ports.engine import (
     EnginePort,
     KvEventSource,
     RefitTarget,
+    RolloutPiece,
     offered_keywords,
 )
 
@@ -57,8 +62,7 @@ PLAIN_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _RECENT_ABORTS_KEPT = 256
 # Options of a plain request that the engine port has no way to honour: a non-null value is
 # refused by name (a 400), so a client never gets an answer computed without them.
-_UNOFFERED_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                       "length_penalty", "guided_decoding")
+_UNOFFERED_SAMPLING = ("length_penalty", "guided_decoding")
 # The control whose first success lets a worker that joined late serve.
 _FIRST_REFIT_CONTROL = "update_weights"
 # A bad request (4xx, never retried) vs an engine that failed (5xx, retried by the driver).
@@ -88,6 +92,7 @@ class DynamoEngineAdapter(LLMEngine):
         # Dynamo's context id -> the request id the engine knows (a rollout's own id).
         self._in_flight: dict[str, str] = {}
         self._offered = offered_keywords(engine)
+        self._offered_sampling = engine.sampling_offered()
         self._token_texts: _TokenTexts | None = None
         self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS_KEPT)
         self._counts = collections.Counter()
@@ -187,8 +192,15 @@ class DynamoEngineAdapter(LLMEngine):
                 serve, annotation = kind, found
                 break
         self._serving[context_id] = asyncio.current_task()
+        last: GenerateChunk | None = None
         try:
-            chunks = await serve(request, context_id, annotation)
+            # A plain request's chunks go out as the engine makes them; a rollout's one chunk
+            # when it is done.
+            # Closed at once if the client leaves mid-stream: the engine's generation ends too.
+            async with contextlib.aclosing(_chunks_of(serve(request, context_id, annotation))) as chunks:
+                async for chunk in chunks:
+                    last = chunk
+                    yield chunk
         except asyncio.CancelledError:
             if self._dead_reason is None:
                 raise  # the client went away, or the worker is stopping
@@ -214,10 +226,9 @@ class DynamoEngineAdapter(LLMEngine):
             self._in_flight.pop(context_id, None)
             self._serving.pop(context_id, None)
         self._counts["served"] += 1
-        self._counts["generated_tokens"] += sum(
-            c.get("completion_usage", {}).get("completion_tokens", 0) for c in chunks[-1:])
-        for chunk in chunks:
-            yield chunk
+        if last is not None:
+            self._counts["generated_tokens"] += last.get("completion_usage", {}).get(
+                "completion_tokens", 0)
 
     # -- metrics ------------------------------------------------------------------------------
     async def register_prometheus(self, metrics: Any) -> None:
@@ -280,16 +291,31 @@ class DynamoEngineAdapter(LLMEngine):
         }]
 
     async def _plain_request(self, request: dict[str, Any], context_id: str,
-                             _annotation: None) -> list[GenerateChunk]:
+                             _annotation: None) -> AsyncIterator[GenerateChunk]:
+        """Token chunks as the engine streams them (the worker cannot tell whether the client
+        asked ``stream``: the frontend gathers the chunks for one that did not)."""
         prompt = _prompt_of(request)
-        plain = _PlainOptions.of(request, self._offered)
+        plain = _PlainOptions.of(request, self._offered, self._offered_sampling)
         self._in_flight[context_id] = context_id
-        served = await self.engine.serve_rollout(
+        hidden = _hidden_stop_ids(request)
+        texts = self._texts() if plain.logprobs is not None else None
+        generated = 0
+        pieces = self.engine.stream_rollout(
             prompt, request_id=context_id,
             max_new_tokens=self._plain_budget(len(prompt), plain.max_tokens),
             sampling=plain.sampling, stop_strings=plain.stop_strings, **plain.engine_keywords)
-        return _token_chunks(served, _hidden_stop_ids(request), logprobs=plain.logprobs is not None,
-                             texts=self._texts() if plain.logprobs is not None else None)
+        async with contextlib.aclosing(pieces):
+            async for piece in pieces:
+                generated += len(piece.token_ids)
+                chunks = _piece_chunks(piece, hidden, logprobs=plain.logprobs is not None,
+                                       texts=texts)
+                if piece.finish_reason is not None:
+                    if not chunks:
+                        chunks = [{"token_ids": [], "index": 0}]
+                    chunks[-1]["finish_reason"] = _openai_finish(piece.finish_reason)
+                    chunks[-1]["completion_usage"] = _usage(len(prompt), generated)
+                for chunk in chunks:
+                    yield chunk
 
     def _texts(self) -> "_TokenTexts":
         if self._token_texts is None:
@@ -417,11 +443,12 @@ class _PlainOptions:
     engine_keywords: dict[str, Any]
 
     @classmethod
-    def of(cls, request: Mapping[str, Any], offered: frozenset[str]) -> "_PlainOptions":
+    def of(cls, request: Mapping[str, Any], offered: frozenset[str],
+           offered_sampling: frozenset[str] = frozenset()) -> "_PlainOptions":
         options = request.get("sampling_options") or {}
         stop = request.get("stop_conditions") or {}
         output = request.get("output_options") or {}
-        _refuse_unoffered(options, stop, output)
+        _refuse_unoffered(options, output)
         _refuse_choices(options)
         logprobs = output.get("logprobs")
         if logprobs is not None:
@@ -438,8 +465,28 @@ class _PlainOptions:
                      "stop_token_ids": "stop_token_ids"}
             raise InvalidValue(asked[missing[0]], keywords[missing[0]],
                                "this worker's engine does not offer it")
+        extra = _extra_sampling(request, options, stop)
+        for name in sorted(set(extra) - offered_sampling):
+            raise InvalidValue(name, extra[name], "not offered by this fleet's engine port")
+        if extra:
+            keywords["extra_sampling"] = extra
         return cls(stop.get("max_tokens"), _plain_sampling(options),
                    tuple(stop.get("stop") or ()), logprobs, keywords)
+
+
+def _extra_sampling(request: Mapping[str, Any], options: Mapping[str, Any],
+                    stop: Mapping[str, Any]) -> dict[str, Any]:
+    """The non-neutral sampling options a request asks for, wherever the frontend put them
+    (penalties and min_p in sampling_options, min_tokens and ignore_eos in stop_conditions,
+    allowed_token_ids passed through in extra_args.sampling_options)."""
+    passed = (request.get("extra_args") or {}).get("sampling_options") or {}
+    for name, value in passed.items():
+        if name not in NEUTRAL_SAMPLING and value is not None:
+            raise InvalidValue(name, value, "not offered by this fleet's engine port")
+    values = {name: options.get(name) for name in NEUTRAL_SAMPLING}
+    values.update({name: stop.get(name) for name in ("min_tokens", "ignore_eos")})
+    values.update({name: value for name, value in passed.items() if value is not None})
+    return extra_sampling(values)
 
 
 def _refuse_choices(options: Mapping[str, Any]) -> None:
@@ -452,17 +499,12 @@ def _refuse_choices(options: Mapping[str, Any]) -> None:
                                "(the frontend cuts the others short); send n requests instead")
 
 
-def _refuse_unoffered(options: Mapping[str, Any], stop: Mapping[str, Any],
-                      output: Mapping[str, Any]) -> None:
+def _refuse_unoffered(options: Mapping[str, Any], output: Mapping[str, Any]) -> None:
     for name in _UNOFFERED_SAMPLING:
         if options.get(name) is not None:
             raise InvalidValue(name, options[name], "not offered by this fleet's engine port")
     if options.get("use_beam_search"):
         raise InvalidValue("use_beam_search", True, "beam search is not offered")
-    if stop.get("min_tokens"):
-        raise InvalidValue("min_tokens", stop["min_tokens"], "not offered by this fleet's engine port")
-    if stop.get("ignore_eos"):
-        raise InvalidValue("ignore_eos", True, "not offered by this fleet's engine port")
     if output.get("prompt_logprobs") is not None:  # also how the frontend passes echo
         raise InvalidValue("echo / prompt_logprobs", output["prompt_logprobs"],
                            "the engine does not compute prompt logprobs")
@@ -501,26 +543,35 @@ class _TokenTexts:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _token_chunks(served: ServedRollout, hidden: set[int], *, logprobs: bool = False,
+def _piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = False,
                   texts: Callable[[int], str | None] | None = None) -> list[GenerateChunk]:
-    """One chunk per visible token, with its logprob (and the top alternatives) when asked;
-    the last one says why it ended. Hidden stop tokens (EOS) are not shown."""
-    tops = served.top_logprobs or ((),) * len(served.token_ids)
-    steps = [(t, lp, top) for t, lp, top in zip(served.token_ids, served.logprobs, tops)
-             if t not in hidden]
-    chunks: list[GenerateChunk] = []
-    for token, logprob, top in steps or [(None, None, None)]:
-        chunk: GenerateChunk = {"token_ids": [] if token is None else [token], "index": 0}
-        if logprobs and token is not None:
-            chunk["log_probs"] = [logprob]
-            chunk["top_logprobs"] = [[
-                {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
-                 "logprob": alt_logprob}
-                for rank, (alt, alt_logprob) in enumerate(top, start=1)]]
-        chunks.append(chunk)
-    chunks[-1]["finish_reason"] = _openai_finish(served.finish_reason)
-    chunks[-1]["completion_usage"] = _usage(served.usage.prompt_tokens, len(served.token_ids))
-    return chunks
+    """The chunk of a piece: its visible tokens (one engine step's, or several when the engine
+    ran ahead of this loop), with their logprobs (and the top alternatives) when asked. Hidden
+    stop tokens (EOS) are left out: the frontend ends a stream at one."""
+    steps = zip(piece.token_ids, piece.logprobs, piece.top_logprobs or ((),) * len(piece.token_ids))
+    shown = [(t, lp, top) for t, lp, top in steps if t not in hidden]
+    if not shown:
+        return []
+    chunk: GenerateChunk = {"token_ids": [t for t, _, _ in shown], "index": 0}
+    if logprobs:
+        chunk["log_probs"] = [lp for _, lp, _ in shown]
+        chunk["top_logprobs"] = [[
+            {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
+             "logprob": alt_logprob}
+            for rank, (alt, alt_logprob) in enumerate(top, start=1)] for _, _, top in shown]
+    return [chunk]
+
+
+async def _chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
+    """The chunks of a request kind's answer: an async iterator of chunks, or a coroutine
+    that returns them all."""
+    if hasattr(served, "__aiter__"):
+        async with contextlib.aclosing(served):
+            async for chunk in served:
+                yield chunk
+        return
+    for chunk in await served:
+        yield chunk
 
 
 def _openai_finish(reason: FinishReason) -> str:

@@ -14,8 +14,10 @@ import concurrent.futures
 import contextlib
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+import attrs
 
 from rollout_fleet.core.errors import (
     EngineDead, EngineRejected, InvalidValue, RefitError, WeightMismatch,
@@ -33,6 +35,7 @@ from rollout_fleet.core.refit import (
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.core.validate import is_int
 from rollout_fleet.ports.engine import (
+    RolloutPiece,
     EngineFacts,
     EnginePort,
     KvEventSource,
@@ -183,6 +186,8 @@ class MemoryEngine(EnginePort, RefitTarget):
         self._running = asyncio.Event()  # cleared by ``freeze``: no request takes a step
         self._running.set()
         self._steps = 0  # tokens generated, all requests together (``progress``)
+        # request id -> where each token goes as it is picked (a streamed rollout's queue)
+        self._token_sinks: dict[str, Callable[[tuple], None]] = {}
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -192,7 +197,8 @@ class MemoryEngine(EnginePort, RefitTarget):
     async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
-                            stop_token_ids: Sequence[int] = ()) -> ServedRollout:
+                            stop_token_ids: Sequence[int] = (),
+                            extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
         self._check_alive()
         self._check_input(prompt_token_ids, max_new_tokens)
         if not is_int(top_logprobs) or not 0 <= top_logprobs <= len(VOCAB):
@@ -203,7 +209,7 @@ class MemoryEngine(EnginePort, RefitTarget):
         try:
             served = await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
                                           tuple(stop_strings), rng, top_logprobs,
-                                          frozenset(stop_token_ids) | {EOS_TOKEN_ID})
+                                          _Steering.of(extra_sampling or {}, stop_token_ids))
             self.generated_tokens += len(served.token_ids)
             return served
         finally:
@@ -211,6 +217,29 @@ class MemoryEngine(EnginePort, RefitTarget):
             self._live_tokens.pop(request_id, None)
             self._aborted.pop(request_id, None)
             self.served_count += 1
+
+    def sampling_offered(self) -> frozenset[str]:
+        return _Steering.OFFERED
+
+    async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                             **keywords: Any) -> AsyncIterator[RolloutPiece]:
+        """Each token as it is picked (the alternatives, when asked, come with the last piece
+        only: they are not streamed here), then the finish."""
+        picked: asyncio.Queue = asyncio.Queue()
+        self._token_sinks[request_id] = picked.put_nowait
+        serving = asyncio.ensure_future(self.serve_rollout(prompt_token_ids, request_id=request_id,
+                                                           **keywords))
+        serving.add_done_callback(lambda _: picked.put_nowait(None))
+        try:
+            if keywords.get("top_logprobs"):
+                yield RolloutPiece.whole(await serving)
+                return
+            while (step := await picked.get()) is not None:
+                yield RolloutPiece((step[0],), (step[1],))
+            yield RolloutPiece((), (), (await serving).finish_reason)
+        finally:
+            self._token_sinks.pop(request_id, None)
+            serving.cancel()
 
     async def abort(self, request_id: str) -> None:
         self.aborted_ids.append(request_id)
@@ -329,7 +358,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 f"context_length={self.context_length}")
 
     async def _generate(self, prompt, request_id, max_new_tokens, sampling, stop_strings, rng,
-                        top_n, stop_ids):
+                        top_n, steering: "_Steering"):
         tokens: list[int] = []
         logprobs: list[float] = []
         tops: list[tuple[tuple[int, float], ...]] = []
@@ -349,9 +378,12 @@ class MemoryEngine(EnginePort, RefitTarget):
                 finish = FinishReason.ABORT
                 break
             row = self.model.logprobs_after(prev)
-            token = _pick(row, sampling, rng)
+            token = _pick(steering.steered(row, step), sampling, rng)
             tokens.append(token)
             logprobs.append(row[token])
+            sink = self._token_sinks.get(request_id)
+            if sink is not None:
+                sink((token, row[token]))
             if top_n:
                 best = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:top_n]
                 tops.append(tuple((t, row[t]) for t in best))
@@ -362,7 +394,7 @@ class MemoryEngine(EnginePort, RefitTarget):
             self._live_tokens[request_id] = len(prompt) + len(tokens)
             self._steps += 1
             prev = token
-            if token in stop_ids:
+            if token in steering.stop_ids:
                 finish = FinishReason.STOP
                 break
             text += VOCAB[token]
@@ -372,6 +404,35 @@ class MemoryEngine(EnginePort, RefitTarget):
         return ServedRollout(tokens, logprobs, finish, Usage(len(prompt), len(tokens)),
                              weight_version=self._version, weight_versions=versions,
                              top_logprobs=tuple(tops) if top_n else None)
+
+
+@attrs.frozen
+class _Steering:
+    """What the offered sampling options change: which tokens may be picked at a step (the
+    logprobs reported stay the model's own, as vLLM's raw logprobs do) and where it stops."""
+
+    OFFERED = frozenset({"ignore_eos", "min_tokens", "allowed_token_ids"})
+
+    stop_ids: frozenset[int]
+    min_tokens: int = 0
+    allowed: frozenset[int] | None = None
+
+    @classmethod
+    def of(cls, extra: Mapping[str, Any], stop_token_ids: Sequence[int]) -> "_Steering":
+        unknown = sorted(set(extra) - cls.OFFERED)
+        if unknown:
+            raise EngineRejected(f"{unknown[0]}={extra[unknown[0]]!r}: not offered by the memory engine")
+        stop_ids = frozenset(stop_token_ids) | (set() if extra.get("ignore_eos") else {EOS_TOKEN_ID})
+        allowed = extra.get("allowed_token_ids")
+        return cls(frozenset(stop_ids), extra.get("min_tokens", 0),
+                   None if allowed is None else frozenset(allowed))
+
+    def steered(self, row: list[float], step: int) -> list[float]:
+        if self.allowed is None and step >= self.min_tokens:
+            return row
+        banned = self.stop_ids if step < self.min_tokens else ()
+        return [lp if (self.allowed is None or t in self.allowed) and t not in banned
+                else -math.inf for t, lp in enumerate(row)]
 
 
 async def _all_ranks(calls: list[Callable[[], Any]], on_partial: Callable[[list], Any] | None = None

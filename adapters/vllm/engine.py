@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -43,10 +43,12 @@ from rollout_fleet.core.refit import (
 )
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import (
+    SAMPLING_OPTIONS,
     EngineFacts,
     EnginePort,
     KvEventSource,
     RefitTarget,
+    RolloutPiece,
 )
 
 log = logging.getLogger(__name__)
@@ -117,19 +119,20 @@ class VllmEngine(EnginePort, RefitTarget):
                 await self._report_precision(worker_id)
         return self._facts
 
+    def sampling_offered(self) -> frozenset[str]:
+        return frozenset(SAMPLING_OPTIONS)  # each is a SamplingParams field of the same name
+
     async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
-                            stop_token_ids: Sequence[int] = ()) -> ServedRollout:
+                            stop_token_ids: Sequence[int] = (),
+                            extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
         engine = self._require_engine()
-        if self._torn:
-            raise EngineError(f"this worker's weights are torn ({self._torn}); it serves again"
-                              " after a refit succeeds")
-        prompt = list(prompt_token_ids)
-        self._check_input(prompt, max_new_tokens)
+        prompt = self._admissible(prompt_token_ids, max_new_tokens, stop_token_ids, extra_sampling)
         if self._early_aborts.pop(request_id, "absent") is None:
             return _served([], [], FinishReason.ABORT, len(prompt), self._version)
-        params = _sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs, stop_token_ids)
+        params = _sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs,
+                                  stop_token_ids, extra_sampling)
         live = self._live[request_id] = _Live()
         try:
             output = await self._generate(engine, prompt, params, request_id, live)
@@ -143,6 +146,52 @@ class VllmEngine(EnginePort, RefitTarget):
         # vLLM labels each step's tokens with the weight version set while it was paused for
         # the swap (``_commit_new_weights``): per-token versions, exact whatever the pause mode.
         return _to_served(output, len(prompt), self._version, top_logprobs)
+
+    async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
+                             max_new_tokens: int, sampling: SamplingSpec,
+                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
+                             stop_token_ids: Sequence[int] = (),
+                             extra_sampling: Mapping[str, Any] | None = None
+                             ) -> AsyncIterator[RolloutPiece]:
+        """A piece per engine step, as vLLM hands out each step's new tokens (its DELTA
+        outputs)."""
+        engine = self._require_engine()
+        prompt = self._admissible(prompt_token_ids, max_new_tokens, stop_token_ids, extra_sampling)
+        if self._early_aborts.pop(request_id, "absent") is None:
+            yield RolloutPiece((), (), FinishReason.ABORT)
+            return
+        params = _sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs,
+                                  stop_token_ids, extra_sampling, stream=True)
+        live = self._live[request_id] = _Live()
+        try:
+            async with contextlib.aclosing(self._outputs(engine, prompt, params, request_id,
+                                                         live)) as outputs:
+                async for output in outputs:  # closed at once if our consumer stops early
+                    yield _piece_of(output, top_logprobs)
+        except Exception as error:
+            reason = self.dead_reason()
+            if reason is not None:
+                raise EngineDead(reason) from error
+            raise
+        finally:
+            self._live.pop(request_id, None)
+
+    def _admissible(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
+                    stop_token_ids: Sequence[int] = (),
+                    extra_sampling: Mapping[str, Any] | None = None) -> list[int]:
+        if self._torn:
+            raise EngineError(f"this worker's weights are torn ({self._torn}); it serves again"
+                              " after a refit succeeds")
+        prompt = list(prompt_token_ids)
+        self._check_input(prompt, max_new_tokens)
+        if stop_token_ids or extra_sampling:
+            vocab = self._engine.model_config.get_vocab_size()
+            extra = extra_sampling or {}
+            for field, ids in (("stop_token_ids", stop_token_ids),
+                               ("allowed_token_ids", extra.get("allowed_token_ids") or ()),
+                               ("logit_bias", list(extra.get("logit_bias") or ()))):
+                _check_vocabulary(field, ids, vocab)
+        return prompt
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -357,10 +406,7 @@ class VllmEngine(EnginePort, RefitTarget):
     def _check_input(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:
             raise EngineRejected("prompt_token_ids is empty")
-        vocab = self._engine.model_config.get_vocab_size()
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise EngineRejected(f"prompt_token_ids has IDs outside the vocabulary [0, {vocab}): {bad[:5]}")
+        _check_vocabulary("prompt_token_ids", prompt, self._engine.model_config.get_vocab_size())
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineRejected(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         context = self._facts.context_length
@@ -410,8 +456,8 @@ class VllmEngine(EnginePort, RefitTarget):
         else:
             self._kv_salt = f"rollout-fleet-weights-v{self._version + 1}"
 
-    async def _generate(self, engine: Any, prompt: list[int], params: Any, request_id: str,
-                        live: _Live) -> Any:
+    async def _admit(self, engine: Any, prompt: list[int], params: Any, request_id: str,
+                     live: _Live) -> Any:
         from vllm.inputs.engine import tokens_input
 
         try:
@@ -422,6 +468,11 @@ class VllmEngine(EnginePort, RefitTarget):
                 raise
             raise EngineRejected(f"vLLM refused request {request_id!r}: {error}") from error
         live.admitted = True
+        return collector
+
+    async def _generate(self, engine: Any, prompt: list[int], params: Any, request_id: str,
+                        live: _Live) -> Any:
+        collector = await self._admit(engine, prompt, params, request_id, live)
         try:
             if live.aborted:  # the abort came while vLLM was admitting it
                 await engine.abort(request_id)
@@ -433,6 +484,24 @@ class VllmEngine(EnginePort, RefitTarget):
             await engine.abort(request_id)
             raise
         finally:
+            collector.close()
+
+    async def _outputs(self, engine: Any, prompt: list[int], params: Any, request_id: str,
+                       live: _Live) -> AsyncIterator[Any]:
+        """Every output vLLM hands out for the request, until the finished one. A consumer
+        that stops early (the client left) aborts the request."""
+        collector = await self._admit(engine, prompt, params, request_id, live)
+        finished = False
+        try:
+            if live.aborted:
+                await engine.abort(request_id)
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:  # cancelled, or the generator was closed mid-way
+                await engine.abort(request_id)
             collector.close()
 
 
@@ -594,22 +663,41 @@ def _engine_dtype(engine: Any) -> str:
 
 
 def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str],
-                     top_logprobs: int = 0, stop_token_ids: Sequence[int] = ()) -> Any:
+                     top_logprobs: int = 0, stop_token_ids: Sequence[int] = (),
+                     extra: Mapping[str, Any] | None = None, stream: bool = False) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     common = dict(max_tokens=max_new_tokens, logprobs=top_logprobs, stop=list(stop_strings) or None,
                   stop_token_ids=list(stop_token_ids) or None,
                   detokenize=bool(stop_strings),  # text is only needed to find stop strings
-                  output_kind=RequestOutputKind.FINAL_ONLY,
+                  output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
                   # Built for this one request and never reused: vLLM may take it as it is
                   # instead of deep-copying it (measured: ~6% of the worker host's main thread).
-                  skip_clone=True)
+                  skip_clone=True, **(extra or {}))
     if sampling.greedy:
         return SamplingParams(temperature=0.0, **common)
     return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=0 if sampling.top_k == -1 else sampling.top_k,
                           seed=sampling.seed, **common)
+
+
+def _piece_of(output: Any, top_n: int = 0) -> RolloutPiece:
+    """One DELTA output: the step's new tokens with their logprobs (and alternatives)."""
+    completion = output.outputs[0]
+    token_ids = tuple(completion.token_ids)
+    steps = completion.logprobs or []
+    if len(steps) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(steps)} logprobs "
+                          f"for request {output.request_id!r}")
+    reason = None
+    if output.finished:
+        reason = _FINISH_REASONS.get(completion.finish_reason)
+        if reason is None:
+            raise EngineError(f"vLLM ended request {output.request_id!r} with finish_reason="
+                              f"{completion.finish_reason!r}")
+    return RolloutPiece(token_ids, tuple(step[token].logprob for step, token in zip(steps, token_ids)),
+                        reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None)
 
 
 def _to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:
@@ -679,6 +767,14 @@ def _cuda_memory_text(rank: Mapping[str, Any]) -> str:
     return (f", GPU memory allocated before {mib['cuda_before']:.1f} MiB, peak"
             f" {mib['cuda_peak']:.1f} MiB (+{mib['cuda_peak'] - mib['cuda_before']:.1f}),"
             f" after {mib['cuda_after']:.1f} MiB")
+
+
+def _check_vocabulary(field: str, token_ids: Sequence[Any], vocab: int) -> None:
+    """EngineRejected naming the first token ID outside the model's vocabulary, and its size."""
+    for index, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise EngineRejected(f"{field}[{index}]={token!r} is outside the model's vocabulary of"
+                                 f" {vocab} tokens (IDs 0..{vocab - 1})")
 
 
 def _first_line(error: BaseException) -> str:

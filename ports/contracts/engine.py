@@ -30,6 +30,7 @@ from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.engine import (
     OPTIONAL_ROLLOUT_KEYWORDS,
+    SAMPLING_OPTIONS,
     EngineFacts,
     EnginePort,
     KvEventSource,
@@ -202,6 +203,117 @@ class EngineContract:
     def test_kv_event_sources_is_a_sequence_of_sources(self, engine_under_test: EngineUnderTest):
         sources = engine_under_test.engine.kv_event_sources()
         assert all(isinstance(s, KvEventSource) for s in sources)
+
+
+    def test_streamed_pieces_join_to_the_served_rollout(self, engine_under_test: EngineUnderTest):
+        engine = engine_under_test.engine
+        for prompt in engine_under_test.prompts[:2]:
+            whole = engine_under_test.serve(prompt, 12)
+
+            async def pieces():
+                return [piece async for piece in engine.stream_rollout(
+                    list(prompt), request_id=engine_under_test.next_id(), max_new_tokens=12,
+                    sampling=GREEDY)]
+
+            streamed = engine_under_test.loop.run(pieces())
+            assert [p.finish_reason for p in streamed[:-1]] == [None] * (len(streamed) - 1)
+            assert streamed[-1].finish_reason is whole.finish_reason
+            assert tuple(t for p in streamed for t in p.token_ids) == whole.token_ids
+            assert [lp for p in streamed for lp in p.logprobs] == pytest.approx(
+                list(whole.logprobs), abs=1e-5)
+
+    def test_declared_sampling_options_are_honoured(self, engine_under_test: EngineUnderTest):
+        """Each option the engine declares changes what it generates as the option says."""
+        offered = engine_under_test.engine.sampling_offered()
+        assert offered <= set(SAMPLING_OPTIONS), sorted(offered - set(SAMPLING_OPTIONS))
+        for name in sorted(offered):
+            _SAMPLING_PROBES[name](engine_under_test)
+
+
+def _serve_extra(eut: EngineUnderTest, prompt, budget, sampling=GREEDY, **extra) -> ServedRollout:
+    keywords = {"extra_sampling": extra} if extra else {}
+    return eut.loop.run(eut.engine.serve_rollout(
+        list(prompt), request_id=eut.next_id(), max_new_tokens=budget, sampling=sampling,
+        **keywords))
+
+
+def _a_sample_ending_early(eut: EngineUnderTest, budget: int = 32):
+    """(prompt, sampling, served) of a seeded sample that ended by itself (an end-of-sequence
+    token) well before ``budget``."""
+    engine = eut.engine
+
+    async def samples(prompt):
+        specs = [SamplingSpec(greedy=False, temperature=1.0, seed=seed) for seed in range(48)]
+        served = await asyncio.gather(*(engine.serve_rollout(
+            list(prompt), request_id=eut.next_id(), max_new_tokens=budget, sampling=s)
+            for s in specs))
+        return list(zip(specs, served))
+
+    for prompt in eut.prompts:
+        for spec, served in eut.loop.run(samples(prompt)):
+            if served.finish_reason is FinishReason.STOP and 2 <= len(served.token_ids) <= budget - 4:
+                return prompt, spec, served
+    pytest.fail("no seeded sample ended by itself early: give prompts whose samples can end")
+
+
+def _probe_ignore_eos(eut: EngineUnderTest) -> None:
+    prompt, sampling, ended = _a_sample_ending_early(eut)
+    going_on = _serve_extra(eut, prompt, 32, sampling, ignore_eos=True)
+    assert going_on.finish_reason is FinishReason.LENGTH and len(going_on.token_ids) == 32
+    assert going_on.token_ids[:len(ended.token_ids)] == ended.token_ids
+
+
+def _probe_min_tokens(eut: EngineUnderTest) -> None:
+    prompt, sampling, ended = _a_sample_ending_early(eut)
+    at_least = len(ended.token_ids) + 2
+    longer = _serve_extra(eut, prompt, 32, sampling, min_tokens=at_least)
+    assert len(longer.token_ids) >= at_least
+    end_of_sequence = ended.token_ids[-1]  # no stop strings: it ended at this token
+    assert end_of_sequence not in longer.token_ids[:at_least - 1]
+
+
+def _probe_allowed_token_ids(eut: EngineUnderTest) -> None:
+    prompt = eut.prompts[0]
+    free = eut.serve(prompt, 12)
+    allowed = sorted(set(eut.prompts[1]) - set(free.token_ids[:1]))[:3]
+    assert allowed, "the second prompt has no token other than the first prompt's first answer"
+    served = _serve_extra(eut, prompt, 12, allowed_token_ids=allowed)
+    assert set(served.token_ids) <= set(allowed), (served.token_ids, allowed)
+
+
+def _probe_logit_bias(eut: EngineUnderTest) -> None:
+    prompt = eut.prompts[0]
+    favoured = eut.prompts[1][-1]
+    served = _serve_extra(eut, prompt, 8, logit_bias={favoured: 100.0})
+    assert set(served.token_ids) == {favoured}, served.token_ids
+
+
+def _probe_min_p(eut: EngineUnderTest) -> None:
+    """min_p = 1 keeps only the most likely token: seeded samples become the greedy answer."""
+    for seed, prompt in enumerate(eut.prompts[:3]):
+        greedy = eut.serve(prompt, 12)
+        sampling = SamplingSpec(greedy=False, temperature=1.0, seed=seed)
+        assert _serve_extra(eut, prompt, 12, sampling, min_p=1.0).token_ids == greedy.token_ids
+
+
+def _probe_penalty(name: str, value: float):
+    def probe(eut: EngineUnderTest) -> None:
+        changed = [_serve_extra(eut, p, 16, **{name: value}).token_ids != eut.serve(p, 16).token_ids
+                   for p in eut.prompts]
+        assert any(changed), f"{name}={value} changed no greedy answer"
+    return probe
+
+
+_SAMPLING_PROBES: dict[str, Callable[[EngineUnderTest], None]] = {
+    "ignore_eos": _probe_ignore_eos,
+    "min_tokens": _probe_min_tokens,
+    "allowed_token_ids": _probe_allowed_token_ids,
+    "logit_bias": _probe_logit_bias,
+    "min_p": _probe_min_p,
+    "repetition_penalty": _probe_penalty("repetition_penalty", 2.0),
+    "presence_penalty": _probe_penalty("presence_penalty", 2.0),
+    "frequency_penalty": _probe_penalty("frequency_penalty", 2.0),
+}
 
 
 class OpenAIExtrasContract:

