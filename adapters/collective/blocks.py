@@ -15,11 +15,14 @@ receiver's buffers hold at this moment, ``peak_bytes`` the most since ``reset_pe
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
 
 PAGE_BYTES = 4096
+RELEASE_PATIENCE_S = 0.005
+RELEASE_POLL_S = 0.0002
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -74,10 +77,10 @@ class BlockPool:
             block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.account.track(block)
             return block[:nbytes]
-        free = [(b.numel(), i) for i, (b, idle) in enumerate(self._kept)
-                if b.numel() >= nbytes and _references(b) == idle]
-        if free:
-            _, index = min(free)
+        index = self._free(nbytes)
+        if index is None and len(self._kept) >= self.capacity:
+            index = self._free_soon(nbytes)
+        if index is not None:
             return self._kept[index][0][:nbytes]
         block = fresh_block(max(nbytes, block_bytes), self.device)
         self.account.track(block)
@@ -88,6 +91,23 @@ class BlockPool:
         # Always hand out a view: a new tensor object holds a storage reference of its own, so
         # the block counts as busy until the caller and every view it makes are gone.
         return block[:nbytes]
+
+    def _free(self, nbytes: int) -> int | None:
+        free = [(b.numel(), i) for i, (b, idle) in enumerate(self._kept)
+                if b.numel() >= nbytes and _references(b) == idle]
+        return min(free)[1] if free else None
+
+    def _free_soon(self, nbytes: int) -> int | None:
+        """A completed collective's work may still hold its views for a moment (gloo's worker
+        thread drops them after marking the work done): wait that moment, bounded, before
+        making a block more than the pool's capacity."""
+        deadline = time.monotonic() + RELEASE_PATIENCE_S
+        while time.monotonic() < deadline:
+            time.sleep(RELEASE_POLL_S)
+            index = self._free(nbytes)
+            if index is not None:
+                return index
+        return None
 
     def resize(self, capacity: int) -> None:
         """Keep at most ``capacity`` blocks from now on (the oldest beyond it are forgotten)."""

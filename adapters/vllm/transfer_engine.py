@@ -38,7 +38,9 @@ The composition root registers it with vLLM under ``BACKEND_NAME`` and sets ``jo
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import logging
 import time
 import types
@@ -213,7 +215,8 @@ class PackedTransferEngine:
         # Only the rollback copy keeps the received tensors; otherwise each is dropped once
         # loaded, so its block goes back to the receiver (see receive_memory).
         kept: list[tuple[str, Any]] | None = [] if self.rollback == "last_good" else None
-        progress = _Progress()
+        progress = _Progress(trim=_host_trimmer(self.device),
+                             trim_every=getattr(getattr(self.receiver, "spec", None), "buffer_bytes", 0))
         memory_before = _cuda_memory_start(self.device)
         try:
             skip = frozenset(update_info.skip)
@@ -250,6 +253,9 @@ class PackedTransferEngine:
         if self._updating:
             self._updating = False
             self.reload.end(self.model, self.model_config)
+            trim = _host_trimmer(self.device)
+            if trim is not None:
+                trim()
 
     def shutdown(self) -> None:
         receiver, self.receiver = self.receiver, None
@@ -329,6 +335,37 @@ def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int]
 class _Progress:
     tensors: int = 0
     waiting_s: float = 0.0  # time spent waiting for the next tensor (the wire)
+    trim: Callable[[], Any] | None = None
+    trim_every: int = 0  # bytes loaded between two trims
+    untrimmed: int = 0
+
+    def loaded(self, tensor: Any) -> None:
+        """The consumer is done with ``tensor``: trim every ``trim_every`` bytes."""
+        if self.trim is None or not self.trim_every:
+            return
+        self.untrimmed += tensor.numel() * tensor.element_size()
+        if self.untrimmed >= self.trim_every:
+            self.untrimmed = 0
+            self.trim()
+
+
+def _host_trimmer(device: Any) -> Callable[[], Any] | None:
+    """glibc's ``malloc_trim`` on the CPU, else None. vLLM's CPU reload materializes each layer
+    afresh and repacks its kernels; the freed memory stayed in malloc's arenas (measured:
+    +212-232 MiB of RSS after each reload of a 368 MiB model, none of it live) until trimmed."""
+    if getattr(device, "type", "cpu") != "cpu":
+        return None
+    return _malloc_trim()
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[], Any] | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return lambda: trim(0)
 
 
 def _counting(stream: Iterator[tuple[str, Any]], progress: _Progress,
@@ -345,6 +382,7 @@ def _counting(stream: Iterator[tuple[str, Any]], progress: _Progress,
         if kept is not None:
             kept.append(item)
         yield item
+        progress.loaded(item[1])
         item = None  # hold no tensor while the next one is received
 
 
