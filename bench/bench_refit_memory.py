@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--num-buffers", type=int, default=2)
     args = parser.parse_args()
 
-    from rollout_fleet.wiring.netns import reexec_in_private_netns
+    from private_netns import reexec_in_private_netns
 
     reexec_in_private_netns()
     import ray
