@@ -12,8 +12,10 @@ of the plan's largest bucket (a tensor is a view of its block; each is dropped o
 the block is reused), plus what vLLM's layerwise reload holds for the layer being loaded: the
 received parts of a fused layer (q, k and v; gate and up) until its last part arrives (a block
 they view stays alive until then), and the layer materialized afresh in checkpoint format (its
-parameters' bytes) while it is loaded, processed and copied into the live parameters. Nothing
-else is kept; ``receive_memory`` reports the receive bytes alive and their peak.
+parameters' bytes) while it is loaded, processed (on the CPU: its kernels repacked while the old
+packed copy still serves) and copied into the live parameters. Nothing else is kept;
+``receive_memory`` reports the receive bytes alive and their peak (bench/bench_refit_memory.py
+measures the whole). On the CPU the memory the reload frees is handed back with ``malloc_trim``.
 
 A transfer can die half way (a trainer gone, a timeout): some layers then hold new weights and
 some old. ``rollback="last_good"`` restores the last complete set (the previous refit's received
