@@ -354,7 +354,7 @@ class _Progress:
 def _host_trimmer(device: Any) -> Callable[[], Any] | None:
     """glibc's ``malloc_trim`` on the CPU, else None. vLLM's CPU reload materializes each layer
     afresh and repacks its kernels; the freed memory stayed in malloc's arenas (measured:
-    +212-232 MiB of RSS after each reload of a 368 MiB model, none of it live) until trimmed."""
+    +263-348 MiB of RSS after each reload of a 368 MiB model, none of it live) until trimmed."""
     if getattr(device, "type", "cpu") != "cpu":
         return None
     return _malloc_trim()
