@@ -217,8 +217,9 @@ class PackedTransferEngine:
         # Only the rollback copy keeps the received tensors; otherwise each is dropped once
         # loaded, so its block goes back to the receiver (see receive_memory).
         kept: list[tuple[str, Any]] | None = [] if self.rollback == "last_good" else None
+        spec = getattr(self.receiver, "spec", None)
         progress = _Progress(trim=_host_trimmer(self.device),
-                             trim_every=getattr(getattr(self.receiver, "spec", None), "buffer_bytes", 0))
+                             trim_every=getattr(spec, "buffer_bytes", 0))
         memory_before = _cuda_memory_start(self.device)
         try:
             skip = frozenset(update_info.skip)
