@@ -6,6 +6,7 @@ any tensor moves, so a wrong world size is a clear error on every side rather th
 
 The data group (the one broadcasts run in) holds trainer rank 0 and every worker rank only:
 trainer ranks 1..T-1 join the rendezvous, so the world size is checked, and then do nothing.
+A sharded refit (``every_rank=True``) puts every rank in it: each trainer rank sends its shards.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ class CollectiveGroup:
 
     def __init__(self, *, host: str, port: int, rank: int, world_size: int, train_world_size: int,
                  backend: str, timeout_s: float, store: Any, listen_socket: socket.socket | None,
-                 process_group: Any, data_rank: int | None) -> None:
+                 process_group: Any, data_rank: int | None, every_rank: bool = False) -> None:
         self.host, self.port = host, port
         self.rank, self.world_size, self.train_world_size = rank, world_size, train_world_size
         self.backend, self.timeout_s = backend, timeout_s
         self.data_rank = data_rank
-        self.data_size = 1 + world_size - train_world_size
+        self.every_rank = every_rank
+        self.data_size = world_size if every_rank else 1 + world_size - train_world_size
         self._store = store
         self._listen_socket = listen_socket
         self._pg = process_group
@@ -79,6 +81,14 @@ class CollectiveGroup:
         opts.rootTensor = 0
         opts.timeout = self.timeout
         return self._pg.broadcast([tensor], opts)
+
+    def send(self, tensor: torch.Tensor, to_data_rank: int) -> Any:
+        """Start a point-to-point send; returns the work handle."""
+        return self._pg.send([tensor], to_data_rank, 0)
+
+    def recv(self, tensor: torch.Tensor, from_data_rank: int) -> Any:
+        """Start a point-to-point receive into ``tensor``; returns the work handle."""
+        return self._pg.recv([tensor], from_data_rank, 0)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Any:
         opts = dist.AllreduceOptions()
@@ -151,7 +161,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def init_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-               timeout_s: float = 60.0, *, train_world_size: int | None = None) -> CollectiveGroup:
+               timeout_s: float = 60.0, *, train_world_size: int | None = None,
+               every_rank: bool = False) -> CollectiveGroup:
     """Join the refit group as ``rank`` of ``world_size``.
 
     Trainer ranks are ``0..train_world_size-1``; every other rank is a worker rank. Rank 0's
@@ -159,7 +170,8 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str = 
     rank 0's, or give it to have it checked. Rank 0 hosts the store at ``host:port``
     (``port=0`` picks a free one, read back from ``group.port``).
     Every step (reaching the store, waiting for the other ranks, forming the process group) is
-    bounded by ``timeout_s``.
+    bounded by ``timeout_s``. ``every_rank``: every rank is a data rank (its group rank), as a
+    sharded refit needs; all ranks must say the same.
     """
     _int_at_least("world_size", world_size, 2)
     if train_world_size is None and rank == 0:
@@ -192,13 +204,14 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str = 
     try:
         store = _connect_store(host, port, rank, timeout, listen_socket)
         declaration = {"world_size": world_size, "train_world_size": train_world_size,
-                       "backend": backend}
+                       "backend": backend, "every_rank": bool(every_rank)}
         train_world_size = _rendezvous(store, rank, world_size, declaration, deadline, timeout_s)
-        data_rank = _data_rank(rank, train_world_size)
+        data_rank = rank if every_rank else _data_rank(rank, train_world_size)
+        data_size = world_size if every_rank else 1 + world_size - train_world_size
         pg = None
         if data_rank is not None:
-            pg = _process_group(store, backend, host, data_rank, 1 + world_size - train_world_size,
-                                timeout, rank, timeout_s)
+            pg = _process_group(store, backend, host, data_rank, data_size, timeout, rank,
+                                timeout_s)
     except BaseException:
         if listen_socket is not None:
             listen_socket.close()
@@ -206,7 +219,7 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str = 
     return CollectiveGroup(host=host, port=port, rank=rank, world_size=world_size,
                            train_world_size=train_world_size, backend=backend,
                            timeout_s=timeout_s, store=store, listen_socket=listen_socket,
-                           process_group=pg, data_rank=data_rank)
+                           process_group=pg, data_rank=data_rank, every_rank=bool(every_rank))
 
 
 def _check_train_world_size(train_world_size: Any, world_size: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 import torch
-from rollout_fleet.adapters.collective.blocks import BlockPool, fresh_block
+from rollout_fleet.adapters.collective.blocks import BlockPool, ByteAccount, fresh_block
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
 from rollout_fleet.adapters.collective.packing import (
     as_bytes,
@@ -302,11 +302,17 @@ class TorchWeightReceiver(WeightReceiver):
     """Worker side, one per worker rank.
 
     ``receive`` yields views, not copies, of the block each bucket arrived in, and a block is
-    never written again while any tensor handed out still views it: it is either fresh or one
-    whose views have all been dropped (blocks.BlockPool). So the tensors stay valid however
-    long the consumer keeps them (a staged list, an engine holding references) and no copy
-    is made out of the buffer; a consumer that loads and drops them lets the blocks recycle.
-    At most ``num_buffers`` blocks are in flight; up to one per bucket is kept for reuse.
+    never written again while any tensor handed out still views it: it is either free or a new
+    one (blocks.BlockPool). So the tensors stay valid however long the consumer keeps them, and
+    no copy is made out of the buffer.
+
+    Memory: ``num_buffers`` blocks of the plan's largest bucket, reused: while the consumer
+    loads bucket k, buckets k+1 .. k+num_buffers-1 are in flight, and bucket k's block is posted
+    again for bucket k+num_buffers once the consumer has taken the first tensor of bucket k+1
+    (it then holds none of bucket k, unless its loader keeps one: such a block is left to it
+    and a new one made). A consumer that keeps every tensor (``hold_previous``: the rollback
+    copy) makes a block per bucket; those are kept warm for the next refit. ``account`` counts
+    the block bytes alive at every moment.
     """
 
     def __init__(self, group: CollectiveGroup, spec: CollectiveSenderSpec | None = None) -> None:
@@ -314,11 +320,19 @@ class TorchWeightReceiver(WeightReceiver):
             raise InvalidValue("rank", group.rank, "a receiver is a worker rank, not a trainer rank")
         self.group = group
         self.spec = spec or CollectiveSenderSpec()
-        # In flight, just arrived, and the one whose last tensor the consumer still holds.
-        self._blocks = BlockPool(group.device, capacity=self.spec.num_buffers + 2)
+        self._blocks = BlockPool(group.device, capacity=self.spec.num_buffers)
         # A consumer that keeps the previous refit's tensors (to roll back to) while the next
         # arrives sets this, so both sets of blocks stay warm instead of one being refaulted.
         self.hold_previous = False
+
+    @property
+    def account(self) -> ByteAccount:
+        return self._blocks.account
+
+    def receive_bound(self, info: RefitInfo) -> int:
+        """The receive bytes a refit of ``info`` holds at most (a consumer that drops each
+        tensor once loaded): ``num_buffers`` blocks of the largest bucket."""
+        return self.spec.num_buffers * max_bucket_bytes(bucket_plan(info, self.spec.buffer_bytes))
 
     def receive(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
         self.group.check_usable()
@@ -334,27 +348,29 @@ class TorchWeightReceiver(WeightReceiver):
 
     def _receive_buckets(self, plan: tuple[Bucket, ...]) -> Iterator[tuple[str, Any]]:
         moving = [index for index, bucket in enumerate(plan) if bucket.nbytes]
-        # A consumer that stages the whole refit before loading it (a worker does) keeps every
-        # block busy; keeping that many lets the next refit receive into warm pages instead of
-        # faulting in fresh ones. The price: the model's bytes stay allocated between refits.
-        sets = 2 if self.hold_previous else 1
-        self._blocks.capacity = max(self._blocks.capacity, sets * len(moving) + 2)
-        posted: collections.deque = collections.deque()
+        depth = self.spec.num_buffers
+        # The rollback copy holds every block: keep both sets warm (the previous and this one).
+        self._blocks.resize(2 * len(moving) + 2 if self.hold_previous else depth)
         block_bytes = max_bucket_bytes(plan)
-        for index in moving[:self.spec.num_buffers]:
-            posted.append(self._post(plan[index], block_bytes))
+        posted = collections.deque(self._post(plan[i], block_bytes) for i in moving[:depth])
         next_to_post = len(posted)
         for index, bucket in enumerate(plan):
             if bucket.nbytes == 0:
                 yield from unpack_bucket(torch.empty(0, dtype=torch.uint8, device=self.group.device),
                                          bucket)
                 continue
-            block, works = posted.popleft()
-            wait_all(self.group, works, f"bucket {index + 1}/{len(plan)}")
-            if next_to_post < len(moving):
+            if not posted:  # one buffer: the next bucket is posted once this one is needed
                 posted.append(self._post(plan[moving[next_to_post]], block_bytes))
                 next_to_post += 1
-            yield from unpack_bucket(block, bucket)
+            block, works = posted.popleft()
+            wait_all(self.group, works, f"bucket {index + 1}/{len(plan)}")
+            for count, item in enumerate(unpack_bucket(block, bucket)):
+                yield item
+                # The consumer asked for this bucket's second tensor: the previous one's block
+                # is free again (the next bucket of the plan goes into it).
+                if count == 0 and depth > 1 and index != moving[0] and next_to_post < len(moving):
+                    posted.append(self._post(plan[moving[next_to_post]], block_bytes))
+                    next_to_post += 1
 
     def _post(self, bucket: Bucket, block_bytes: int) -> tuple[torch.Tensor, list[Any]]:
         block = self._blocks.take(bucket.nbytes, block_bytes)
@@ -362,6 +378,7 @@ class TorchWeightReceiver(WeightReceiver):
                        for piece in wire_pieces(bucket, self.group.backend)]
 
     def close(self) -> None:
+        self._blocks.drop_kept()
         self.group.close()
 
 
