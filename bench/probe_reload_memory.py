@@ -12,7 +12,7 @@ as a transfer hands them over; ``view``: the same tensors each time): RSS growth
 from __future__ import annotations
 
 import os
-import sys
+
 
 
 def probe(self, path: str, mode: str) -> list:
@@ -63,7 +63,12 @@ def probe(self, path: str, mode: str) -> list:
 def main() -> None:
     from vllm import LLM
 
-    model = sys.argv[1]
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a local model folder with model.safetensors")
+    model = parser.parse_args().model
     llm = LLM(model=model, max_model_len=256, enforce_eager=True, dtype="float32",
               kv_cache_memory_bytes=64 << 20)
     for mode in ("clone", "view"):

@@ -82,5 +82,6 @@ case "${1:-}" in
   build) shift; build "$@" ;;
   stash) shift; stash "$@" ;;
   install) shift; install "$@" ;;
+  -h|--help) echo "usage: $0 build DIR [PART_MIB] | stash DIR | install [SITE]"; exit 0 ;;
   *) echo "usage: $0 build DIR [PART_MIB] | stash DIR | install [SITE]" >&2; exit 2 ;;
 esac

@@ -50,5 +50,6 @@ case "${1:-}" in
     shift
     python3 bench/bench_gpu_fleet.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench-gpu-fleet.log"
     ;;
+  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS]"; exit 0 ;;
   *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS]" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
-"""Every command the README and docs/ show exists and answers `--help`: the `rollout-fleet`
-subcommands, the scripts, the benches and the examples named in their code spans and blocks.
+"""Every command the README, docs/ and the bench results show exists and answers `--help`: the
+`rollout-fleet` subcommands, the scripts, the benches and the examples named in their code
+spans and blocks.
 A renamed or removed command fails here, with the page that still shows it."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 from tests.cli.conftest import ROOT, cli_env
 from rollout_fleet.wiring.cli import build_parser
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "bench").glob("RESULTS*.md"))]
 _CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 # `rollout-fleet <word> failed: ...` is a worker's log line, not a command.
 _SUBCOMMAND = re.compile(r"(?:^|[\s$(])rollout-fleet ([a-z][a-z-]*)\b(?! failed:)")
