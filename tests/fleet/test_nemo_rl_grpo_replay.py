@@ -1,8 +1,10 @@
 """NeMo-RL's GRPO call sequence, replayed against the drop-in (tests/support/grpo_replay.py) with
-NeMo-RL's example config as shipped (``grpo_math_1B_dynamo.yaml``, only what NeMo-RL's setup
-writes into it, plus the CPU engine kind), NeMo-RL's batch type, padding check, config
-validator and weight synchroniser: memory-engine workers placed into the placement groups of
-the inference cluster it is handed, refit each step, greedy answers those of the weights sent."""
+the values of NeMo-RL's example config (``grpo_math_1B_dynamo.yaml``, restated in
+tests/support/nemo_rl_example_config.py; only what NeMo-RL's setup writes into it, plus the
+CPU engine kind), and NeMo-RL's batch type, padding check, config checks and weight
+synchroniser as this project restates them: memory-engine workers placed into the placement
+groups of the inference cluster it is handed, refit each step, greedy answers those of the
+weights sent."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from rollout_fleet.core.refit import PACKED_PROTOCOL
 from rollout_fleet.core.rollout import GREEDY
 from tests.driver.conftest import PAD, mixed_batch
 from tests.support.grpo_replay import InferenceCluster, Policy, configure_generation_config, replay
-from tests.support.nemo_rl_configs import load_example
+from tests.support.nemo_rl_example_config import example_generation_config
 
 pytestmark = pytest.mark.ray
 CONTEXT = 512  # the example's max_total_sequence_length
@@ -60,7 +62,7 @@ def test_grpo_replay_with_nemo_rls_example_config(inference_groups, tmp_path):
     from ray.util import placement_group_table
 
     folder = write_model_folder(tmp_path / "model", context_length=CONTEXT)
-    example = load_example("grpo_math_1B_dynamo.yaml")["policy"]["generation"]
+    example = example_generation_config()
     config = configure_generation_config(example, model=str(folder), pad_token_id=PAD,
                                          eos_token_id=EOS_TOKEN_ID)
     config["rollout_fleet"] = {"engine": {"kind": "memory", "seed": 0, "context_length": CONTEXT}}

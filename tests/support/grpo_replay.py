@@ -1,13 +1,14 @@
 """A replay of NeMo-RL's GRPO call sequence against the drop-in ``DynamoGeneration``.
 
 The order is NeMo-RL's (``nemo_rl/algorithms/grpo.py`` setup and train loop, backend
-"dynamo", not colocated): the generation config is prepared as ``configure_generation_config``
-does and checked by NeMo-RL's own validator (vendored ``DynamoConfig``); the backend is built
-from the inference cluster; NeMo-RL's own ``CollectiveWeightSynchronizer`` (vendored) runs
+"dynamo", not colocated), with NeMo-RL's side played by this project's restatement of what it
+does (``tests/support/nemo_rl_contract.py`` and ``nemo_rl_config_checks.py``): the generation
+config is prepared as ``configure_generation_config`` does and passes the checks NeMo-RL
+applies; the backend is built from the inference cluster; the weight synchroniser runs
 ``prepare_refit_info`` and ``init_collective`` on both sides; then each step refits when stale,
-``prepare_for_generation``, generates through ``generate_async`` with NeMo-RL's
-``BatchedDataDict`` and its right-padding check on the way in and out, ``finish_generation``,
-trains (new weights), and refits through ``sync_weights``.
+``prepare_for_generation``, generates through ``generate_async`` with NeMo-RL's batch type and
+right-padding check on the way in and out, ``finish_generation``, trains (new weights), and
+refits through ``sync_weights``.
 
 On the CPU NeMo-RL has no sender, so the trainer ranks are a Ray actor that sends with the
 project's trainer helper in the protocol the drop-in's sender spec names (``nccl_peer``), with
@@ -26,9 +27,8 @@ import torch
 from rollout_fleet.adapters.shared import free_port
 from rollout_fleet.wiring.nemo_rl import DynamoGeneration
 from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
-from tests.nemo_rl_upstream.batches import BatchedDataDict, verify_right_padding
-from tests.nemo_rl_upstream.collective_weight_synchronizer import CollectiveWeightSynchronizer
-from tests.nemo_rl_upstream.dynamo_config import DynamoConfig
+from tests.support.nemo_rl_config_checks import check_dynamo_generation_config
+from tests.support.nemo_rl_contract import CollectiveRefit, TensorBatch, require_right_padded
 
 
 def configure_generation_config(config: dict, *, model: str, pad_token_id: int,
@@ -120,45 +120,44 @@ class Policy:
         self.weights = dict(weights)
 
 
-def right_padded(prompts: Sequence[Sequence[int]], pad: int) -> BatchedDataDict:
+def right_padded(prompts: Sequence[Sequence[int]], pad: int) -> TensorBatch:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         ids[row, :len(prompt)] = torch.tensor(prompt)
-    return BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts]),
+    return TensorBatch({"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts]),
                             "stop_strings": [None] * len(prompts)})
 
 
-def generate(generation: DynamoGeneration, prompts, pad: int, greedy: bool) -> BatchedDataDict:
+def generate(generation: DynamoGeneration, prompts, pad: int, greedy: bool) -> TensorBatch:
     """As NeMo-RL's async rollouts do: samples as they finish, stacked in sample order."""
     batch = right_padded(prompts, pad)
-    verify_right_padding(batch, pad_value=pad)
+    require_right_padded(batch, pad)
 
     async def collect():
         return [pair async for pair in generation.generate_async(batch, greedy=greedy)]
 
     pairs = sorted(asyncio.run(collect()), key=lambda pair: pair[0])
     assert [index for index, _ in pairs] == list(range(len(prompts)))
-    assert all(isinstance(sample, BatchedDataDict) for _, sample in pairs)  # the caller's type
-    out = BatchedDataDict.from_batches([sample for _, sample in pairs],
-                                       pad_value_dict={"output_ids": pad})
-    verify_right_padding(out, pad_value=pad)
+    assert all(isinstance(sample, TensorBatch) for _, sample in pairs)  # the caller's type
+    out = TensorBatch.join([sample for _, sample in pairs], pad_values={"output_ids": pad})
+    require_right_padded(out, pad)
     return out
 
 
 def replay(config: dict, cluster: InferenceCluster, policy: Policy, *, prompts, pad: int,
            steps: Sequence[Mapping[str, torch.Tensor]],
-           check: Callable[[BatchedDataDict, Mapping[str, torch.Tensor]], None]) -> dict:
+           check: Callable[[TensorBatch, Mapping[str, torch.Tensor]], None]) -> dict:
     """Run the sequence; ``check(greedy outputs, weights served)`` after each refit. Returns
     what the test asserts on at the end."""
-    DynamoConfig.model_validate(config)  # NeMo-RL's validator takes the config first
+    check_dynamo_generation_config(config)  # NeMo-RL checks the config first
     before = own_children_before()
     generation = DynamoGeneration(cluster, config)
     fleet = generation._fleet
     pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
     ports = fleet_ports(fleet)
     try:
-        synchronizer = CollectiveWeightSynchronizer(policy, generation, TrainCluster(), cluster)
+        synchronizer = CollectiveRefit(policy, generation, TrainCluster(), cluster)
         synchronizer.init_communicator()
         generation.weight_synchronizer = synchronizer
         for weights in steps:

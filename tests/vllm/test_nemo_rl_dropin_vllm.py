@@ -114,8 +114,9 @@ def ray_with_inference_group():
 
 
 def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_group, tmp_path):
-    """The GRPO replay (tests/support/grpo_replay.py) with NeMo-RL's example config over a real
-    vLLM worker (KV routing), started with NeMo-RL's ``load_format: dummy``: the trainer's state dict of a tied-embedding model holds
+    """The GRPO replay (tests/support/grpo_replay.py) with NeMo-RL's example config values over
+    a real vLLM worker (KV routing), started with NeMo-RL's ``load_format: dummy``: the
+    trainer's state dict of a tied-embedding model holds
     ``lm_head.weight``, which the checkpoint lacks; it is accepted and, as vLLM's loader does,
     ignored: garbage there changes nothing, other weights change the answers."""
     import torch
@@ -124,7 +125,7 @@ def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_gr
     from tests.support.grpo_replay import (
         InferenceCluster, Policy, configure_generation_config, replay,
     )
-    from tests.support.nemo_rl_configs import load_example
+    from tests.support.nemo_rl_example_config import example_generation_config
 
     spec = TinyModelSpec(tie_word_embeddings=True)
     folder = build_tiny_model(tmp_path / "tied", seed=MODEL_SEED, spec=spec)
@@ -136,10 +137,10 @@ def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_gr
 
     original = trainer_weights(MODEL_SEED)
     garbage = torch.randn(original["lm_head.weight"].shape, generator=torch.Generator().manual_seed(9))
-    # NeMo-RL's example config as shipped (its validator takes precision bfloat16 only); on
+    # NeMo-RL's example config values (its checks take precision bfloat16 only); on
     # this CPU the engine runs float32 (greedy answers compared for equality must not sit on
     # bfloat16 near-ties), set in the fleet's own section; 1 MiB refit buffers.
-    example = load_example("grpo_math_1B_dynamo.yaml")["policy"]["generation"]
+    example = example_generation_config()
     config = configure_generation_config(example, model=str(folder), pad_token_id=0, eos_token_id=2)
     config["rollout_fleet"] = {"engine": {"dtype": "float32"},
                                "refit": {"buffer_bytes": 1 << 20, "num_buffers": 2}}
