@@ -14,12 +14,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.cli.conftest import COMMAND, ROOT, cli_env
+from tests.cli.conftest import COMMAND, ROOT, cli_env, memory_fleet_toml, start_serve
 from tests.cli.test_serve_memory_fleet import PROMPTS, _memory_checkpoint, _token_prompts
 from tests.driver.conftest import engine_answers
 from tests.support.net import non_loopback_listeners
@@ -58,37 +56,13 @@ def _in_namespace(enter, *args, timeout_s=120):
                           timeout=timeout_s, cwd=ROOT, env=cli_env(), stdin=subprocess.DEVNULL)
 
 
-def _start_serve(enter, root: Path):
-    config = root / "fleet.toml"
-    config.write_text(f"""
-served_model_name = "mem"
-num_workers = 1
-max_model_len = {MAX_MODEL_LEN}
-max_new_tokens = {MAX_NEW}
-run_dir = "{root / 'run'}"
-engine = {{ kind = "memory", seed = 0, context_length = {MAX_MODEL_LEN} }}
-refit = {{ buffer_bytes = 65536, num_buffers = 2 }}
-[timeouts]
-start_s = 120
-""")
-    log = root / "serve.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([*enter, *COMMAND, "serve", "--config", str(config)],
-                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   cwd=ROOT, env=cli_env(), start_new_session=True)
-    deadline = time.monotonic() + 150
-    while "serving;" not in log.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_child(process)
-            pytest.fail(f"serve did not come up (exit {process.returncode}):\n"
-                        f"{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    return process, root / "run" / "fleet.json", log
-
-
 def test_serve_generate_and_refit_from_plain_shells(host_like_namespace, tmp_path):
     holder, enter = host_like_namespace
-    process, fleet_file, log = _start_serve(enter, tmp_path)
+    config = memory_fleet_toml(tmp_path, workers=1, max_model_len=MAX_MODEL_LEN,
+                               max_new_tokens=MAX_NEW)
+    log = tmp_path / "serve.log"
+    process = start_serve(config, log, prefix=tuple(enter))
+    fleet_file = tmp_path / "run" / "fleet.json"
     try:
         served = json.loads(fleet_file.read_text())
         # every process of the fleet lives in the user's namespace: none was moved to another

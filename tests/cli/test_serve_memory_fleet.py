@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.net import in_private_netns
-from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env, run_cli
+from tests.cli.conftest import (
+    assert_one_line_error, memory_fleet_toml, run_cli, start_serve,
+)
 from tests.driver.conftest import engine_answers
 from tests.support.lost_worker import kill_memory_engine
 from tests.support.processes import leftover_processes, stop_child
@@ -30,32 +31,11 @@ def fleet(tmp_path_factory):
         pytest.fail("this tier starts a local Ray cluster (it binds 0.0.0.0): run it inside "
                     "`unshare -n` (scripts/test.sh does)")
     root = tmp_path_factory.mktemp("cli-fleet")
-    config = root / "fleet.toml"
-    config.write_text(f"""
-served_model_name = "mem"
-num_workers = 2
-max_model_len = {MAX_MODEL_LEN}
-max_new_tokens = {MAX_NEW}
-run_dir = "{root / 'run'}"
-engine = {{ kind = "memory", seed = 0, context_length = {MAX_MODEL_LEN} }}
-refit = {{ buffer_bytes = 65536, num_buffers = 2 }}
-replace_lost_workers = true
-[timeouts]
-start_s = 120
-""")
+    config = memory_fleet_toml(root, workers=2, max_model_len=MAX_MODEL_LEN,
+                               max_new_tokens=MAX_NEW, extra="replace_lost_workers = true")
     log = root / "serve.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([*COMMAND, "serve", "--config", str(config)], stdout=out,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                   env=cli_env(), start_new_session=True)
+    process = start_serve(config, log)
     fleet_file = root / "run" / "fleet.json"
-    deadline = time.monotonic() + 150
-    while "serving;" not in log.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_child(process)
-            pytest.fail(f"serve did not come up (exit {process.returncode}):\n"
-                        f"{log.read_text()[-3000:]}")
-        time.sleep(0.3)
     yield process, fleet_file, log
     stop_child(process, sig=signal.SIGINT, timeout_s=60)  # a no-op when the test stopped it
 

@@ -12,12 +12,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env
+from tests.cli.conftest import COMMAND, ROOT, assert_one_line_error, cli_env, start_serve
 from tests.support.processes import leftover_processes, stop_child
 
 pytestmark = pytest.mark.dynamo
@@ -81,18 +80,8 @@ start_s = 120
 def test_a_kind_from_another_package_is_served_by_serve(installed_backend, tmp_path):
     env = _env(installed_backend)
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        serve = subprocess.Popen(
-            [*COMMAND, "serve", "--config", str(_config(tmp_path, '{ kind = "counting" }'))],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-            start_new_session=True)
+    serve = start_serve(_config(tmp_path, '{ kind = "counting" }'), log, env=env)
     try:
-        deadline = time.monotonic() + 150
-        while "serving;" not in log.read_text():
-            if serve.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"serve did not come up (exit {serve.poll()}):\n"
-                            f"{log.read_text()[-3000:]}")
-            time.sleep(0.3)
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text('{"prompt_token_ids": [0, 1, 2]}\n{"prompt_token_ids": [24]}\n')
         out = tmp_path / "results.jsonl"
