@@ -142,7 +142,9 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
 
 async def _front_the_system_port(adapter: Any, env: dict[str, str]) -> Any:
     """Serve the system port with the worker's own front (controls answer 401 when refused)
-    and move Dynamo's system server behind it, to a loopback port; None without a system port."""
+    and move Dynamo's system server behind it, to another port of the same host: Dynamo
+    advertises that address, and the frontend fetches the model's files from it, from another
+    node when the fleet spans nodes. None without a system port."""
     from rollout_fleet.adapters.dynamo.control_front import ControlFront
     from rollout_fleet.adapters.shared import free_port
 
@@ -150,11 +152,15 @@ async def _front_the_system_port(adapter: Any, env: dict[str, str]) -> Any:
     if port <= 0:
         return None
     host = env.get("DYN_SYSTEM_HOST") or "127.0.0.1"
-    inner = free_port("127.0.0.1")
-    env.update(DYN_SYSTEM_PORT=str(inner), DYN_SYSTEM_HOST="127.0.0.1")
-    front = ControlFront(adapter, f"http://127.0.0.1:{inner}")
+    inner = free_port(host)
+    env.update(DYN_SYSTEM_PORT=str(inner), DYN_SYSTEM_HOST=host)
+    front = ControlFront(adapter, f"http://{_url_host(host)}:{inner}")
     await front.start(host, port)
     return front
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 HANG_REASON_PREFIX = "engine hung: "

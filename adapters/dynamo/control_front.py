@@ -5,7 +5,8 @@ Dynamo 1.6.1's system server answers an engine route's result with HTTP 200 what
 as 200: a client that checks status codes took the refusal for success. This small server owns
 the system port instead: ``POST /engine/control/<name>`` goes to the adapter, which says the
 status (401 for a missing or wrong secret); every other path (``/health``, ``/live``,
-``/metrics``) is passed on to Dynamo's own system server, moved to a loopback port.
+``/metrics``) is passed on to Dynamo's own system server, moved to another port of the same
+host (which it advertises: the frontend fetches the model's files from it).
 """
 
 from __future__ import annotations
