@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,17 @@ class CollectiveGroup:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def received_whole(self, buckets: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``buckets`` passed through; a receiver that stops before the last one (its consumer
+        failed or left) leaves the group broken: the senders' later buckets are unread."""
+        finished = False
+        try:
+            yield from buckets
+            finished = True
+        finally:
+            if not finished and not self.broken:
+                self.broken = "the receiver stopped before the last bucket"
 
     def check_usable(self) -> None:
         if self._pg is None and self.data_rank is not None:

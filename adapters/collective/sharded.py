@@ -177,13 +177,7 @@ class ShardedWeightReceiver:
     def receive(self, plan: ShardedPlan) -> Iterator[tuple[str, torch.Tensor]]:
         self.group.check_usable()
         exchange_headers(self.group, self.spec, plan)
-        finished = False
-        try:
-            yield from self._receive_buckets(plan)
-            finished = True
-        finally:
-            if not finished and not self.group.broken:
-                self.group.broken = "the receiver stopped before the last bucket"
+        yield from self.group.received_whole(self._receive_buckets(plan))
 
     def _receive_buckets(self, plan: ShardedPlan) -> Iterator[tuple[str, torch.Tensor]]:
         pieces = _pieces_by_bucket(plan, "receiver", self.engine_rank)

@@ -338,13 +338,7 @@ class TorchWeightReceiver(WeightReceiver):
         self.group.check_usable()
         plan = bucket_plan(info, self.spec.buffer_bytes)
         exchange_headers(self.group, self.spec, info, RECEIVER)
-        finished = False
-        try:
-            yield from self._receive_buckets(plan)
-            finished = True
-        finally:
-            if not finished and not self.group.broken:
-                self.group.broken = "the receiver stopped before the last bucket"
+        yield from self.group.received_whole(self._receive_buckets(plan))
 
     def _receive_buckets(self, plan: tuple[Bucket, ...]) -> Iterator[tuple[str, Any]]:
         moving = [index for index, bucket in enumerate(plan) if bucket.nbytes]
