@@ -50,6 +50,7 @@ from rollout_fleet.wiring.config import ConfigError, FleetConfig, fleet_facts
 from rollout_fleet.wiring.engines import engine_kind, without_kind
 from rollout_fleet.wiring.network import check_network
 from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK
+from rollout_fleet.wiring.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
     from rollout_fleet.adapters.nemo_rl import DynamoGeneration
@@ -172,7 +173,7 @@ class Fleet:
         return {"DYN_ROUTER_MODE": self.config.router, **self._discovery_env, **self.config.env}
 
     def worker_config(self, index: int, *, joins_running: bool = False,
-                      slot: int | None = None) -> dict[str, Any]:
+                      slot: int | None = None) -> WorkerConfig:
         """What worker ``index`` is told (python -m rollout_fleet.wiring.worker --config).
         ``joins_running``: it joins a fleet that may have been refit, so it serves only after
         its first refit. ``slot``: whose share of this host's cores it takes (a replacement
@@ -183,20 +184,19 @@ class Fleet:
             without_kind(self.config.engine), fleet_facts(self.config), slot=slot,
             free_port=lambda: free_port(self.config.bind_host))}
         kv_routing = self.config.router == "kv"
-        return {
-            "engine": engine, "run_dir": str(self.run_dir), "kv_routing": kv_routing,
-            "collective_backend": self.collective_backend,
-            "namespace": "fleet", "served_model_name": self.config.served_model_name,
-            "model_path": self.model_path or None,
-            "worker_id": worker_name(index), "env": {**self._discovery_env, **self.config.env},
-            "hold_until_refit": joins_running, "hang_timeout_s": self.config.hang_timeout_s,
-        }
+        return WorkerConfig(
+            engine=engine, run_dir=str(self.run_dir), kv_routing=kv_routing,
+            collective_backend=self.collective_backend,
+            namespace="fleet", served_model_name=self.config.served_model_name,
+            model_path=self.model_path or None,
+            env={**self._discovery_env, **self.config.env},
+            hold_until_refit=joins_running, hang_timeout_s=self.config.hang_timeout_s)
 
     def _launch(self, index: int, *, joins_running: bool = False, slot: int | None = None,
                 in_place_of: str = "") -> WorkerLaunch:
         name = worker_name(index)
         config = self.worker_config(index, joins_running=joins_running, slot=slot)
-        config_path = write_private(self.run_dir / f"{name}.json", json.dumps(config, indent=1))
+        config_path = write_private(self.run_dir / f"{name}.json", config.to_json())
         env = {**dynamo_env(self.run_dir), **self._discovery_env, **self.config.env,
                "PYTHONUNBUFFERED": "1"}
         return WorkerLaunch(name=name, argv=(sys.executable, "-m", "rollout_fleet.wiring.worker",

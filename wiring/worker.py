@@ -4,7 +4,9 @@ Run as a process::
 
     python -m rollout_fleet.wiring.worker --config worker.json --control-secret-stdin
 
-or in-process (a Ray actor): ``await serve_worker(config)``. The config (JSON object)::
+or in-process: ``await serve_worker(config)``. The config is a ``WorkerConfig``
+(``wiring/worker_config.py``: every key below is one of its fields; any other is refused by
+name), written by the fleet as a JSON object::
 
     {
       "engine": {"kind": "memory", "seed": 0, "context_length": 256, "token_delay_s": 0.0},
@@ -51,6 +53,7 @@ from rollout_fleet.core.errors import EngineDead, EngineHung, InvalidValue
 from rollout_fleet.core.progress_watch import ProgressWatch
 from rollout_fleet.ports.engine_kind import BuiltEngine, Control
 from rollout_fleet.wiring.engines import engine_kind, without_kind
+from rollout_fleet.wiring.worker_config import WorkerConfig
 
 logger = logging.getLogger("rollout_fleet.worker")
 # The last line a worker that fails writes: its exception's own message, which the fleet reports.
@@ -65,16 +68,16 @@ ANSWERS_FLUSH_S = 2.0
 # A worker run without a fleet: long enough for a loaded CPU engine (the fleet sets its own).
 DEFAULT_HANG_TIMEOUT_S = 120.0
 
-def build_engine(config: Mapping[str, Any]) -> BuiltEngine:
-    """The engine of ``config["engine"]``, made by its kind (an entry point of the group
+def build_engine(config: WorkerConfig | Mapping[str, Any]) -> BuiltEngine:
+    """The engine of ``config.engine``, made by its kind (an entry point of the group
     ``rollout_fleet.engines``)."""
-    options = config.get("engine") or {}
-    kind = engine_kind(options.get("kind"))
-    return kind.build(without_kind(options), run_dir=Path(_required(config, "run_dir")),
-                      model_path=config.get("model_path"))
+    config = WorkerConfig.from_mapping(config)
+    kind = engine_kind(config.engine.get("kind"))
+    return kind.build(without_kind(config.engine), run_dir=Path(config.run_dir),
+                      model_path=config.model_path)
 
 
-def refit_controls(engine: Any, config: Mapping[str, Any]) -> dict[str, Control]:
+def refit_controls(engine: Any, config: WorkerConfig) -> dict[str, Control]:
     """The refit controls (init_collective, prepare_refit_info, update_weights) of an engine
     that implements the refit port; the cache flush and weight version are the adapter's."""
     from rollout_fleet.core.refit_service import WorkerRefit
@@ -82,22 +85,23 @@ def refit_controls(engine: Any, config: Mapping[str, Any]) -> dict[str, Control]
 
     if not isinstance(engine, RefitTarget):
         return {}
-    controls = WorkerRefit(engine, config.get("collective_backend", "gloo")).controls()
+    controls = WorkerRefit(engine, config.collective_backend).controls()
     return {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
 
 
-def worker_env(config: Mapping[str, Any]) -> dict[str, str]:
+def worker_env(config: WorkerConfig | Mapping[str, Any]) -> dict[str, str]:
     """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start)."""
     from rollout_fleet.adapters.dynamo.env import dynamo_env
 
-    host = os.environ.get(BIND_HOST_ENV) or config.get("bind_host") or "127.0.0.1"
-    env = dynamo_env(_required(config, "run_dir"), system_port=config.get("system_port"),
-                     log_level=config.get("log_level", "warn"), host=host)
-    env.update(config.get("env") or {})  # the fleet's discovery choice (etcd) and the like
+    config = WorkerConfig.from_mapping(config)
+    host = os.environ.get(BIND_HOST_ENV) or config.bind_host or "127.0.0.1"
+    env = dynamo_env(config.run_dir, system_port=config.system_port,
+                     log_level=config.log_level, host=host)
+    env.update(config.env)  # the fleet's discovery choice (etcd) and the like
     return env
 
 
-async def serve_worker(config: Mapping[str, Any]) -> None:
+async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
     """Build the engine and serve it through Dynamo; returns once Dynamo has shut down.
 
     Dynamo's worker stops only on SIGTERM/SIGINT to this process (it drains, unregisters, runs
@@ -105,6 +109,9 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
     """
     from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, start_dynamo_endpoint
 
+    config = WorkerConfig.from_mapping(config)
+    if config.served_model_name is None:
+        raise InvalidValue("served_model_name", None, "the worker config needs it")
     secret = control_secret(config)
     held = hold_until_refit(config)
     watch_progress = ProgressWatch(hang_timeout_s(config))
@@ -123,9 +130,8 @@ async def serve_worker(config: Mapping[str, Any]) -> None:
         front = await _front_the_system_port(adapter, env)
         serving = start_dynamo_endpoint(
             adapter, model_path=built.model_path,
-            served_model_name=_required(config, "served_model_name"),
-            namespace=config.get("namespace", "fleet"), engine_env=env,
-            enable_kv_routing=bool(config.get("kv_routing", False)))
+            served_model_name=config.served_model_name,
+            namespace=config.namespace, engine_env=env, enable_kv_routing=config.kv_routing)
         watch = asyncio.ensure_future(_leave_when_engine_dies(built.engine, adapter, watch_progress))
         await serving
     finally:
@@ -201,11 +207,9 @@ async def _leave_when_engine_dies(engine: EnginePort, adapter: Any, watch: Progr
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
 
 
-def control_secret(config: Mapping[str, Any]) -> str | None:
+def control_secret(config: WorkerConfig) -> str | None:
     """The secret every control must carry; None only with ``insecure_controls = true``."""
-    secret, insecure = config.get("control_secret"), config.get("insecure_controls", False)
-    if not isinstance(insecure, bool):
-        raise InvalidValue("insecure_controls", insecure, "must be true or false")
+    secret, insecure = config.control_secret, config.insecure_controls
     if secret is None and insecure:
         return None
     if secret is None:
@@ -220,10 +224,10 @@ def control_secret(config: Mapping[str, Any]) -> str | None:
     return secret
 
 
-def hang_timeout_s(config: Mapping[str, Any]) -> float:
+def hang_timeout_s(config: WorkerConfig) -> float:
     """How long a busy engine may complete no step before the worker takes it for hung."""
-    value = config.get("hang_timeout_s")
-    return DEFAULT_HANG_TIMEOUT_S if value is None else value  # ProgressWatch checks it
+    value = config.hang_timeout_s
+    return DEFAULT_HANG_TIMEOUT_S if value is None else value
 
 
 def kill_child_processes() -> None:
@@ -250,13 +254,10 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def hold_until_refit(config: Mapping[str, Any]) -> bool:
+def hold_until_refit(config: WorkerConfig) -> bool:
     """A worker that joins a running fleet (a replacement, or one more) serves only after its
     first refit has loaded the fleet's current weights."""
-    held = config.get("hold_until_refit", False)
-    if not isinstance(held, bool):
-        raise InvalidValue("hold_until_refit", held, "must be true or false")
-    return held
+    return config.hold_until_refit
 
 
 def read_secret_from_stdin() -> str:
@@ -271,7 +272,7 @@ def read_secret_from_stdin() -> str:
     return line
 
 
-def load_config(text_or_path: str) -> dict[str, Any]:
+def load_config(text_or_path: str) -> WorkerConfig:
     """``--config``: a JSON object, or the path of a file holding one."""
     text = text_or_path if text_or_path.lstrip().startswith("{") else Path(text_or_path).read_text()
     try:
@@ -280,7 +281,7 @@ def load_config(text_or_path: str) -> dict[str, Any]:
         raise InvalidValue("--config", text_or_path, f"is not JSON: {exc}") from None
     if not isinstance(config, dict):
         raise InvalidValue("--config", text_or_path, "must hold a JSON object")
-    return config
+    return WorkerConfig.from_mapping(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,9 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         if args.control_secret_stdin:
-            config["control_secret"] = read_secret_from_stdin()
+            config = config.with_secret(read_secret_from_stdin())
         control_secret(config)  # refuse now, before Dynamo or an engine starts
-        hold_until_refit(config)
         ProgressWatch(hang_timeout_s(config))
     except InvalidValue as exc:
         print(f"{FAILURE_MARK}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(worker_env(config))
 
     try:
-        asyncio.run(_serve_until_sigterm(config, float(config.get("sigterm_grace_s", 15.0))))
+        asyncio.run(_serve_until_sigterm(config, config.sigterm_grace_s))
     except Exception as exc:  # noqa: BLE001 - reported in one line, the traceback logged above it
         if isinstance(exc, EngineDead):  # vLLM logged how its engine died; no traceback of ours
             logger.error("worker: stopped, its engine died")
@@ -329,7 +329,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-async def _serve_until_sigterm(config: Mapping[str, Any], grace_s: float) -> None:
+async def _serve_until_sigterm(config: WorkerConfig, grace_s: float) -> None:
     loop = asyncio.get_running_loop()
 
     def exit_if_still_running() -> None:
@@ -345,12 +345,6 @@ async def _serve_until_sigterm(config: Mapping[str, Any], grace_s: float) -> Non
     signal.signal(signal.SIGTERM, on_sigterm)  # before the endpoint starts, so Dynamo chains it
     logger.info("worker: starting (pid %d)", os.getpid())
     await serve_worker(config)
-
-
-def _required(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) in (None, ""):
-        raise InvalidValue(key, config.get(key), "the worker config needs it")
-    return config[key]
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ def test_bad_config_names_the_field(config, field):
 
 def test_config_from_text_or_file(tmp_path):
     path = tmp_path / "w.json"
-    path.write_text('{"engine": {"kind": "memory"}}')
-    assert load_config(str(path)) == load_config('{"engine": {"kind": "memory"}}')
+    path.write_text('{"engine": {"kind": "memory"}, "run_dir": "/tmp/r"}')
+    assert load_config(str(path)) == load_config('{"engine": {"kind": "memory"}, "run_dir": "/tmp/r"}')
+    assert load_config(str(path)).engine == {"kind": "memory"}
     with pytest.raises(InvalidValue, match="is not JSON"):
         load_config("{nope")
 

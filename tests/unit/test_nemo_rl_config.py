@@ -145,7 +145,7 @@ def test_each_vllm_worker_gets_its_own_engine_seed(tmp_path):
     config = parse_config({"engine": {"kind": "vllm", "seed": 7}, "num_workers": 3,
                            "run_dir": str(tmp_path)})
     fleet = Fleet(config, None, tmp_path, "secret")
-    seeds = [fleet.worker_config(i)["engine"]["seed"] for i in range(3)]
+    seeds = [fleet.worker_config(i).engine["seed"] for i in range(3)]
     assert seeds == [7, 8, 9]
 
 
@@ -154,4 +154,4 @@ def test_memory_engine_seed_is_its_model_and_stays_alike(tmp_path):
     config = parse_config({"engine": {"kind": "memory", "seed": 3}, "model": str(folder),
                            "num_workers": 2, "run_dir": str(tmp_path)})
     fleet = Fleet(config, None, tmp_path, "secret")
-    assert [fleet.worker_config(i)["engine"]["seed"] for i in range(2)] == [3, 3]
+    assert [fleet.worker_config(i).engine["seed"] for i in range(2)] == [3, 3]

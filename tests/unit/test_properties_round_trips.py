@@ -9,14 +9,19 @@ import string
 import tempfile
 from pathlib import Path
 
+import attrs
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_fleet.wiring.cli_generate import _parse_line
 from rollout_fleet.wiring.config import load_config
 from rollout_fleet.wiring.fleet_file import FleetFile
+from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.wiring.worker import load_config as load_worker_config
+from rollout_fleet.wiring.worker_config import WorkerConfig
 
+WORKER_FIELDS = {field.name for field in attrs.fields(WorkerConfig)}
 names = st.text(string.ascii_letters + string.digits + "-_./ é", min_size=1, max_size=12)
 positive = st.integers(1, 2**31)
 seconds = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False)
@@ -109,15 +114,23 @@ json_scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**63)
                 | st.floats(allow_nan=False, allow_infinity=False) | names)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(names, inner, max_size=4), max_leaves=24)
-worker_configs = st.dictionaries(names, json_values, max_size=8)
+optional_names = st.none() | names
+worker_configs = st.builds(
+    WorkerConfig, run_dir=names, engine=st.dictionaries(names, json_values, max_size=4),
+    served_model_name=optional_names, namespace=names, model_path=optional_names,
+    system_port=st.none() | st.integers(1, 65535), insecure_controls=st.booleans(),
+    kv_routing=st.booleans(), bind_host=optional_names,
+    sigterm_grace_s=st.floats(0, 1e6), hang_timeout_s=st.none() | st.floats(1e-3, 1e6),
+    collective_backend=names, log_level=names, env=st.dictionaries(names, names, max_size=3),
+    hold_until_refit=st.booleans())
 
 
 @settings(max_examples=60, deadline=None)
 @given(worker_configs, st.sampled_from(["inline", "indented", "file"]))
 def test_a_worker_config_reads_back_as_the_object_written(config, form):
-    text = json.dumps(config, ensure_ascii=False)
+    text = config.to_json()
     if form == "indented":
-        text = "\n  " + json.dumps(config, indent=2)
+        text = "\n  " + text
     if form != "file":
         assert load_worker_config(text) == config
         return
@@ -125,3 +138,18 @@ def test_a_worker_config_reads_back_as_the_object_written(config, form):
         path = Path(folder) / "worker.json"
         path.write_text(text, encoding="utf-8")
         assert load_worker_config(str(path)) == config
+
+
+@settings(max_examples=40, deadline=None)
+@given(worker_configs, names.filter(lambda name: name not in WORKER_FIELDS), json_values)
+def test_a_key_the_worker_does_not_know_is_refused_by_name(config, key, value):
+    data = {**json.loads(config.to_json()), key: value}
+    with pytest.raises(InvalidValue) as refused:
+        load_worker_config(json.dumps(data))
+    assert refused.value.field == key
+
+
+def test_the_secret_never_goes_into_the_file():
+    config = WorkerConfig(run_dir="/tmp/run", control_secret="s3cret")
+    assert "s3cret" not in config.to_json() and "s3cret" not in repr(config)
+    assert load_worker_config(config.to_json()) == attrs.evolve(config, control_secret=None)
