@@ -43,13 +43,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_POLICY = RetryPolicy()  # the one place the retry defaults live (core/retry.py)
+
+
 class RetrySection(_Strict):
+    """The driver's ``RetryPolicy`` as the config file spells it: its defaults are the
+    policy's own; the bounds are repeated here only so that a bad value is named by its
+    config path before the policy is built."""
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # RetryPolicy needs finite
-    max_attempts: int = Field(5, ge=1)
-    base_delay_s: float = Field(0.1, ge=0)
-    backoff: float = Field(2.0, ge=1)
-    max_delay_s: float = Field(5.0, ge=0)
-    jitter: float = Field(0.2, ge=0, le=1)
+    max_attempts: int = Field(_POLICY.max_attempts, ge=1)
+    base_delay_s: float = Field(_POLICY.base_delay_s, ge=0)
+    backoff: float = Field(_POLICY.backoff, ge=1)
+    max_delay_s: float = Field(_POLICY.max_delay_s, ge=0)
+    jitter: float = Field(_POLICY.jitter, ge=0, le=1)
 
     def policy(self) -> RetryPolicy:
         return RetryPolicy(**self.model_dump())

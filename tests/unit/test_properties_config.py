@@ -127,3 +127,10 @@ def test_any_config_file_loads_or_raises_the_projects_error(suffix, content):
             load_config(path)
         except (ConfigError, InvalidValue) as error:
             assert isinstance(error, RolloutFleetError)
+
+
+def test_the_retry_sections_defaults_are_the_policys_own():
+    from rollout_fleet.core.retry import RetryPolicy
+    from rollout_fleet.wiring.config import RetrySection
+
+    assert RetrySection().policy() == RetryPolicy()
