@@ -117,6 +117,12 @@ class VllmKind(EngineKind):
             check_model_folder("model", fleet.model)
         if fleet.device == "gpu":  # checked as the workers get it (worker_options)
             options.setdefault("device", "cuda")
+        engine_len = options.get("max_model_len")
+        if isinstance(engine_len, int) and engine_len < fleet.max_model_len:
+            raise InvalidValue("engine.max_model_len", engine_len,
+                               f"is below the fleet's max_model_len ({fleet.max_model_len}): the "
+                               "driver would admit rollouts the engine refuses; raise it or lower"
+                               " max_model_len")
         VllmEngineConfig.from_mapping({"model": fleet.model, **options})
 
     def refit_ranks(self, options: Mapping[str, Any]) -> int:
@@ -151,6 +157,8 @@ class VllmKind(EngineKind):
                 sorted(os.sched_getaffinity(0)), fleet.num_workers, slot % fleet.num_workers))
         if fleet.kv_routing:
             options.setdefault("kv_events_port", free_port())
+        # The engine's context is the fleet's unless it says otherwise (never less: check).
+        options.setdefault("max_model_len", fleet.max_model_len)
         # Each engine its own seed (the base + its slot): unseeded sampled rollouts of one
         # prompt on two workers differ.
         options["seed"] = int(options.get("seed", 0)) + slot

@@ -101,3 +101,23 @@ def test_the_vllm_kinds_tiny_model_follows_tiny_model_seed(tmp_path):
         (tmp_path / "model-tiny-3" / "config.json").read_text())["model_type"] == "llama"
     assert kind.model_folder({"tiny_model_seed": 3}, tmp_path) == seed_3  # built once
     assert kind.model_folder({"model": seed_3}, tmp_path / "elsewhere") == seed_3
+
+
+def test_the_engines_context_is_the_fleets_and_never_less(tmp_path):
+    """The driver admits a rollout by the fleet's max_model_len: an engine with a shorter
+    context would refuse rollouts the driver sent; unset, the engine takes the fleet's."""
+    from rollout_fleet.wiring.config import fleet_facts
+    from rollout_fleet.wiring.engines import engine_kind
+
+    message = refused(tmp_path, {"engine": {"kind": "vllm", "max_model_len": 256},
+                                 "max_model_len": 1024})
+    assert "engine.max_model_len" in message and "(got 256)" in message and "1024" in message
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"engine": {"kind": "vllm"}, "max_model_len": 1024}))
+    config = load_config(path)
+    options = engine_kind("vllm").worker_options({}, fleet_facts(config), slot=0,
+                                                 free_port=lambda: 0)
+    assert options["max_model_len"] == 1024
+    path.write_text(json.dumps({"engine": {"kind": "vllm", "max_model_len": 2048},
+                                "max_model_len": 1024}))
+    assert load_config(path).engine["max_model_len"] == 2048
