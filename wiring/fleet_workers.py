@@ -72,7 +72,7 @@ def worker_config(config: FleetConfig, index: int, *, run_dir: Path, model_path:
         "collective_backend": collective_backend,
         "namespace": "fleet", "served_model_name": config.served_model_name,
         "model_path": model_path or None,
-        "worker_id": worker_name(index), "env": {**discovery_env, **config.env},
+        "env": {**discovery_env, **config.env},
         "hold_until_refit": joins_running, "hang_timeout_s": config.hang_timeout_s,
     }
 
