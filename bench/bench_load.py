@@ -93,7 +93,7 @@ async def batch_with_driver(spec: dict, prompts: list[list[int]]) -> dict:
 
     n = len(prompts)
     config = GenerationConfig(model=spec["model"], max_model_len=MAX_MODEL_LEN,
-                              max_new_tokens=MAX_NEW_TOKENS, max_concurrency=n)
+                              max_new_tokens=MAX_NEW_TOKENS, max_in_flight=n)
     generation = build_generation(
         config, frontend_url=spec["url"], control_secret=spec["secret"],
         workers=[WorkerEndpoint(name, url) for name, url in spec["workers"]],

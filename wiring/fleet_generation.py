@@ -23,14 +23,14 @@ def fleet_generation(fleet: "Fleet", *, frontend_url: str | None = None,
     settings = {
         "model": c.served_model_name, "max_model_len": c.max_model_len,
         "max_new_tokens": c.max_new_tokens, "stop_strings": tuple(c.stop_strings),
-        "context_limit_policy": c.context_limit_policy, "max_concurrency": c.max_in_flight,
+        "context_limit_policy": c.context_limit_policy, "max_in_flight": c.max_in_flight,
         "retry": c.retry.policy(), "ranks_per_worker": c.ranks_per_worker,
         "sender_spec": c.sender_spec, "control_timeout_s": c.timeouts.refit_s,
     } | overrides
     return build_generation(GenerationConfig(**settings),
                             frontend_url=frontend_url or fleet.frontend_url,
                             workers=fleet.endpoints(), control_secret=fleet.secret,
-                            http=http or http_settings(c, settings["max_concurrency"]),
+                            http=http or http_settings(c, settings["max_in_flight"]),
                             lost_workers=fleet.dead_workers,
                             joined_workers=lambda: fleet.endpoints(live_only=True))
 
