@@ -94,7 +94,7 @@ def check_answer(status: int, body: bytes) -> None:
 # -- the clients: each returns (seconds, cpu seconds) for len(prompts) rollouts -------------------
 async def run_driver(fleet, prompts, concurrency, client_kind):
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=MAX_MODEL_LEN,
-                              max_new_tokens=MAX_NEW_TOKENS, max_concurrency=concurrency)
+                              max_new_tokens=MAX_NEW_TOKENS, max_in_flight=concurrency)
     generation = build_generation(
         config, frontend_url=fleet.frontend_url, control_secret=fleet.secret,
         workers=fleet.endpoints(),

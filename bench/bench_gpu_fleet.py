@@ -257,7 +257,7 @@ async def bench(args, work: Path) -> dict:
         meter = Meter(fleet) if args.meter else None
         generation = build_generation(
             GenerationConfig(model=SERVED, max_model_len=512, max_new_tokens=args.tokens,
-                             max_concurrency=args.prompts),
+                             max_in_flight=args.prompts),
             frontend_url=fleet.frontend_url, control_secret=fleet.secret,
             workers=fleet.endpoints(), http=HttpSettings(max_in_flight=args.prompts))
         url = fleet.frontend_url + "/v1/completions"

@@ -21,7 +21,7 @@ The KV router's event sockets bind 0.0.0.0, so when it is asked for the whole be
 itself inside a private network namespace (unshare -n, loopback only).
 
 ``--nodes 3`` runs the same load against a fleet across nodes (as root): the 3-node layout of
-tests/support/nodes.py (network namespaces joined by a bridge, `ray start` on each, 10.77.0.x),
+adapters/ray/node_layout.py (network namespaces joined by a bridge, `ray start` on each, 10.77.0.x),
 the workers spread over nodes 2 and 3, etcd, the frontend and every client on the head; the
 bench re-runs itself on the head and prints the same table.
 
@@ -43,14 +43,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.support.nodes import WORKER_RESOURCE, NodeLayout  # noqa: E402
+from rollout_fleet.adapters.ray.node_layout import WORKER_RESOURCE, NodeLayout
 
 MAX_NEW_TOKENS = 16
 MAX_MODEL_LEN = 128
@@ -97,7 +93,7 @@ async def batch_with_driver(spec: dict, prompts: list[list[int]]) -> dict:
 
     n = len(prompts)
     config = GenerationConfig(model=spec["model"], max_model_len=MAX_MODEL_LEN,
-                              max_new_tokens=MAX_NEW_TOKENS, max_concurrency=n)
+                              max_new_tokens=MAX_NEW_TOKENS, max_in_flight=n)
     generation = build_generation(
         config, frontend_url=spec["url"], control_secret=spec["secret"],
         workers=[WorkerEndpoint(name, url) for name, url in spec["workers"]],

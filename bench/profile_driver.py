@@ -117,7 +117,7 @@ async def profiled_batch(fleet, requests: int, concurrency: int) -> tuple[cProfi
     from rollout_fleet.adapters.nemo_rl import GenerationConfig
 
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=MAX_MODEL_LEN,
-                              max_new_tokens=MAX_NEW_TOKENS, max_concurrency=concurrency)
+                              max_new_tokens=MAX_NEW_TOKENS, max_in_flight=concurrency)
     generation = build_generation(
         config, frontend_url=fleet.frontend_url, control_secret=fleet.secret,
         workers=fleet.endpoints(),

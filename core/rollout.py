@@ -256,11 +256,6 @@ class RolloutResult:
         _check_version_runs(self.token_ids, self.weight_versions)
 
     @property
-    def oldest_weight_version(self) -> int | None:
-        """The version of the first generated token (the rollout's staleness), or None."""
-        return self.weight_versions[0][0] if self.weight_versions else self.weight_version
-
-    @property
     def truncated(self) -> bool:
         """True when the budget cut the generation short (NeMo-RL's ``truncated``)."""
         return self.finish_reason is FinishReason.LENGTH

@@ -26,6 +26,10 @@ from rollout_fleet.core.partial import continuation_request, join_rollouts
 from rollout_fleet.core.stop_strings import merge_stop_strings
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 
+# How many rollouts one driver keeps in flight by default: the fleet config's, the generation
+# config's and the HTTP pool's ``max_in_flight`` (the pool holds that many connections).
+DEFAULT_MAX_IN_FLIGHT = 1024
+
 
 @attrs.frozen
 class RolloutLimits:

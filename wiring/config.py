@@ -22,6 +22,7 @@ from rollout_fleet.core.attempt_timeout import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
+from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.ports.engine_kind import FleetFacts
 from rollout_fleet.wiring.engines import engine_kind, without_kind
 
@@ -124,7 +125,8 @@ class FleetConfig(_Strict):
         "PACK", description="how Ray spreads the workers' bundles over nodes")
     frontend_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     run_dir: str | None = Field(None, description="logs, discovery, model copies; None: a temp folder")
-    max_in_flight: int = Field(1024, ge=1, description="rollouts in flight from one driver")
+    max_in_flight: int = Field(DEFAULT_MAX_IN_FLIGHT, ge=1,
+                               description="rollouts in flight from one driver")
     max_new_tokens: int = Field(64, ge=1)
     max_model_len: int = Field(512, ge=2)
     stop_strings: list[str] = Field(default_factory=list, max_length=32)

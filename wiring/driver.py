@@ -51,7 +51,7 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
     ids = [w.worker_id for w in workers]
     if len(set(ids)) != len(ids):
         raise InvalidValue("workers", ids, "worker ids must be unique")
-    clients = LoopClients(http or HttpSettings(max_in_flight=generation.max_concurrency))
+    clients = LoopClients(http or HttpSettings(max_in_flight=generation.max_in_flight))
 
     def reach(worker: WorkerEndpoint) -> JoinedWorker:
         return JoinedWorker(

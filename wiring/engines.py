@@ -85,19 +85,36 @@ class MemoryKind(EngineKind):
                     "served_count": engine.served_count, "in_flight": sorted(engine.in_flight),
                     "started_as": engine.started_as, "cache_resets": engine.cache_resets}
 
-        async def kill_engine(body: dict[str, Any]) -> dict[str, Any]:
-            # A fault drill: the engine dies as a killed engine process would; the worker leaves.
-            engine.die(str(body.get("reason") or "killed by the kill_engine control"))
-            return {"in_flight": len(engine.in_flight)}
-
-        async def freeze_engine(_body: dict[str, Any]) -> dict[str, Any]:
-            # A fault drill: the engine hangs (alive, no progress); the watchdog must notice.
-            engine.freeze()
-            return {"in_flight": len(engine.in_flight)}
-
         return BuiltEngine(engine, model_path, {"engine_stats": engine_stats,
-                                                "kill_engine": kill_engine,
-                                                "freeze_engine": freeze_engine})
+                                                **_fault_drills(engine, settings.fault_drills)})
+
+
+def _fault_drills(engine: Any, enabled: bool) -> dict[str, Any]:
+    """The memory engine's fault drills, served with ``engine.fault_drills = true`` (tests
+    set it; it is off by default): ``kill_engine`` and ``freeze_engine``. Off, each is
+    refused, naming the setting."""
+
+    async def kill_engine(body: dict[str, Any]) -> dict[str, Any]:
+        # A fault drill: the engine dies as a killed engine process would; the worker leaves.
+        engine.die(str(body.get("reason") or "killed by the kill_engine control"))
+        return {"in_flight": len(engine.in_flight)}
+
+    async def freeze_engine(_body: dict[str, Any]) -> dict[str, Any]:
+        # A fault drill: the engine hangs (alive, no progress); the watchdog must notice.
+        engine.freeze()
+        return {"in_flight": len(engine.in_flight)}
+
+    drills = {"kill_engine": kill_engine, "freeze_engine": freeze_engine}
+    if enabled:
+        return drills
+
+    def refused(name: str) -> Callable[[dict[str, Any]], Any]:
+        async def refuse(_body: dict[str, Any]) -> dict[str, Any]:
+            raise InvalidValue("engine.fault_drills", False, f"{name} is a fault drill, served "
+                               "only by a memory worker whose config sets fault_drills = true")
+        return refuse
+
+    return {name: refused(name) for name in drills}
 
 
 class VllmKind(EngineKind):

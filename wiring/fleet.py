@@ -23,47 +23,43 @@ frontend, etcd and the trainer's end of the refit group stay on the driver's nod
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
-import signal
-import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from rollout_fleet.adapters.dynamo.env import dynamo_env
 from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend
 from rollout_fleet.adapters.http.settings import HttpSettings
-from rollout_fleet.adapters.shared import free_port, read_tail
-from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
+from rollout_fleet.adapters.shared import free_port
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
-from rollout_fleet.wiring.config import ConfigError, FleetConfig, fleet_facts
-from rollout_fleet.wiring.engines import engine_kind, without_kind
+from rollout_fleet.wiring.config import FleetConfig
+from rollout_fleet.wiring.control_client import call_control
+from rollout_fleet.wiring.fleet_discovery import (LostWorkerCleanup, discovery_env,
+                                                  discovery_forgetter, own_etcd)
+from rollout_fleet.wiring.fleet_drills import FaultDrills
+from rollout_fleet.wiring.fleet_generation import fleet_generation, http_settings
+from rollout_fleet.wiring.fleet_roster import WorkerRoster
+from rollout_fleet.wiring.fleet_watch import WorkerWatcher
+from rollout_fleet.wiring.fleet_workers import (SYSTEM_PORT, FleetStartError, collective_backend,
+                                                exit_reason, model_folder, private_folder,
+                                                wait_worker_ready, worker_config, worker_launch)
 from rollout_fleet.wiring.network import check_network
-from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK
 from rollout_fleet.wiring.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
     from rollout_fleet.adapters.nemo_rl import DynamoGeneration
     from rollout_fleet.wiring.driver import WorkerEndpoint
 
+# call_control and http_settings are imported from here too (the CLI, tests, benches).
+__all__ = ["SYSTEM_PORT", "Fleet", "FleetStartError", "call_control", "http_settings",
+           "placement_for"]
 logger = logging.getLogger("rollout_fleet.fleet")
-SYSTEM_PORT = "DYN_SYSTEM_PORT"  # each worker's system server: health, controls, metrics
-_WATCH_S = 1.0  # how often the fleet looks for lost workers
-_REPLACE_BACKOFF_MAX_S = 60.0
-
-
-class FleetStartError(RolloutFleetError):
-    """The fleet did not come up; names the worker, its own error and its log."""
 
 
 def placement_for(config: FleetConfig, groups: Sequence[Any] = ()) -> Placement:
@@ -82,7 +78,7 @@ def placement_for(config: FleetConfig, groups: Sequence[Any] = ()) -> Placement:
 
 
 @attrs.define
-class Fleet:
+class Fleet(FaultDrills):
     config: FleetConfig
     placement: Placement
     run_dir: Path
@@ -90,20 +86,13 @@ class Fleet:
     model_path: str = ""
     frontend: DynamoFrontend | None = None
     etcd: LoopbackEtcd | None = None
-    workers: list[WorkerHandle] = attrs.field(factory=list)
     _discovery_env: dict[str, str] = attrs.field(factory=dict)
     _stopped: bool = False
     _own_run_dir: tempfile.TemporaryDirectory | None = None
-    # Guards the worker lists below: a replacement may be added from the watcher's thread.
-    _workers_lock: threading.Lock = attrs.field(factory=threading.Lock)
-    _replaced: set[str] = attrs.field(factory=set)  # lost workers a replacement was started for
-    _slots: dict[str, int] = attrs.field(factory=dict)  # worker -> its share of this host's cores
-    _starting: set[str] = attrs.field(factory=set)  # added workers not registered yet
+    _roster: WorkerRoster = attrs.field(factory=WorkerRoster)
     _instances: dict[str, int] = attrs.field(factory=dict)  # worker -> its Dynamo instance id
-    _forgotten: set[str] = attrs.field(factory=set)  # lost workers taken out of discovery
-    _killed_lost: set[str] = attrs.field(factory=set)  # lost workers whose group was killed
     _stopping: threading.Event = attrs.field(factory=threading.Event)
-    _watcher: threading.Thread | None = None
+    _watcher: WorkerWatcher | None = None
 
     # -- start ---------------------------------------------------------------------------------
     @classmethod
@@ -122,13 +111,16 @@ class Fleet:
         return fleet
 
     def _start(self) -> None:
-        self.model_path = self._model_folder()
-        self._discovery_env = self._start_discovery()
-        self.workers = list(self.placement.launch([self._launch(i)
-                                                   for i in range(self.config.num_workers)]))
-        self._slots = {w.name: i for i, w in enumerate(self.workers)}
+        self.model_path = model_folder(self.config, self.run_dir)
+        self.etcd = own_etcd(self.config, self.run_dir)  # recorded before it starts, so that
+        if self.etcd is not None:                         # a start interrupted meanwhile stops it
+            self.etcd.start()
+        self._discovery_env = discovery_env(self.config, self.etcd)
+        self._roster.first(self.placement.launch([self._launch(i)
+                                                  for i in range(self.config.num_workers)]))
         port = self.config.frontend_port or free_port(self.config.bind_host)
-        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=self._frontend_env(),
+        env = {"DYN_ROUTER_MODE": self.config.router, **self._discovery_env, **self.config.env}
+        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=env,
                                        host=self.config.bind_host)
         self.frontend.start()
         deadline = time.monotonic() + self.config.timeouts.start_s
@@ -138,86 +130,30 @@ class Fleet:
                                      timeout_s=max(1.0, deadline - time.monotonic()))
         self.frontend.wait_for_instances(self._instances.values(),
                                          timeout_s=max(1.0, deadline - time.monotonic()))
-        self._watcher = threading.Thread(target=self._watch_workers, name="fleet-watcher",
-                                         daemon=True)
+        cleanup = LostWorkerCleanup(self._instances, kill=self.placement.kill,
+                                    forget=discovery_forgetter(self._discovery_env, self.run_dir))
+        replace = self.replace_lost_workers if self.config.replace_lost_workers else None
+        self._watcher = WorkerWatcher(self.dead_workers, cleanup, replace, self._stopping)
         self._watcher.start()
-
-    def _model_folder(self) -> str:
-        if self.config.model != "tiny":
-            return str(Path(self.config.model).resolve())
-        engine = self.config.engine
-        own = engine_kind(engine["kind"]).model_folder(without_kind(engine), self.run_dir)
-        if own is not None:
-            return own
-        from rollout_fleet.adapters.tiny_model import build_tiny_model
-
-        folder = self.run_dir / "tiny-model"
-        if not (folder / "config.json").exists():
-            build_tiny_model(folder)
-        return str(folder)
-
-    def _start_discovery(self) -> dict[str, str]:
-        if self.config.discovery == "file":
-            return {}
-        endpoint = self.config.etcd_endpoint
-        if endpoint is None:
-            host = self.config.bind_host
-            # Recorded before it starts, so that a start interrupted while it waits stops it.
-            self.etcd = LoopbackEtcd(self.run_dir / "etcd" / "data", host=host,
-                                     client_port=free_port(host), peer_port=free_port(host))
-            self.etcd.start()
-            endpoint = self.etcd.endpoint
-        return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": endpoint}
-
-    def _frontend_env(self) -> dict[str, str]:
-        return {"DYN_ROUTER_MODE": self.config.router, **self._discovery_env, **self.config.env}
 
     def worker_config(self, index: int, *, joins_running: bool = False,
                       slot: int | None = None) -> WorkerConfig:
-        """What worker ``index`` is told (python -m rollout_fleet.wiring.worker --config).
-        ``joins_running``: it joins a fleet that may have been refit, so it serves only after
-        its first refit. ``slot``: whose share of this host's cores it takes (a replacement
-        takes the lost worker's)."""
-        kind_name = self.config.engine["kind"]
-        slot = (index if slot is None else slot) % self.config.num_workers
-        engine = {"kind": kind_name, **engine_kind(kind_name).worker_options(
-            without_kind(self.config.engine), fleet_facts(self.config), slot=slot,
-            free_port=lambda: free_port(self.config.bind_host))}
-        kv_routing = self.config.router == "kv"
-        return WorkerConfig(
-            engine=engine, run_dir=str(self.run_dir), kv_routing=kv_routing,
-            collective_backend=self.collective_backend,
-            namespace="fleet", served_model_name=self.config.served_model_name,
-            model_path=self.model_path or None,
-            env={**self._discovery_env, **self.config.env},
-            hold_until_refit=joins_running, hang_timeout_s=self.config.hang_timeout_s)
+        """What worker ``index`` is told (``fleet_workers.worker_config``)."""
+        return worker_config(self.config, index, run_dir=self.run_dir,
+                             model_path=self.model_path, discovery_env=self._discovery_env,
+                             collective_backend=self.collective_backend,
+                             joins_running=joins_running, slot=slot)
 
     def _launch(self, index: int, *, joins_running: bool = False, slot: int | None = None,
                 in_place_of: str = "") -> WorkerLaunch:
-        name = worker_name(index)
         config = self.worker_config(index, joins_running=joins_running, slot=slot)
-        config_path = write_private(self.run_dir / f"{name}.json", config.to_json())
-        env = {**dynamo_env(self.run_dir), **self._discovery_env, **self.config.env,
-               "PYTHONUNBUFFERED": "1"}
-        return WorkerLaunch(name=name, argv=(sys.executable, "-m", "rollout_fleet.wiring.worker",
-                                             "--config", str(config_path), "--control-secret-stdin"),
-                            env=env, log_path=str(self.run_dir / f"{name}.log"),
-                            port_env=(SYSTEM_PORT,), secret=self.secret, host_env=BIND_HOST_ENV,
-                            in_place_of=in_place_of)
+        return worker_launch(self.config, index, config, run_dir=self.run_dir, secret=self.secret,
+                             discovery_env=self._discovery_env, in_place_of=in_place_of)
 
     def _wait_worker_ready(self, worker: WorkerHandle, deadline: float) -> None:
-        url = self.control_url(worker)
-        while time.monotonic() < deadline and not self._stopping.is_set():
-            if not self.placement.alive().get(worker.name, False):
-                raise FleetStartError(f"{worker.name} exited while starting: "
-                                      f"{worker_failure(worker.log_path)} (log {worker.log_path})")
-            if _health_ready(url):
-                self._instances[worker.name] = call_control(url, "stats", self.secret)["instance_id"]
-                return
-            time.sleep(0.25)
-        raise FleetStartError(f"{worker.name} was not ready at {url} within "
-                              f"{self.config.timeouts.start_s:.0f} s (log {worker.log_path}):\n"
-                              f"{read_tail(worker.log_path)}")
+        self._instances[worker.name] = wait_worker_ready(
+            self.placement, worker, self.control_url(worker), self.secret, deadline=deadline,
+            stopping=self._stopping, start_s=self.config.timeouts.start_s)
 
     # -- joining a running fleet -----------------------------------------------------------------
     def add_worker(self, *, replacing: str | None = None) -> WorkerHandle:
@@ -226,32 +162,14 @@ class Fleet:
         nothing yet: drivers from ``generation()`` take it in when the trainer next asks
         ``get_inference_world_size()``, and it serves once the next update has loaded the
         current weights on it."""
-        with self._workers_lock:
-            if replacing is not None and replacing not in self._slots:
-                raise InvalidValue("replacing", replacing, f"no such worker; the fleet has "
-                                   f"{sorted(self._slots)}")
-            index = len(self._slots)  # every name ever used counts: names are never reused
-            slot = self._slots[replacing] if replacing is not None else index
-            self._slots[worker_name(index)] = slot
-            self._starting.add(worker_name(index))  # neither lost nor live until registered
-            if replacing is not None:
-                self._replaced.add(replacing)
-        try:  # the placement may wait for resources: nothing else waits for it meanwhile
+        def launch(index: int, slot: int, in_place_of: str) -> WorkerHandle:
             worker, = self.placement.launch([self._launch(index, joins_running=True, slot=slot,
-                                                          in_place_of=replacing or "")])
-        except BaseException:
-            self._replaced.discard(replacing)  # a later round tries again
-            self._starting.discard(worker_name(index))
-            raise
-        with self._workers_lock:
-            self.workers.append(worker)
-        try:
-            self._wait_worker_ready(worker, time.monotonic() + self.config.timeouts.start_s)
-        except BaseException:
-            self.placement.kill(worker.name)  # stopped: it counts as lost, not as starting
-            raise
-        finally:
-            self._starting.discard(worker.name)
+                                                          in_place_of=in_place_of)])
+            return worker
+
+        worker = self._roster.add(replacing, launch=launch, kill=self.placement.kill,
+                                  wait_ready=lambda w: self._wait_worker_ready(
+                                      w, time.monotonic() + self.config.timeouts.start_s))
         logger.warning("%s joined the fleet%s; it serves after its first refit", worker.name,
                        f" in place of {replacing}" if replacing else "")
         return worker
@@ -260,57 +178,8 @@ class Fleet:
         """A replacement for every lost worker (``lost``: ``dead_workers()`` when not given)
         that has none yet (see ``add_worker``)."""
         lost = self.dead_workers() if lost is None else lost
-        waiting = [name for name in lost if name not in self._replaced]
+        waiting = self._roster.without_replacement(lost)
         return [self.add_worker(replacing=name) for name in waiting]
-
-    def _watch_workers(self) -> None:
-        """Every second: take each newly lost worker out of Dynamo's discovery, and (with
-        ``replace_lost_workers = true``) start its replacement. A replacement that fails to
-        start is lost too: the next try waits longer each time."""
-        next_replacement = 0.0
-        backoff_s = _WATCH_S
-        while not self._stopping.wait(_WATCH_S):
-            try:
-                lost = self.dead_workers()  # the placement asked once a round
-                self._forget_lost_in_discovery(lost)
-                self._kill_what_is_left_of(lost)
-                if self.config.replace_lost_workers and time.monotonic() >= next_replacement:
-                    self.replace_lost_workers(lost)
-                    backoff_s = _WATCH_S
-            except Exception:  # noqa: BLE001 - logged; the next round tries again
-                if self._stopping.is_set():
-                    return
-                backoff_s = min(2 * backoff_s, _REPLACE_BACKOFF_MAX_S)
-                next_replacement = time.monotonic() + backoff_s
-                logger.exception("watching the workers failed; next replacement try in %.0f s",
-                                 backoff_s)
-
-    def _kill_what_is_left_of(self, lost: list[str]) -> None:
-        """SIGKILL each lost worker's process group once: a worker that left because its engine
-        hung may leave that engine's process behind, stopped or deaf to SIGTERM, holding its
-        memory and devices (a replacement needs them)."""
-        for name in lost:
-            if name in self._killed_lost:
-                continue
-            self._killed_lost.add(name)
-            try:
-                self.placement.kill(name)
-            except Exception as exc:  # noqa: BLE001 - its node may be gone with it
-                logger.info("%s: nothing of it could be killed (%s: %s)", name,
-                            type(exc).__name__, exc)
-
-    def _forget_lost_in_discovery(self, lost: list[str]) -> None:
-        """The frontend drops a lost worker at once, not when its registration expires."""
-        from rollout_fleet.adapters.dynamo.discovery import forget_instance
-
-        for name in lost:
-            if name in self._forgotten or name not in self._instances:
-                continue
-            self._forgotten.add(name)
-            etcd = self._discovery_env.get("ETCD_ENDPOINTS", "").split(",")[0] or None
-            if forget_instance(self._instances[name], etcd_endpoint=etcd,
-                               file_kv=None if etcd else self.run_dir / "discovery"):
-                logger.warning("%s is lost: taken out of discovery", name)
 
     # -- running -------------------------------------------------------------------------------
     @property
@@ -319,57 +188,38 @@ class Fleet:
 
     @property
     def collective_backend(self) -> str:
-        """What the refit group runs on: NCCL between GPUs, gloo between CPUs (or as
-        ``refit.backend`` says)."""
-        if self.config.refit.backend != "auto":
-            return self.config.refit.backend
-        return "nccl" if self.config.device == "gpu" else "gloo"
+        """NCCL between GPUs, gloo between CPUs, or as ``refit.backend`` says."""
+        return collective_backend(self.config)
 
     def control_url(self, worker: WorkerHandle) -> str:
         return f"http://{worker.node_ip}:{worker.ports[SYSTEM_PORT]}"
 
     @property
+    def workers(self) -> list[WorkerHandle]:
+        """Every worker started, in order (lost ones too)."""
+        return self._roster.workers
+
+    @property
     def control_urls(self) -> dict[str, str]:
-        with self._workers_lock:
-            return {w.name: self.control_url(w) for w in self.workers}
+        return self._roster.control_urls(self.control_url)
 
     def endpoints(self, *, live_only: bool = False) -> list["WorkerEndpoint"]:
         """Every worker's endpoint; ``live_only``: those registered and not lost."""
         from rollout_fleet.wiring.driver import WorkerEndpoint
 
-        left_out = (set(self.dead_workers()) | self._starting) if live_only else set()
+        left_out = (set(self.dead_workers()) | self._roster.starting) if live_only else set()
         return [WorkerEndpoint(name, url) for name, url in self.control_urls.items()
                 if name not in left_out]
 
     def generation(self, *, frontend_url: str | None = None, http: "HttpSettings | None" = None,
                    **overrides: Any) -> "DynamoGeneration":
         """A DynamoGeneration over this fleet (``overrides``: GenerationConfig fields;
-        ``frontend_url``: e.g. a proxy in front of the frontend).
-
-        It does not own the fleet: ``fleet.shutdown()`` stops the fleet.
-        """
-        from rollout_fleet.adapters.nemo_rl import GenerationConfig
-        from rollout_fleet.wiring.driver import build_generation
-
-        c = self.config
-        settings = {
-            "model": c.served_model_name, "max_model_len": c.max_model_len,
-            "max_new_tokens": c.max_new_tokens, "stop_strings": tuple(c.stop_strings),
-            "context_limit_policy": c.context_limit_policy, "max_concurrency": c.max_in_flight,
-            "retry": c.retry.policy(), "ranks_per_worker": c.ranks_per_worker,
-            "sender_spec": c.sender_spec, "control_timeout_s": c.timeouts.refit_s,
-        } | overrides
-        return build_generation(GenerationConfig(**settings),
-                                frontend_url=frontend_url or self.frontend_url,
-                                workers=self.endpoints(), control_secret=self.secret,
-                                http=http or http_settings(c, settings["max_concurrency"]),
-                                lost_workers=self.dead_workers,
-                                joined_workers=lambda: self.endpoints(live_only=True))
+        ``frontend_url``: e.g. a proxy in front of the frontend); ``shutdown()`` stops the fleet."""
+        return fleet_generation(self, frontend_url=frontend_url, http=http, **overrides)
 
     def dead_workers(self) -> list[str]:
         """The workers that are gone (one still starting is not among them)."""
-        return sorted(name for name, alive in self.placement.alive().items()
-                      if not alive and name not in self._starting)
+        return self._roster.dead(self.placement.alive())
 
     def lost_workers(self) -> dict[str, str]:
         """Every worker that is gone, with why: its own last word (``engine died: ...``) when
@@ -390,36 +240,6 @@ class Fleet:
             groups.append(self.frontend.process.pid)
         return groups
 
-    # -- fault drills --------------------------------------------------------------------------
-    def kill_worker(self, name: str) -> None:
-        """Kill one worker's process group now."""
-        self.placement.kill(name)
-
-    def pause_worker(self, name: str) -> None:
-        """SIGSTOP one worker's process group: it keeps its sockets but answers nothing."""
-        self.placement.signal(name, signal.SIGSTOP)
-
-    def resume_worker(self, name: str) -> None:
-        self.placement.signal(name, signal.SIGCONT)
-
-    def kill_frontend(self) -> None:
-        """SIGKILL the frontend's process group (no drain, no goodbye)."""
-        process = self.frontend.process if self.frontend is not None else None
-        if process is None:
-            return
-        self.frontend.process = None
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-
-    def restart_frontend(self, timeout_s: float = 60.0) -> None:
-        """Start the frontend again on its port; wait until it lists the model."""
-        if self.frontend.process is None:
-            self.frontend.start()
-        self.frontend.wait_for_model(self.config.served_model_name, timeout_s=timeout_s)
-
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the frontend, the workers and their engines, the placement, etcd. Idempotent."""
@@ -428,7 +248,7 @@ class Fleet:
         self._stopped = True
         self._stopping.set()
         if self._watcher is not None:
-            self._watcher.join(timeout=self.config.timeouts.shutdown_s)
+            self._watcher.join(self.config.timeouts.shutdown_s)
         for stop in (self._stop_frontend, self._stop_workers, self._stop_etcd):
             try:
                 stop()
@@ -453,88 +273,3 @@ class Fleet:
 
     def __exit__(self, *_exc: object) -> None:
         self.shutdown()
-
-
-def http_settings(config: FleetConfig, max_in_flight: int) -> HttpSettings:
-    """The driver's client: one connection per rollout in flight, the config's timeouts (one
-    attempt may take ``attempt_fixed_s + attempt_per_token_s`` per token of its budget, never
-    more than ``request_s``; a read may wait as long)."""
-    t = config.timeouts
-    return HttpSettings(max_in_flight=max_in_flight, connect_timeout_s=t.connect_s,
-                        read_timeout_s=t.request_s, request_timeout_s=t.request_s,
-                        attempt_fixed_s=t.attempt_fixed_s, attempt_per_token_s=t.attempt_per_token_s)
-
-
-def private_folder(path: Path) -> Path:
-    """``path`` created if need be, and made the owner's alone (0700): the run folder holds
-    the workers' logs and configs and the fleet file."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        os.chmod(path, 0o700)
-    except PermissionError:
-        raise ConfigError(f"run_dir: {str(path)!r} belongs to another user; the fleet makes its "
-                          "run folder readable by its owner only") from None
-    return path
-
-
-def write_private(path: Path, text: str) -> Path:
-    """Write ``text`` to a file only its owner can read (0600, also when it existed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    return path
-
-
-def worker_name(index: int) -> str:
-    return f"worker-{index}"
-
-
-def worker_failure(log_path: str) -> str:
-    """What a worker that failed to start said of it: its exception's own message (the line
-    the worker writes last), else the tail of its log."""
-    tail = read_tail(log_path, 64_000)
-    said = [line.removeprefix(FAILURE_MARK) for line in tail.splitlines()
-            if line.startswith(FAILURE_MARK)]
-    return said[-1] if said else f"no error reported; its log ends:\n{tail[-3000:]}"
-
-
-def exit_reason(log_path: str) -> str:
-    """One line: what a worker that exited said of it, or that it said nothing (killed)."""
-    said = [line.removeprefix(FAILURE_MARK) for line in read_tail(log_path, 64_000).splitlines()
-            if line.startswith(FAILURE_MARK)]
-    return said[-1] if said else "exited without a word (killed, or its host went away)"
-
-
-def call_control(control_url: str, name: str, secret: str, body: dict | None = None,
-                 timeout_s: float = 30.0) -> dict[str, Any]:
-    """A blocking control call (start-up checks, the CLI); the driver uses the http adapter."""
-    payload = json.dumps({**(body or {}), "control_secret": secret}).encode()
-    request = urllib.request.Request(f"{control_url}/engine/control/{name}", data=payload,
-                                     headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            status, data = answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as refused:
-        if refused.code not in (401, 403):
-            raise
-        status, data = refused.code, _json_or_text(refused.read())
-    if status != 200 or not isinstance(data, dict) or data.get("status") != "ok":
-        raise ValueError(f"control {name} answered HTTP {status}: {data!r:.300}")
-    return data
-
-
-def _json_or_text(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except ValueError:
-        return body[:300].decode("utf-8", "replace")
-
-
-def _health_ready(control_url: str) -> bool:
-    """Dynamo's own readiness of a worker: its endpoint is registered and serving."""
-    try:
-        with urllib.request.urlopen(f"{control_url}/health", timeout=2.0) as answer:
-            return json.load(answer).get("status") == "ready"
-    except (OSError, ValueError, AttributeError):
-        return False

@@ -13,7 +13,7 @@ from rollout_fleet.adapters.dynamo.env import LOOPBACK, dynamo_env
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend, FrontendError, ModelRejected
 
 _LAZY = {
-    "CONTROL_SECRET_FIELD": "rollout_fleet.adapters.dynamo.adapter",
+    "CONTROL_SECRET_FIELD": "rollout_fleet.adapters.dynamo.controls",
     "DynamoEngineAdapter": "rollout_fleet.adapters.dynamo.adapter",
     "start_dynamo_endpoint": "rollout_fleet.adapters.dynamo.endpoint",
 }

@@ -20,13 +20,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-import attrs
 from dynamo.common.backend import (
     EngineConfig,
     GenerateChunk,
@@ -35,10 +32,16 @@ from dynamo.common.backend import (
 )
 from dynamo.common.backend.publisher import ZmqSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
+from rollout_fleet.adapters.dynamo.controls import (
+    CONTROL_SECRET_FIELD, ControlHandler, WorkerControls,
+)
+from rollout_fleet.adapters.dynamo.plain import (
+    _chunks_of, _hidden_stop_ids, _openai_finish, _piece_chunks, _PlainOptions, _prompt_of,
+    _TokenTexts, _usage,
+)
 from rollout_fleet.core.errors import AnnotationError, EngineDead, EngineRejected, InvalidValue
 from rollout_fleet.core.validate import check_int_at_least
-from rollout_fleet.core.rollout import FinishReason, SamplingSpec
-from rollout_fleet.core.sampling import NEUTRAL_SAMPLING, extra_sampling
+from rollout_fleet.core.rollout import FinishReason
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX,
     decode_rollout_annotation,
@@ -49,27 +52,19 @@ from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
     KvEventSource,
-    RefitTarget,
-    RolloutPiece,
     offered_keywords,
 )
 
 logger = logging.getLogger(__name__)
+__all__ = ["CONTROL_SECRET_FIELD", "ControlHandler", "DynamoEngineAdapter"]  # imported from here
 
-ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-CONTROL_SECRET_FIELD = "control_secret"
 PLAIN_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _RECENT_ABORTS_KEPT = 256
-# Options of a plain request that the engine port has no way to honour: a non-null value is
-# refused by name (a 400), so a client never gets an answer computed without them.
-_UNOFFERED_SAMPLING = ("length_penalty", "guided_decoding")
-# The control whose first success lets a worker that joined late serve.
-_FIRST_REFIT_CONTROL = "update_weights"
 # A bad request (4xx, never retried) vs an engine that failed (5xx, retried by the driver).
 _REQUEST_FAULTS = (AnnotationError, InvalidValue, EngineRejected)
 
 
-class DynamoEngineAdapter(LLMEngine):
+class DynamoEngineAdapter(WorkerControls, LLMEngine):
     """An ``LLMEngine`` over any ``EnginePort``; the worker owns the engine, not this adapter."""
 
     def __init__(self, engine: EnginePort, *, model_path: str = "",
@@ -333,255 +328,6 @@ class DynamoEngineAdapter(LLMEngine):
             wanted = min(wanted, room)
         return wanted
 
-    # -- control surface ----------------------------------------------------------------------
-    def supported_controls(self) -> set[str]:
-        return set(self._controls)
-
-    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Dynamo's entry (its system server answers 200 whatever this says)."""
-        return (await self.answer_control(control, body))[1]
-
-    async def answer_control(self, control: str, body: Any) -> tuple[int, dict[str, Any]]:
-        """(HTTP status, answer) of one control call: 401 for a missing or wrong secret, 404
-        for an unknown control, else 200 (a failed handler answers ``status: error``)."""
-        handler = self._controls.get(control)
-        if handler is None:
-            return 404, _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
-        if not isinstance(body, dict):
-            return 200, _error(f"control {control!r}: the body must be a JSON object")
-        refusal = self._secret_refusal(body)
-        if refusal:
-            return 401, _error(f"control {control!r} refused: {refusal}")
-        return 200, await self._run_control(control, handler, body)
-
-    async def _run_control(self, control: str, handler: ControlHandler,
-                           body: dict[str, Any]) -> dict[str, Any]:
-        args = {k: v for k, v in body.items() if k != CONTROL_SECRET_FIELD}
-        self._controls_running += 1
-        try:
-            answer = await handler(args)
-        except Exception as exc:
-            logger.warning("control %r failed: %s: %s", control, type(exc).__name__, exc)
-            return _error(f"control {control!r} failed: {type(exc).__name__}: {exc}")
-        finally:
-            self._controls_running -= 1
-        if control == _FIRST_REFIT_CONTROL and self._held:
-            self._held = False
-            logger.info("serving from now on: the fleet's weights are loaded (version %s)",
-                        (answer or {}).get("weight_version"))
-        return {"status": "ok", **(answer or {})}
-
-    def _secret_refusal(self, body: Mapping[str, Any]) -> str | None:
-        if self._control_secret is None:
-            return None
-        given = body.get(CONTROL_SECRET_FIELD)
-        if not isinstance(given, str):
-            return f"the body has no {CONTROL_SECRET_FIELD!r} string"
-        if not hmac.compare_digest(given.encode(), self._control_secret.encode()):
-            return f"{CONTROL_SECRET_FIELD!r} does not match this worker's"
-        return None
-
-    def _builtin_controls(self) -> dict[str, ControlHandler]:
-        controls: dict[str, ControlHandler] = {"stats": self._stats,
-                                               "abort_rollout": self._abort_rollout}
-        if isinstance(self.engine, RefitTarget):
-            controls["flush_cache"] = self._flush_cache
-            controls["weight_version"] = self._weight_version
-        return controls
-
-    async def _abort_rollout(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Cut a rollout short: its own request answers with what it generated so far
-        (finish reason ``abort``). An id not here yet is remembered by the engine."""
-        request_id = body.get("request_id")
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidValue("request_id", request_id, "must be a non-empty string")
-        was_in_flight = request_id in self._in_flight.values()
-        await self.engine.abort(request_id)
-        return {"was_in_flight": was_in_flight}
-
-    async def _flush_cache(self, _body: dict[str, Any]) -> dict[str, Any]:
-        await self.engine.reset_cache()  # type: ignore[attr-defined]
-        return {}
-
-    async def _weight_version(self, _body: dict[str, Any]) -> dict[str, Any]:
-        return {"weight_version": self.engine.weight_version()}  # type: ignore[attr-defined]
-
-    async def _stats(self, _body: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "in_flight": len(self._in_flight),
-            "served": self._counts["served"],
-            "rejected": self._counts["rejected"],
-            "failed": self._counts["failed"],
-            "aborted_request_ids": list(self._recent_aborts),
-            "instance_id": self._instance_id,
-            "engine_dead": self._dead_reason,
-            "held": self._held,
-            "held_back": self._counts["held_back"],
-        }
-
-
-def _prompt_of(request: Mapping[str, Any]) -> Sequence[int]:
-    prompt = request.get("token_ids")
-    if not isinstance(prompt, list) or not prompt:
-        raise InvalidValue("token_ids", prompt, "a prompt needs at least one token ID")
-    return prompt
-
-
-def _hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
-    stop = request.get("stop_conditions") or {}
-    return set(stop.get("stop_token_ids_hidden") or ()) | set(request.get("eos_token_ids") or ())
-
-
-@attrs.frozen
-class _PlainOptions:
-    """What an ordinary OpenAI request asks of the engine, checked against what it offers."""
-
-    max_tokens: Any
-    sampling: SamplingSpec
-    stop_strings: tuple[str, ...]
-    logprobs: int | None  # None: not asked; 0: the chosen token's; N: and the N most likely
-    engine_keywords: dict[str, Any]
-
-    @classmethod
-    def of(cls, request: Mapping[str, Any], offered: frozenset[str],
-           offered_sampling: frozenset[str] = frozenset()) -> "_PlainOptions":
-        options = request.get("sampling_options") or {}
-        stop = request.get("stop_conditions") or {}
-        output = request.get("output_options") or {}
-        _refuse_unoffered(options, output)
-        _refuse_choices(options)
-        logprobs = output.get("logprobs")
-        if logprobs is not None:
-            check_int_at_least("logprobs", logprobs, 0)
-        keywords: dict[str, Any] = {}
-        if logprobs:
-            keywords["top_logprobs"] = logprobs
-        stop_ids = stop.get("stop_token_ids") or []
-        if stop_ids:
-            keywords["stop_token_ids"] = tuple(stop_ids)
-        missing = sorted(set(keywords) - offered)
-        if missing:
-            asked = {"top_logprobs": "logprobs > 0 (top alternatives)",
-                     "stop_token_ids": "stop_token_ids"}
-            raise InvalidValue(asked[missing[0]], keywords[missing[0]],
-                               "this worker's engine does not offer it")
-        extra = _extra_sampling(request, options, stop)
-        for name in sorted(set(extra) - offered_sampling):
-            raise InvalidValue(name, extra[name], "not offered by this fleet's engine port")
-        if extra:
-            keywords["extra_sampling"] = extra
-        return cls(stop.get("max_tokens"), _plain_sampling(options),
-                   tuple(stop.get("stop") or ()), logprobs, keywords)
-
-
-def _extra_sampling(request: Mapping[str, Any], options: Mapping[str, Any],
-                    stop: Mapping[str, Any]) -> dict[str, Any]:
-    """The non-neutral sampling options a request asks for, wherever the frontend put them
-    (penalties and min_p in sampling_options, min_tokens and ignore_eos in stop_conditions,
-    allowed_token_ids passed through in extra_args.sampling_options)."""
-    passed = (request.get("extra_args") or {}).get("sampling_options") or {}
-    for name, value in passed.items():
-        if name not in NEUTRAL_SAMPLING and value is not None:
-            raise InvalidValue(name, value, "not offered by this fleet's engine port")
-    values = {name: options.get(name) for name in NEUTRAL_SAMPLING}
-    values.update({name: stop.get(name) for name in ("min_tokens", "ignore_eos")})
-    values.update({name: value for name, value in passed.items() if value is not None})
-    return extra_sampling(values)
-
-
-def _refuse_choices(options: Mapping[str, Any]) -> None:
-    """n > 1 is refused: Dynamo 1.6.1's frontend ends an answer at the first choice that
-    finishes, so the other choices would come back cut short (checked with 1.6.1)."""
-    for name in ("n", "best_of"):
-        value = options.get(name)
-        if value is not None and value != 1:
-            raise InvalidValue(name, value, "this fleet answers one choice per request "
-                               "(the frontend cuts the others short); send n requests instead")
-
-
-def _refuse_unoffered(options: Mapping[str, Any], output: Mapping[str, Any]) -> None:
-    for name in _UNOFFERED_SAMPLING:
-        if options.get(name) is not None:
-            raise InvalidValue(name, options[name], "not offered by this fleet's engine port")
-    if options.get("use_beam_search"):
-        raise InvalidValue("use_beam_search", True, "beam search is not offered")
-    if output.get("prompt_logprobs") is not None:  # also how the frontend passes echo
-        raise InvalidValue("echo / prompt_logprobs", output["prompt_logprobs"],
-                           "the engine does not compute prompt logprobs")
-
-
-def _plain_sampling(options: Mapping[str, Any]) -> SamplingSpec:
-    temperature = options.get("temperature")
-    if temperature is not None and temperature == 0:
-        return SamplingSpec(greedy=True)
-    top_k = options.get("top_k")
-    return SamplingSpec(
-        greedy=False,
-        temperature=1.0 if temperature is None else temperature,  # OpenAI's default
-        top_p=options.get("top_p") if options.get("top_p") is not None else 1.0,
-        top_k=-1 if top_k in (None, 0) else top_k,
-        seed=options.get("seed"),
-    )
-
-
-class _TokenTexts:
-    """Token ID -> its text, for the alternatives in ``top_logprobs`` (the model folder's
-    ``tokenizer.json``; None where there is none to read)."""
-
-    def __init__(self, model_path: str) -> None:
-        self._tokenizer = None
-        try:
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
-        except Exception as exc:  # no folder, no file, or no tokenizers library: no texts
-            logger.info("no token texts for logprobs (%s: %s)", type(exc).__name__, exc)
-
-    def __call__(self, token_id: int) -> str | None:
-        if self._tokenizer is None:
-            return None
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = False,
-                  texts: Callable[[int], str | None] | None = None) -> list[GenerateChunk]:
-    """The chunk of a piece: its visible tokens (one engine step's, or several when the engine
-    ran ahead of this loop), with their logprobs (and the top alternatives) when asked. Hidden
-    stop tokens (EOS) are left out: the frontend ends a stream at one."""
-    steps = zip(piece.token_ids, piece.logprobs, piece.top_logprobs or ((),) * len(piece.token_ids))
-    shown = [(t, lp, top) for t, lp, top in steps if t not in hidden]
-    if not shown:
-        return []
-    chunk: GenerateChunk = {"token_ids": [t for t, _, _ in shown], "index": 0}
-    if logprobs:
-        chunk["log_probs"] = [lp for _, lp, _ in shown]
-        chunk["top_logprobs"] = [[
-            {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
-             "logprob": alt_logprob}
-            for rank, (alt, alt_logprob) in enumerate(top, start=1)] for _, _, top in shown]
-    return [chunk]
-
-
-async def _chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
-    """The chunks of a request kind's answer: an async iterator of chunks, or a coroutine
-    that returns them all."""
-    if hasattr(served, "__aiter__"):
-        async with contextlib.aclosing(served):
-            async for chunk in served:
-                yield chunk
-        return
-    for chunk in await served:
-        yield chunk
-
-
-def _openai_finish(reason: FinishReason) -> str:
-    return "cancelled" if reason is FinishReason.ABORT else reason.value
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
 
 def _zmq_source(source: KvEventSource) -> ZmqSource:
     if source.kind != "zmq":
@@ -589,5 +335,3 @@ def _zmq_source(source: KvEventSource) -> ZmqSource:
     return ZmqSource(endpoint=source.endpoint, topic=source.topic)
 
 
-def _error(message: str) -> dict[str, Any]:
-    return {"status": "error", "message": message}

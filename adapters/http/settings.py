@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 from rollout_fleet.core.attempt_timeout import AttemptTimeout
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.core.validate import finite_at_least, int_at_least, positive_int
 
 # Client stacks the adapter can run on. "aiohttp" (one pooled aiohttp session, no httpx objects
@@ -26,7 +27,8 @@ class HttpSettings:
     control and metrics calls to the workers, so those never queue behind rollouts.
     """
 
-    max_in_flight: int = attrs.field(default=256, validator=positive_int("http.max_in_flight"))
+    max_in_flight: int = attrs.field(default=DEFAULT_MAX_IN_FLIGHT,
+                                     validator=positive_int("http.max_in_flight"))
     extra_connections: int = attrs.field(default=16,
                                          validator=int_at_least("http.extra_connections", 0))
     connect_timeout_s: float = attrs.field(default=10.0,

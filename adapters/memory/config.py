@@ -10,6 +10,13 @@ from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.validate import finite_at_least, int_at_least, positive_int
 
 
+def _a_bool(field: str):
+    def check(_instance: Any, _attribute: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise InvalidValue(field, value, "must be true or false")
+    return check
+
+
 @attrs.frozen
 class MemoryEngineConfig:
     seed: int = attrs.field(default=0, validator=int_at_least("seed", 0))
@@ -18,6 +25,8 @@ class MemoryEngineConfig:
     max_num_seqs: int = attrs.field(default=1024, validator=positive_int("max_num_seqs"))
     kv_block_size: int = attrs.field(default=16, validator=positive_int("kv_block_size"))
     refit_ranks: int = attrs.field(default=1, validator=positive_int("refit_ranks"))
+    # The worker also serves the engine's fault drills (kill_engine, freeze_engine): tests only.
+    fault_drills: bool = attrs.field(default=False, validator=_a_bool("fault_drills"))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "MemoryEngineConfig":

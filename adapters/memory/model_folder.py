@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from rollout_fleet.adapters.memory.engine import EOS_TOKEN_ID, VOCAB
+from rollout_fleet.adapters.memory.model import EOS_TOKEN_ID, VOCAB
 
 EOS_TOKEN = VOCAB[EOS_TOKEN_ID]
 # A chat template so /v1/chat/completions works too: the turns joined by newlines.

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 from rollout_fleet.core.budget import ContextLimitPolicy
 from rollout_fleet.core.refit import CollectiveSenderSpec
+from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.retry import RetryPolicy
+from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.core.rollout import GREEDY, SamplingSpec
 from rollout_fleet.core.stop_strings import merge_stop_strings
 from rollout_fleet.core.validate import finite_at_least, int_at_least, non_empty_str, positive_int
 
 
-@attrs.frozen
+_RENAMED = {"max_concurrency": "max_in_flight"}  # old field name -> its name now
+
+
+@attrs.frozen(init=False)
 class GenerationConfig:
     """The generation side of a driver: model, budgets, sampling, concurrency, refit geometry."""
 
@@ -27,7 +34,8 @@ class GenerationConfig:
     top_k: int = -1
     seed: int | None = None  # a base seed: each rollout samples with seed + its number
     # Rollouts in flight at once, across every generate_async call on one event loop.
-    max_concurrency: int = attrs.field(default=256, validator=positive_int("max_concurrency"))
+    max_in_flight: int = attrs.field(default=DEFAULT_MAX_IN_FLIGHT,
+                                     validator=positive_int("max_in_flight"))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     ranks_per_worker: int = attrs.field(default=1, validator=positive_int("ranks_per_worker"))
     sender_spec: CollectiveSenderSpec = attrs.field(factory=CollectiveSenderSpec)
@@ -38,6 +46,13 @@ class GenerationConfig:
         default=None, validator=attrs.validators.optional(int_at_least("max_staleness", 0)))
     # > 0: sample every worker's metrics this often while the driver lives; 0: only on demand.
     metrics_interval_s: float = attrs.field(default=0.0, validator=finite_at_least("metrics_interval_s"))
+
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        for old, new in _RENAMED.items():
+            if old in fields:
+                raise InvalidValue(old, fields[old], f"renamed: use {new} (the rollouts one "
+                                   "driver keeps in flight, as in the fleet config)")
+        self.__attrs_init__(*args, **fields)
 
     def __attrs_post_init__(self) -> None:
         merge_stop_strings(self.stop_strings, None)  # refuses bad or too many stop strings

@@ -127,7 +127,7 @@ class DynamoGeneration:
                 finished.put_nowait((index, result))
 
         senders = [asyncio.ensure_future(send_until_done())
-                   for _ in range(min(self.config.max_concurrency, len(requests)))]
+                   for _ in range(min(self.config.max_in_flight, len(requests)))]
         try:
             for _ in range(len(requests)):
                 index, result = await finished.get()
@@ -171,7 +171,7 @@ class DynamoGeneration:
         if semaphore is None:
             for dead in [lp for lp in self._semaphores if lp.is_closed()]:
                 del self._semaphores[dead]
-            semaphore = self._semaphores[loop] = asyncio.Semaphore(self.config.max_concurrency)
+            semaphore = self._semaphores[loop] = asyncio.Semaphore(self.config.max_in_flight)
         return semaphore
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Free ports on this host, in the range every fleet server accepts; loopback addresses."""
+"""Free ports on this host, in the range every fleet server accepts; loopback addresses; the
+sockets a process holds (read from /proc)."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import random
 import socket
 
@@ -32,3 +34,20 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of every socket that process ``pid`` holds open (empty when it is gone)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes

@@ -11,12 +11,6 @@ import os
 
 
 class RolloutFleetWorkerExtension:
-    def rollout_fleet_parameters(self) -> dict[str, tuple[list[int], str]]:
-        """The live model's parameters as vLLM holds them (fused, possibly repacked)."""
-        model = self.get_model()
-        return {name: (list(p.shape), str(p.dtype).removeprefix("torch."))
-                for name, p in model.named_parameters()}
-
     def rollout_fleet_refit_stats(self) -> dict:
         """How this rank's last refit ended (the project's weight-transfer engine keeps it);
         vLLM's own engines keep none: a failed refit there leaves the weights torn."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_fleet.adapters.memory.control import LocalWorkerControl
-from rollout_fleet.adapters.vllm.engine import native_init_info, native_update_info
+from rollout_fleet.adapters.vllm.refit import native_init_info, native_update_info
 from rollout_fleet.core.refit import VLLM_PROTOCOL, CollectiveSenderSpec, GroupJoin, RefitInfo
 from rollout_fleet.core.refit_service import RefitCoordinator
 from tests.collective.harness import free_port, run_ranks

@@ -15,7 +15,7 @@ from tests.driver.real_fleet import CONTEXT_LENGTH, SERVED_MODEL, start_local_fl
 from tests.driver.test_generation_loopback import run_child
 
 pytestmark = pytest.mark.dynamo
-CONFIG = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=24, max_concurrency=32)
+CONFIG = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=24, max_in_flight=32)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_an_unknown_model_is_a_clear_error_and_the_fleet_keeps_serving(fleet):
 
 def test_logger_metrics_hold_per_worker_in_flight_timelines_from_prometheus(fleet):
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=24,
-                              max_concurrency=32, metrics_interval_s=0.01)
+                              max_in_flight=32, metrics_interval_s=0.01)
     generation = driver(fleet, config)
     try:
         generation.prepare_for_generation()
@@ -151,7 +151,7 @@ def test_1000_concurrent_rollouts_through_the_real_frontend_stay_within_the_sock
 
     frontend_port = urlsplit(fleet.frontend_url).port
     config = GenerationConfig(model=SERVED_MODEL, max_model_len=64, max_new_tokens=8,
-                              max_concurrency=1000)
+                              max_in_flight=1000)
     generation = build_generation(config, frontend_url=fleet.frontend_url, control_secret=fleet.secret,
                                   workers=[], http=HttpSettings(max_in_flight=32))
     peak = 0

@@ -25,7 +25,7 @@ from tests.driver.conftest import PAD, check_sample, collect, engine_answers, mi
 from tests.http.loopback_frontend import MODEL, SECRET, LoopbackFrontend
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = GenerationConfig(model=MODEL, max_model_len=48, max_new_tokens=16, max_concurrency=16)
+CONFIG = GenerationConfig(model=MODEL, max_model_len=48, max_new_tokens=16, max_in_flight=16)
 
 
 class Fleetish:
@@ -104,7 +104,7 @@ def test_a_dict_subclass_batch_comes_back_in_its_own_type(generation):
 
 def test_concurrency_reaches_the_configured_limit_and_never_passes_it():
     slow = LoopbackFrontend(delay_s=0.1)  # slow enough that every slot fills before one frees
-    config = GenerationConfig(model=MODEL, max_model_len=48, max_new_tokens=4, max_concurrency=5)
+    config = GenerationConfig(model=MODEL, max_model_len=48, max_new_tokens=4, max_in_flight=5)
     g = build_generation(config, frontend_url=slow.url, control_secret=SECRET, workers=[])
     try:
         _, data = mixed_batch(40)
@@ -301,7 +301,7 @@ def test_a_transient_failure_inside_a_batch_is_retried(server):
         g.shutdown()
 
 
-@pytest.mark.parametrize("field,value", [("max_model_len", 0), ("max_concurrency", 0),
+@pytest.mark.parametrize("field,value", [("max_model_len", 0), ("max_in_flight", 0),
                                          ("control_timeout_s", 0), ("temperature", -1.0),
                                          ("stop_strings", [""]), ("metrics_interval_s", -1)])
 def test_a_bad_generation_config_names_the_field(field, value):

@@ -35,7 +35,7 @@ def test_an_engine_that_dies_mid_batch_leaves_the_fleet_and_the_next_refit_skips
     prompts, data = mixed_batch(96, seed=21, max_len=20)
     retry = RetryPolicy(max_attempts=8, base_delay_s=0.05, backoff=1.5, max_delay_s=0.5)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=32, retry=retry)
+                                  max_in_flight=32, retry=retry)
     killed: dict = {}
     # Started at the kill (before it, its own requests would count as the worker's in flight).
     probe = RoutingProbe(fleet.frontend_url, "mem")

@@ -39,7 +39,7 @@ def test_an_engine_that_hangs_mid_batch_is_found_its_rollouts_finish_elsewhere_a
     prompts, data = mixed_batch(96, seed=23, max_len=20)
     retry = RetryPolicy(max_attempts=8, base_delay_s=0.05, backoff=1.5, max_delay_s=0.5)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=32, retry=retry)
+                                  max_in_flight=32, retry=retry)
     frozen: dict = {}
     probe = RoutingProbe(fleet.frontend_url, "mem")
 

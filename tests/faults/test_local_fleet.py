@@ -30,7 +30,7 @@ def test_the_kv_router_serves_every_rollout_once_inside_a_private_namespace(star
         pytest.fail("run through scripts/test.sh (or `unshare -n`): the KV router binds 0.0.0.0")
     fleet = start_fleet(workers=3, token_delay_s=0.001, router="kv")
     prompts, data = mixed_batch(48, seed=51, max_len=20)
-    generation = fleet.generation(max_new_tokens=12, max_model_len=64, max_concurrency=16)
+    generation = fleet.generation(max_new_tokens=12, max_model_len=64, max_in_flight=16)
     try:
         pairs, error = run(collect_until_error(generation, data))
     finally:
@@ -48,7 +48,7 @@ def test_a_started_fleet_routes_to_every_worker_at_once(start_fleet):
     fleet = start_fleet(workers=3)
     assert set(fleet.instance_ids.values()) <= fleet.frontend.known_instances()
     prompts, data = mixed_batch(12, seed=7, max_len=8)
-    generation = fleet.generation(max_new_tokens=4, max_model_len=64, max_concurrency=4)
+    generation = fleet.generation(max_new_tokens=4, max_model_len=64, max_in_flight=4)
     try:
         pairs, error = run(collect_until_error(generation, data))
     finally:

@@ -27,7 +27,7 @@ def test_frontend_killed_and_restarted_mid_batch_every_rollout_finishes_once(sta
     fleet = start_fleet(workers=2, token_delay_s=0.01)
     prompts, data = mixed_batch(96, seed=11, max_len=20)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=16, retry=OUTLAST_A_RESTART)
+                                  max_in_flight=16, retry=OUTLAST_A_RESTART)
     killed_after = 12
     timeline: dict[str, float] = {}
 
@@ -66,7 +66,7 @@ def test_frontend_down_longer_than_the_retry_budget_fails_with_a_clear_error(sta
     prompts, data = mixed_batch(8, seed=12, max_len=20)
     short_budget = RetryPolicy(max_attempts=3, base_delay_s=0.05, jitter=0.2)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=8, retry=short_budget)
+                                  max_in_flight=8, retry=short_budget)
     try:
         pairs, error = run(collect_until_error(generation, data))
         assert pairs == []
@@ -88,7 +88,7 @@ def test_a_worker_that_stops_answering_times_out_and_its_rollouts_fail_over(star
     # A rollout here takes ~0.1 s: an answer 2 s late is a stuck worker.
     http = HttpSettings(max_in_flight=16, read_timeout_s=2.0)
     policy = RetryPolicy(max_attempts=12, base_delay_s=0.05, backoff=1.5, max_delay_s=0.5, jitter=0.2)
-    generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN, max_concurrency=16,
+    generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN, max_in_flight=16,
                                   retry=policy, http=http)
     paused_at = 8
 

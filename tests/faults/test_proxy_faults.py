@@ -38,7 +38,7 @@ def test_503_load_shedding_is_retried_with_backoff_and_jitter_in_the_policys_ban
     prompts, data = mixed_batch(24, seed=3, max_len=20)
     with FaultProxy(fleet.frontend.http_port, plan) as proxy:
         generation = fleet.generation(frontend_url=proxy.url, max_new_tokens=MAX_NEW,
-                                      max_model_len=MAX_LEN, max_concurrency=24, retry=policy)
+                                      max_model_len=MAX_LEN, max_in_flight=24, retry=policy)
         try:
             pairs, error = run(collect_until_error(generation, data))
         finally:
@@ -80,7 +80,7 @@ def test_corrupted_truncated_and_reset_answers_are_retried_and_the_batch_complet
     policy = RetryPolicy(max_attempts=3, base_delay_s=0.05, jitter=0.2)
     with FaultProxy(fleet.frontend.http_port, plan) as proxy:
         generation = fleet.generation(frontend_url=proxy.url, max_new_tokens=MAX_NEW,
-                                      max_model_len=MAX_LEN, max_concurrency=32, retry=policy)
+                                      max_model_len=MAX_LEN, max_in_flight=32, retry=policy)
         try:
             pairs, error = run(collect_until_error(generation, data))
         finally:
@@ -103,7 +103,7 @@ def test_a_rollout_whose_answer_is_always_corrupt_fails_clearly_and_the_driver_g
     policy = RetryPolicy(max_attempts=3, base_delay_s=0.05, jitter=0.2)
     with FaultProxy(fleet.frontend.http_port, plan) as proxy:
         generation = fleet.generation(frontend_url=proxy.url, max_new_tokens=MAX_NEW,
-                                      max_model_len=MAX_LEN, max_concurrency=16, retry=policy)
+                                      max_model_len=MAX_LEN, max_in_flight=16, retry=policy)
         try:
             pairs, error = run(collect_until_error(generation, data))
             # The same driver serves the next batch in full (ids continue at 16: none is doomed).

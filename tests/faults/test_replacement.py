@@ -69,7 +69,7 @@ def wait_until_serving(fleet, generation, name: str, seed: int, timeout_s: float
 def test_a_replacement_serves_only_once_the_next_refit_loaded_the_current_weights(start_fleet):
     fleet = start_fleet(workers=2)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=16)
+                                  max_in_flight=16)
     try:
         assert refit(generation, seed=1) == [1, 1]
         fleet.kill_worker("worker-0")
@@ -102,7 +102,7 @@ def test_a_replacement_serves_only_once_the_next_refit_loaded_the_current_weight
 def test_with_replace_lost_workers_the_fleet_starts_a_replacement_by_itself(start_fleet):
     fleet = start_fleet(workers=2, replace_lost_workers=True)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=16)
+                                  max_in_flight=16)
     try:
         fleet.kill_worker("worker-1")
         assert list(wait_until_lost(fleet, "worker-1")) == ["worker-1"]

@@ -25,7 +25,7 @@ def test_two_minutes_of_steady_load_grow_neither_memory_nor_sockets(start_fleet)
     fleet = start_fleet(workers=4, token_delay_s=0.002)
     prompts, data = mixed_batch(BATCH, seed=41, max_len=20)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=CONCURRENCY)
+                                  max_in_flight=CONCURRENCY)
     samples: list[tuple[int, int, int]] = []  # (batch, rss, sockets) after each batch
     sockets_before = own_open_sockets()
 

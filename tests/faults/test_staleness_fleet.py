@@ -62,7 +62,7 @@ def refit_while(generation, streaming: threading.Thread, port: int) -> int:
 def test_refits_under_load_never_let_a_rollout_fall_behind_the_bound(start_fleet, bound):
     fleet = start_fleet(workers=2, token_delay_s=0.004)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                                  max_concurrency=32, max_staleness=bound)
+                                  max_in_flight=32, max_staleness=bound)
     _prompts, data = mixed_batch(ROLLOUTS, seed=41, max_len=20)
     samples, errors = [], []
     streaming = threading.Thread(target=stream, args=(generation, data, samples, errors))

@@ -92,7 +92,7 @@ def expected_answers(prompts, weights: dict | None, version: int = 0):
 def test_controls_without_the_secret_are_refused_and_change_nothing_then_the_owner_refits(start_fleet):
     fleet = start_fleet(workers=2, token_delay_s=0.001)
     prompts, data = mixed_batch(24, seed=31, max_len=20)
-    owner = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN, max_concurrency=24)
+    owner = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN, max_in_flight=24)
     try:
         versions_before = owner.get_weight_versions()
         outputs_before, samples = greedy_outputs(owner, data)

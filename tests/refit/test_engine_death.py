@@ -30,7 +30,7 @@ def test_a_killed_engine_core_loses_no_rollout_and_the_next_refit_uses_the_survi
     prompts, answers = reference
     batch = [prompt for _ in range(COPIES) for prompt in prompts]
     retry = RetryPolicy(max_attempts=8, base_delay_s=0.1, backoff=1.5, max_delay_s=1.0)
-    generation = fleet.generation(retry=retry, max_concurrency=64)
+    generation = fleet.generation(retry=retry, max_in_flight=64)
     victim = next(w for w in fleet.workers if w.name == "worker-0")
     core = engine_core_of(victim.pid)
     probe = RoutingProbe(fleet.frontend_url, fleet.config.served_model_name)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 from collections.abc import Iterable
 
 import attrs
+from rollout_fleet.adapters.shared.net import socket_inodes
 
 _TCP_LISTEN = "0A"
 
@@ -60,23 +60,6 @@ def listening_sockets(pids: Iterable[int]) -> list[Listener]:
 
 def non_loopback_listeners(pids: Iterable[int]) -> list[Listener]:
     return [s for s in listening_sockets(pids) if not s.is_loopback]
-
-
-def socket_inodes(pid: int) -> set[str]:
-    """The inodes of every socket that process ``pid`` holds open (empty when it is gone)."""
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    return inodes
 
 
 def _rows(table: str):

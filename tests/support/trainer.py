@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
-from rollout_fleet.ports.contracts.engine import RefitTrainer
+from rollout_fleet.ports.contracts.refit_target import RefitTrainer
 from tests.support.net import free_port
 
 

@@ -7,9 +7,8 @@ import pytest
 from rollout_fleet.adapters.memory import MemoryCollective, MemoryWeightSender
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel, decode
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
-from rollout_fleet.ports.contracts.engine import (
-    EngineContract, EngineUnderTest, OpenAIExtrasContract, RefitTargetContract, RefitTrainer,
-)
+from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest, OpenAIExtrasContract
+from rollout_fleet.ports.contracts.refit_target import RefitTargetContract, RefitTrainer
 
 PROMPTS = [[3, 4, 5], [10, 11], [20, 21, 22, 23], [7]]
 

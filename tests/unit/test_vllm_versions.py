@@ -15,7 +15,8 @@ import types
 import pytest
 
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
-from rollout_fleet.adapters.vllm.engine import VllmEngine, _to_served
+from rollout_fleet.adapters.vllm.convert import _to_served
+from rollout_fleet.adapters.vllm.engine import VllmEngine
 from rollout_fleet.adapters.vllm.features import detect_features
 from rollout_fleet.adapters.vllm.transfer_engine import (
     InPlaceReload, LayerwiseReload, compose_transfer_engine, reload_strategy,

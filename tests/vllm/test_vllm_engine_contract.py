@@ -5,11 +5,8 @@ thread of this process."""
 import pytest
 
 from rollout_fleet.core.refit import CollectiveSenderSpec
-from rollout_fleet.ports.contracts.engine import (
-    EngineContract,
-    OpenAIExtrasContract,
-    RefitTargetContract,
-)
+from rollout_fleet.ports.contracts.engine import EngineContract, OpenAIExtrasContract
+from rollout_fleet.ports.contracts.refit_target import RefitTargetContract
 from tests.support.trainer import ThreadedTrainer
 
 from .conftest import MODEL_SEED, OTHER_SEED

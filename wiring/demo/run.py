@@ -40,8 +40,7 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     import torch
     from rollout_fleet.adapters.collective import TrainerRefitSession
     from rollout_fleet.adapters.shared import free_port
-    from rollout_fleet.wiring.config import parse_config
-    from rollout_fleet.wiring.demo.report import header, row, write_outputs
+    from rollout_fleet.wiring.demo.report import header, write_outputs
     from rollout_fleet.wiring.demo.trainer import (
         PolicyTrainer,
         TargetTokenReward,
@@ -49,11 +48,7 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     from rollout_fleet.wiring.fleet import Fleet
 
     torch.set_num_threads(1)  # the workers need the cores more than the tiny trainer does
-    config = parse_config({
-        "engine": {"kind": settings.engine}, "num_workers": settings.workers, "model": "tiny",
-        "served_model_name": "tiny", "max_new_tokens": settings.max_new_tokens,
-        "max_model_len": 512, "refit": {"buffer_bytes": 8 << 20, "num_buffers": 2},
-        "timeouts": {"start_s": 600, "refit_s": 300}})
+    config = _demo_config(settings)
     print(f"starting a fleet of {settings.workers} {settings.engine} workers on Ray ...", flush=True)
     started = time.perf_counter()
     fleet = Fleet.start(config)
@@ -83,14 +78,7 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
         if settings.asynchronous:
             steps = _async_steps(generation, trainer, session, info, prompts, settings, reward)
         else:
-            for step in range(1, settings.steps + 1):
-                scored, seconds = _rollouts(generation, prompts, settings, reward)
-                figures = _batch_figures(step, scored, seconds, trainer)
-                figures["loss"] = trainer.step(scored, settings.group_size)
-                figures.update(_refit(generation, trainer, session, info, mode=None))
-                steps.append(figures)
-                print(row(figures), flush=True)
-                _check_step(figures, step, settings)
+            steps = _sync_steps(generation, trainer, session, info, prompts, settings, reward)
         _summary(steps, time.perf_counter() - loop_started, settings)
     finally:
         if session is not None:
@@ -100,6 +88,32 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
         fleet.shutdown()
     json_path, png_path = write_outputs(steps, Path(settings.out_dir), attrs.asdict(settings))
     print(f"figures: {json_path}  plot: {png_path}")
+    return steps
+
+
+def _demo_config(settings: DemoSettings):
+    from rollout_fleet.wiring.config import parse_config
+
+    return parse_config({
+        "engine": {"kind": settings.engine}, "num_workers": settings.workers, "model": "tiny",
+        "served_model_name": "tiny", "max_new_tokens": settings.max_new_tokens,
+        "max_model_len": 512, "refit": {"buffer_bytes": 8 << 20, "num_buffers": 2},
+        "timeouts": {"start_s": 600, "refit_s": 300}})
+
+
+def _sync_steps(generation, trainer, session, info, prompts, settings: DemoSettings, reward):
+    """On-policy GRPO: generate a batch, train on it, refit the fleet, and again."""
+    from rollout_fleet.wiring.demo.report import row
+
+    steps: list[dict[str, Any]] = []
+    for step in range(1, settings.steps + 1):
+        scored, seconds = _rollouts(generation, prompts, settings, reward)
+        figures = _batch_figures(step, scored, seconds, trainer)
+        figures["loss"] = trainer.step(scored, settings.group_size)
+        figures.update(_refit(generation, trainer, session, info, mode=None))
+        steps.append(figures)
+        print(row(figures), flush=True)
+        _check_step(figures, step, settings)
     return steps
 
 

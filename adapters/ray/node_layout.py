@@ -13,6 +13,8 @@ traffic goes anywhere but between these namespaces.
         layout.stop()                                   # every process of every node, by PID
 
 Stopping kills every process in each node's namespace (read from /proc: nothing by name).
+It needs root (namespaces, a bridge) and ``ip``; the 3-node tests and ``bench/bench_load.py
+--nodes`` use it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.support.net import socket_inodes
+from rollout_fleet.adapters.shared.net import socket_inodes
 
 SUBNET = "10.77.0"
 WORKER_RESOURCE = "rollout_worker"  # offered by each worker node: one fleet worker per node

@@ -1,0 +1,121 @@
+"""Between vLLM's types and the project's: sampling parameters for a request, and vLLM's
+outputs as the engine port's values (a whole ``ServedRollout``, or one streamed
+``RolloutPiece``: tokens, one logprob each, alternatives, per-token weight versions), the
+engine's facts, and the vocabulary check of token IDs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_fleet.core.errors import EngineError, EngineRejected
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.ports.engine import EngineFacts, RolloutPiece
+
+_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
+                   "abort": FinishReason.ABORT}
+
+
+def _read_facts(engine: Any) -> EngineFacts:
+    config = engine.vllm_config
+    return EngineFacts(
+        context_length=config.model_config.max_model_len,
+        kv_block_size=config.cache_config.block_size,
+        total_kv_blocks=config.cache_config.num_gpu_blocks,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+    )
+
+
+def _engine_dtype(engine: Any) -> str:
+    return str(engine.model_config.dtype).removeprefix("torch.")
+
+
+def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str],
+                     top_logprobs: int = 0, stop_token_ids: Sequence[int] = (),
+                     extra: Mapping[str, Any] | None = None, stream: bool = False) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    common = dict(max_tokens=max_new_tokens, logprobs=top_logprobs, stop=list(stop_strings) or None,
+                  stop_token_ids=list(stop_token_ids) or None,
+                  detokenize=bool(stop_strings),  # text is only needed to find stop strings
+                  output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+                  # Built for this one request and never reused: vLLM may take it as it is
+                  # instead of deep-copying it (measured: ~6% of the worker host's main thread).
+                  skip_clone=True, **(extra or {}))
+    if sampling.greedy:
+        return SamplingParams(temperature=0.0, **common)
+    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=0 if sampling.top_k == -1 else sampling.top_k,
+                          seed=sampling.seed, **common)
+
+
+def _piece_of(output: Any, top_n: int = 0) -> RolloutPiece:
+    """One DELTA output: the step's new tokens with their logprobs (and alternatives)."""
+    completion = output.outputs[0]
+    token_ids = tuple(completion.token_ids)
+    steps = completion.logprobs or []
+    if len(steps) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(steps)} logprobs "
+                          f"for request {output.request_id!r}")
+    reason = None
+    if output.finished:
+        reason = _FINISH_REASONS.get(completion.finish_reason)
+        if reason is None:
+            raise EngineError(f"vLLM ended request {output.request_id!r} with finish_reason="
+                              f"{completion.finish_reason!r}")
+    return RolloutPiece(token_ids, tuple(step[token].logprob for step, token in zip(steps, token_ids)),
+                        reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None)
+
+
+def _to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:
+    completion = output.outputs[0]
+    reason = _FINISH_REASONS.get(completion.finish_reason)
+    if reason is None:
+        raise EngineError(f"vLLM ended request {output.request_id!r} with finish_reason="
+                          f"{completion.finish_reason!r}")
+    token_ids = list(completion.token_ids)
+    logprobs = completion.logprobs or []
+    if len(logprobs) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(logprobs)} logprobs "
+                          f"for request {output.request_id!r}")
+    chosen = [step[token].logprob for step, token in zip(logprobs, token_ids)]
+    # Each step also holds the top_n most likely tokens (ranks 1..top_n; the chosen one may
+    # rank lower and is in ``chosen``).
+    tops = tuple(_top_of(step, top_n) for step in logprobs) if top_n else None
+    # An older vLLM has no per-token versions: every token is tagged with ``version``, exact
+    # because such an engine accepts drain refits only (features.py).
+    return _served(token_ids, chosen, reason, prompt_len, version, tops,
+                   _version_runs(getattr(completion, "weight_versions", None), len(token_ids), version))
+
+
+def _top_of(step: Mapping[int, Any], top_n: int) -> tuple[tuple[int, float], ...]:
+    ranked = sorted((entry.rank, token, entry.logprob) for token, entry in step.items()
+                    if entry.rank is not None and entry.rank <= top_n)
+    return tuple((token, logprob) for _rank, token, logprob in ranked)
+
+
+def _version_runs(spans: Any, n_tokens: int, version: int) -> list[tuple[int, int]]:
+    """vLLM's spans (``version`` label, ``[start, end)`` of the output tokens) as runs; without
+    spans (no token carried a label) every token is tagged with the version at completion."""
+    if not spans:
+        return [(version, n_tokens)] if n_tokens else []
+    runs = [(int(span.version), span.end - span.start) for span in spans if span.end > span.start]
+    if sum(n for _, n in runs) != n_tokens:
+        raise EngineError(f"vLLM's weight-version spans {spans} do not cover {n_tokens} tokens")
+    return runs
+
+
+def _served(token_ids, logprobs, reason, prompt_len, version, tops=None, runs=None) -> ServedRollout:
+    return ServedRollout(token_ids, logprobs, reason, Usage(prompt_len, len(token_ids)),
+                         weight_version=version, top_logprobs=tops,
+                         **({} if runs is None else {"weight_versions": runs}))
+
+
+def _check_vocabulary(field: str, token_ids: Sequence[Any], vocab: int) -> None:
+    """EngineRejected naming the first token ID outside the model's vocabulary, and its size."""
+    for index, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise EngineRejected(f"{field}[{index}]={token!r} is outside the model's vocabulary of"
+                                 f" {vocab} tokens (IDs 0..{vocab - 1})")

@@ -1,0 +1,171 @@
+"""The processes vLLM starts under a worker, and this process while it starts them: the
+environment and CPU binding the engine core inherits, which children are vLLM's (not
+multiprocessing's resource tracker), their nice (lowered while a refit is received), their
+/dev/shm queues, blocking calls in a thread that keeps no reference to the engine, and the
+garbage collector's frozen generation around the engine's life."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import threading
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
+from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+
+log = logging.getLogger("rollout_fleet.adapters.vllm.engine")
+
+_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+async def _in_thread(function: Any, *args: Any) -> Any:
+    """Run a blocking call in a thread of its own, keeping no reference to its result or its
+    function afterwards: anything left holding the vLLM engine keeps it alive past ``close``,
+    and its late ``__del__`` then runs a second shutdown while the interpreter exits."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    outcome: list[tuple[Any, BaseException | None]] = []  # emptied by the loop, not the thread
+
+    def run() -> None:
+        try:
+            outcome.append((function(*args), None))
+        except BaseException as error:  # handed to the awaiting coroutine
+            outcome.append((None, error))
+        loop.call_soon_threadsafe(_settle, future, outcome)
+
+    threading.Thread(target=run, name="vllm-blocking-call", daemon=True).start()
+    try:
+        return await future
+    finally:
+        future = function = args = None  # the thread's closure cells let go too
+
+
+def _settle(future: asyncio.Future, outcome: list) -> None:
+    result, error = outcome.pop()
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+@contextlib.contextmanager
+def _cpu_binding(config: VllmEngineConfig):
+    """While the engine starts, tell vLLM which cores to bind its model threads to: its
+    engine-core process reads the variable from the environment it inherits."""
+    binding = config.cpu_binding(sorted(os.sched_getaffinity(0))) if config.device == "cpu" else None
+    if binding is None:
+        yield
+        return
+    before = os.environ.get(_OMP_BIND)
+    os.environ[_OMP_BIND] = binding
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_OMP_BIND, None)
+        else:
+            os.environ[_OMP_BIND] = before
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]):
+    """Set ``values`` in this process's environment while vLLM starts: its engine core and
+    workers inherit them."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _child_pids() -> set[int]:
+    """This process's children; those that appear while the engine starts are vLLM's engine
+    core(s). Found by place, not by their ``VLLM::*`` titles (a title was missing in some
+    runs); multiprocessing's resource tracker, started on first use, is not vLLM's."""
+    import psutil
+
+    return {child.pid for child in psutil.Process().children() if not _resource_tracker(child)}
+
+
+def _resource_tracker(process: Any) -> bool:
+    import psutil
+
+    try:
+        return any("resource_tracker" in part for part in process.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _set_worker_priority(nice: int, engine_processes: Collection[int]) -> int:
+    """Set ``nice`` on every thread of vLLM's engine-core processes and of every process under
+    them (the model workers); threads they start later inherit it. Both busy-poll their
+    shared-memory queues: lowering only one lets the other's polling take its core. Raising a
+    priority back needs the right to (root, or CAP_SYS_NICE); without it the threads keep
+    their nice. Returns the threads changed."""
+    import psutil
+
+    changed = 0
+    for pid in engine_processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            for process in (root, *root.children(recursive=True)):
+                if _resource_tracker(process):
+                    continue
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for thread in process.threads():
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.setpriority(os.PRIO_PROCESS, thread.id, nice)  # one thread's
+                            changed += 1
+    if not changed:
+        log.warning("could not set any vLLM process to nice %d", nice)
+    return changed
+
+
+@contextlib.asynccontextmanager
+async def _refit_priority(config: VllmEngineConfig, engine_processes: Collection[int]):
+    """On the CPU vLLM's processes run niced (they busy-poll between steps), but a refit is
+    received inside them now: at nice 10 on a busy host the receive waited for cores (a
+    200 MiB refit took 1-8 s against 0.2 s for the flat broadcast). Normal priority while
+    the refit runs; niced again after."""
+    nice = config.cpu_worker_nice if config.device == "cpu" else None
+    if not nice:
+        yield
+        return
+    _set_worker_priority(0, engine_processes)
+    try:
+        yield
+    finally:
+        _set_worker_priority(nice, engine_processes)
+
+
+def _track_segments(engine_processes: set[int]) -> list[SharedMemoryTracker]:
+    """Record the /dev/shm queues of the engine core(s) just started and their workers."""
+    segments = [SharedMemoryTracker(pid, remove_unused=False) for pid in sorted(engine_processes)]
+    for tracker in segments:
+        tracker.scan()
+    return segments
+
+
+def _freeze_startup_objects() -> None:
+    """As vLLM's own server does after init: the millions of objects that importing and
+    building the engine left behind go to the permanent generation, else every full
+    collection scans them (0.2-0.5 s with the loop and GIL held, here)."""
+    gc.collect()
+    gc.freeze()
+
+
+def _unfreeze_and_collect() -> None:
+    gc.unfreeze()  # start() froze the engine's objects; a frozen cycle is never collected
+    gc.collect()  # collect it now: a late __del__ at interpreter exit would shut down twice

@@ -1,0 +1,231 @@
+"""The vLLM engine adapter's refit port (``VllmRefit``, a part of ``VllmEngine``) and what it
+sends vLLM for a refit and checks before: vLLM's pause around the load, the requests of vLLM's
+own ``nccl`` weight-transfer engine, the check that a refit carries every parameter, and the
+text of what each engine rank reports."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rollout_fleet.adapters.vllm.process import _refit_priority
+from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
+from rollout_fleet.core.refit import (
+    DEFAULT_REFIT_MODE,
+    PACKED_PROTOCOL,
+    GroupJoin,
+    RefitInfo,
+    TensorMeta,
+    next_version,
+    refit_mode,
+)
+from rollout_fleet.ports.engine import RefitTarget
+
+log = logging.getLogger("rollout_fleet.adapters.vllm.engine")
+
+
+class VllmRefit(RefitTarget):
+    """The refit port of ``VllmEngine`` (adapters/vllm/engine.py), which owns the state it
+    uses: the engine, its parameters, the weight lock, the version, the KV salt, whether the
+    group is joined and whether the weights are torn."""
+
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        self._require_engine()
+        return {**self._ignored, **self._metas}
+
+    def refit_ranks(self) -> int:
+        return self.config.refit_ranks
+
+    async def init_collective(self, join: GroupJoin) -> None:
+        """Every engine rank's weight-transfer engine joins the group (vLLM runs the call in
+        each of its workers; the engine core waits for them, bounded by the join's timeout)."""
+        engine = self._require_engine()
+        if join.ranks_per_worker != self.refit_ranks():
+            raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
+                               f"this engine has tensor_parallel_size x pipeline_parallel_size ="
+                               f" {self.refit_ranks()} ranks")
+        if join.sender_spec.protocol != self.config.refit_protocol:
+            raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol,
+                               "this worker's vLLM engine receives refits in"
+                               f" {self.config.refit_protocol!r} (its refit_protocol, fixed when"
+                               " the engine starts)")
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        async with self._weight_lock:
+            self._joined = False
+            try:
+                await engine.init_weight_transfer_engine(
+                    WeightTransferInitRequest(init_info=self._init_info(join)))
+            except Exception as error:
+                raise RefitError(f"joining the refit group at {join.host}:{join.port} failed:"
+                                 f" {_first_line(error)}") from error
+            self._joined = True
+
+    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+                             version: int | None = None) -> int:
+        """Pause (``mode``: drain, keep or recompute), receive and load inside vLLM's workers,
+        reset the prefix cache as the mode says, resume."""
+        mode = refit_mode(mode)
+        engine = self._require_engine()
+        if mode not in self._features.refit_modes:
+            raise InvalidValue("mode", mode, "this vLLM labels no token with the weights it was"
+                               " sampled under (CompletionOutput.weight_versions): only"
+                               f" {', '.join(self._features.refit_modes)} keeps labels exact")
+        if not self._joined:
+            raise RefitError("update_weights before init_collective")
+        _check_complete(info, self._metas, self._ignored)
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async with self._weight_lock, _paused(engine, mode), _refit_priority(self.config, self._engine_processes):
+            started = time.perf_counter()
+            try:
+                await engine.start_weight_update()
+                await engine.update_weights(WeightTransferUpdateRequest(
+                    update_info=self._update_info(info)))
+                await engine.finish_weight_update()
+            except Exception as error:
+                self._joined = False  # the group broke: the next refit forms a new one
+                await self._note_failed_refit()
+                raise RefitError(f"the refit failed inside vLLM: {_first_line(error)}"
+                                 + ("; weights torn, rollouts refused until a refit succeeds"
+                                    if self._torn else "; the previous weights serve")) from error
+            loaded = time.perf_counter()
+            self._torn = None
+            version = await self._commit_new_weights(mode, version)
+        reset = time.perf_counter()
+        ranks = await self._engine.collective_rpc("rollout_fleet_refit_stats")
+        log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s (per rank: %s),"
+                 " cache reset %.3f s", version, len(info.tensors), info.total_bytes / 2**20,
+                 loaded - started, ", ".join(
+                     f"{rank.get('seconds', 0):.3f} s, {rank.get('waiting_s', 0):.3f} s waiting"
+                     " for the wire" + _cuda_memory_text(rank) for rank in ranks), reset - loaded)
+        return version
+
+    def weight_version(self) -> int:
+        return self._version
+
+    async def reset_cache(self) -> None:
+        engine = self._require_engine()
+        if await engine.reset_prefix_cache():
+            self._kv_salt = None  # nothing cached is left from older weights
+            return
+        # Running requests still hold blocks: preempt them (they recompute), then reset.
+        if not await engine.reset_prefix_cache(reset_running_requests=True):
+            raise EngineError("vLLM refused to reset its prefix cache")
+        self._kv_salt = None
+
+    def _init_info(self, join: GroupJoin) -> dict[str, Any]:
+        if self.config.refit_protocol == PACKED_PROTOCOL:
+            return {"join": join.to_wire(), "rollback": self.config.rollback}
+        return native_init_info(join)
+
+    def _update_info(self, info: RefitInfo) -> dict[str, Any]:
+        if self.config.refit_protocol == PACKED_PROTOCOL:
+            sent = {t.name for t in info.tensors}
+            return {"refit_info": info.to_wire(), "skip": sorted(sent & set(self._ignored))}
+        return native_update_info(info)
+
+    async def _note_failed_refit(self) -> None:
+        """Ask every engine rank how its failed refit ended: rolled back, or torn."""
+        try:
+            stats = await self._engine.collective_rpc("rollout_fleet_refit_stats")
+        except Exception as error:  # the engine is in trouble; refuse rollouts to be safe
+            self._torn = f"its refit state is unknown: {_first_line(error)}"
+            return
+        if any(rank.get("torn", True) for rank in stats):
+            self._torn = "a refit failed half way and no copy of the previous weights was kept"
+
+    async def _commit_new_weights(self, mode: str = DEFAULT_REFIT_MODE,
+                                  version: int | None = None) -> int:
+        """Still paused: drop the cache as ``mode`` says, and label every token from now on
+        with the new version."""
+        if mode == "keep":
+            await self._keep_running_kv()
+        else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
+            await self.reset_cache()
+        self._version = next_version(self._version, version)
+        await self._label_weight_version()
+        return self._version
+
+    async def _label_weight_version(self) -> None:
+        """Tell vLLM the version to label tokens with, where it has per-engine versions; an
+        older vLLM has none and the adapter's count alone is the version (features.py)."""
+        if self._features.per_engine_versions:
+            await self._engine.update_weight_version(str(self._version))
+
+    async def _keep_running_kv(self) -> None:
+        """Keep mode: the rollouts in flight keep the KV they hold. vLLM resets its prefix cache
+        only when no block is in use; when some are, new rollouts get a cache salt of the new
+        version instead, so none of them reuses a block computed by older weights."""
+        if await self._engine.reset_prefix_cache():
+            self._kv_salt = None
+        else:
+            self._kv_salt = f"rollout-fleet-weights-v{self._version + 1}"
+
+
+
+# vLLM's pause modes: "wait" lets the requests in flight finish first; "keep" freezes them in
+# the scheduler, where they stay (KV included) until generation resumes.
+_VLLM_PAUSE = {"drain": "wait", "keep": "keep", "recompute": "keep"}
+
+
+@contextlib.asynccontextmanager
+async def _paused(engine: Any, mode: str = DEFAULT_REFIT_MODE):
+    """Hold new requests, drain or freeze those in flight (``mode``), and always resume (even
+    on a failed load)."""
+    await engine.pause_generation(mode=_VLLM_PAUSE[mode], clear_cache=False)
+    try:
+        yield
+    finally:
+        await engine.resume_generation()
+
+
+def native_init_info(join: GroupJoin) -> dict[str, Any]:
+    """vLLM's ``nccl`` engine's init request for a join: vLLM's own layout (the trainer's
+    rank 0 alone, then each worker's ranks from ``rank_offset``) and packed geometry."""
+    return {"master_address": join.host, "master_port": join.port, "rank_offset": join.first_rank,
+            "world_size": join.world_size, "packed": True,
+            "packed_buffer_size_bytes": join.sender_spec.buffer_bytes,
+            "packed_num_buffers": join.sender_spec.num_buffers}
+
+
+def native_update_info(info: RefitInfo) -> dict[str, Any]:
+    """vLLM's ``nccl`` engine's update request: names, dtype names and shapes, in wire order."""
+    return {"names": [t.name for t in info.tensors],
+            "dtype_names": [t.dtype for t in info.tensors],
+            "shapes": [list(t.shape) for t in info.tensors]}
+
+
+def _cuda_memory_text(rank: Mapping[str, Any]) -> str:
+    if rank.get("cuda_before", -1) < 0:
+        return ""
+    mib = {k: rank[k] / 2**20 for k in ("cuda_before", "cuda_peak", "cuda_after")}
+    return (f", GPU memory allocated before {mib['cuda_before']:.1f} MiB, peak"
+            f" {mib['cuda_peak']:.1f} MiB (+{mib['cuda_peak'] - mib['cuda_before']:.1f}),"
+            f" after {mib['cuda_after']:.1f} MiB")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _check_complete(info: RefitInfo, metas: Mapping[str, TensorMeta],
+                    ignored: Mapping[str, TensorMeta] = {}) -> None:  # noqa: B006 - read only
+    """Every name, shape and dtype is the engine's, and every parameter is there: vLLM rebuilds
+    each fused layer (q, k and v into ``qkv_proj``) from all its parts, and a layer refit in
+    part would be left half empty. ``ignored`` names (a tied ``lm_head.weight``) may come or
+    not: vLLM's loader skips them."""
+    try:
+        info.check_against({**ignored, **metas})
+    except WeightMismatch:
+        raise
+    except InvalidValue as error:
+        raise WeightMismatch(error.field, error.value, error.rule) from None
+    missing = sorted(set(metas) - {t.name for t in info.tensors})
+    if missing:
+        raise WeightMismatch("tensor names", missing[:5], f"{len(missing)} of the engine's"
+                             " parameters are missing: a refit carries every one")

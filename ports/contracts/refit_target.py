@@ -1,0 +1,144 @@
+"""The refit port's contract suite, for engines that also implement ``RefitTarget``::
+
+    from rollout_fleet.ports.contracts.refit_target import RefitTargetContract, RefitTrainer
+
+    class TestMyEngineRefit(RefitTargetContract):
+        ...  # engine_under_test (ports/contracts/engine.py), weight_sets, refit_trainer
+
+(``rollout_fleet.ports.contracts.engine`` exports both names too.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo
+from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.engine import RefitTarget
+
+@attrs.define
+class RefitTrainer:
+    """The trainer end of refits for the ``RefitTargetContract``, built by an adapter's tests:
+    ``open(ranks_per_worker)`` starts a trainer rank 0 on a fresh group (it waits for the
+    engine's ranks in the background) and returns the join to hand the engine;
+    ``send(info, tensors)`` sends one refit; ``send_then_die(info, tensors)`` sends the refit
+    info's header and part of its tensors, then leaves the group (a trainer that died)."""
+
+    open: Callable[[int], GroupJoin]
+    send: Callable[[RefitInfo, Any], None]
+    send_then_die: Callable[[RefitInfo, Any], None]
+    close: Callable[[], None]
+
+
+class RefitTargetContract:
+    """Tests for engines that also implement ``RefitTarget``.
+
+    Provide ``engine_under_test`` (as above), ``weight_sets``: ``(original, alternate)`` state
+    dicts (name -> tensor) that give different greedy outputs and cover every name in
+    ``weight_metas()``, and ``refit_trainer``: a ``RefitTrainer``. The suite restores the
+    original weights at the end of each test.
+    """
+
+    def _target(self, eut: EngineUnderTest) -> RefitTarget:
+        assert isinstance(eut.engine, RefitTarget), "the engine does not implement RefitTarget"
+        return eut.engine
+
+    def _greedy(self, eut):
+        return [eut.serve(p, 12).token_ids for p in eut.prompts]
+
+    def _refit(self, eut, trainer, info, tensors, send=None, version=None) -> int:
+        target = self._target(eut)
+        pending = asyncio.run_coroutine_threadsafe(target.update_weights(info, version=version),
+                                                   eut.loop.loop)
+        (send or trainer.send)(info, tensors)
+        return pending.result(300)
+
+    def _joined(self, eut, trainer) -> None:
+        target = self._target(eut)
+        join = trainer.open(target.refit_ranks())
+        eut.loop.run(target.init_collective(join))
+
+    def test_metas_cover_the_weight_sets(self, engine_under_test, weight_sets):
+        metas = self._target(engine_under_test).weight_metas()
+        original, alternate = weight_sets
+        assert metas and set(original) == set(metas) == set(alternate)
+
+    def test_refit_changes_outputs_and_refitting_back_restores_them(
+            self, engine_under_test, weight_sets, refit_trainer):
+        target = self._target(engine_under_test)
+        original, alternate = weight_sets
+        self._joined(engine_under_test, refit_trainer)
+        before = self._greedy(engine_under_test)
+        version = target.weight_version()
+        info = _info_of(alternate, target)
+        assert self._refit(engine_under_test, refit_trainer, info, alternate) == version + 1
+        changed = self._greedy(engine_under_test)
+        assert changed != before, "refitting other weights did not change any greedy answer"
+        assert self._refit(engine_under_test, refit_trainer, info, original) == version + 2
+        assert self._greedy(engine_under_test) == before, "refitting the original back did not restore it"
+        assert target.weight_version() == version + 2
+
+    def test_a_refit_given_the_fleet_version_takes_it(
+            self, engine_under_test, weight_sets, refit_trainer):
+        """A worker that joined a refit fleet late takes the fleet's version, not its own + 1."""
+        target = self._target(engine_under_test)
+        original, alternate = weight_sets
+        self._joined(engine_under_test, refit_trainer)
+        wanted = target.weight_version() + 5
+        info = _info_of(alternate, target)
+        assert self._refit(engine_under_test, refit_trainer, info, alternate, version=wanted) == wanted
+        assert target.weight_version() == wanted
+        assert self._refit(engine_under_test, refit_trainer, info, original) == wanted + 1
+
+    def test_a_trainer_dying_mid_transfer_leaves_the_old_weights(
+            self, engine_under_test, weight_sets, refit_trainer):
+        target = self._target(engine_under_test)
+        original, alternate = weight_sets
+        self._joined(engine_under_test, refit_trainer)
+        before = self._greedy(engine_under_test)
+        version = target.weight_version()
+        info = _info_of(alternate, target)
+        with pytest.raises(RolloutFleetError):
+            self._refit(engine_under_test, refit_trainer, info, alternate,
+                        send=refit_trainer.send_then_die)
+        assert target.weight_version() == version
+        assert self._greedy(engine_under_test) == before, "a failed refit changed the answers"
+        self._joined(engine_under_test, refit_trainer)  # a new group: the next refit works
+        assert self._refit(engine_under_test, refit_trainer, info, alternate) == version + 1
+        assert self._greedy(engine_under_test) != before
+        assert self._refit(engine_under_test, refit_trainer, info, original) == version + 2
+        assert self._greedy(engine_under_test) == before
+
+    def test_a_join_for_another_rank_count_is_refused(self, engine_under_test):
+        target = self._target(engine_under_test)
+        ranks = target.refit_ranks()
+        join = GroupJoin(host="127.0.0.1", port=1, world_size=2 + ranks, train_world_size=1,
+                         first_rank=1, ranks_per_worker=ranks + 1, timeout_s=2.0, backend="gloo")
+        with pytest.raises(RolloutFleetError, match="ranks_per_worker"):
+            engine_under_test.loop.run(target.init_collective(join))
+
+    def test_a_join_in_a_protocol_the_engine_does_not_speak_is_refused(self, engine_under_test):
+        target = self._target(engine_under_test)
+        ranks = target.refit_ranks()
+        join = GroupJoin(host="127.0.0.1", port=1, world_size=1 + ranks, train_world_size=1,
+                         first_rank=1, ranks_per_worker=ranks, timeout_s=2.0, backend="gloo",
+                         sender_spec=CollectiveSenderSpec(protocol="no-such-protocol"))
+        with pytest.raises(RolloutFleetError, match="protocol"):
+            engine_under_test.loop.run(target.init_collective(join))
+
+    def test_reset_cache_keeps_answers(self, engine_under_test):
+        target = self._target(engine_under_test)
+        before = self._greedy(engine_under_test)
+        engine_under_test.loop.run(target.reset_cache())
+        assert self._greedy(engine_under_test) == before
+
+
+def _info_of(tensors: Any, target: RefitTarget) -> RefitInfo:
+    """The refit info of a state dict, with the engine's dtypes and shapes (names in its order)."""
+    metas = target.weight_metas()
+    return RefitInfo(tuple(metas[name] for name in tensors))
