@@ -330,12 +330,14 @@ class PackedTransferEngine:
 
 
 def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int], WeightReceiver],
-                            module: str = __name__, name: str = "RolloutFleetTransferEngine") -> type:
-    """``PackedTransferEngine`` on top of vLLM's base class (``base``) with its receiver set.
+                            module: str = __name__, name: str = "RolloutFleetTransferEngine",
+                            engine: type | None = None) -> type:
+    """``engine`` (default ``PackedTransferEngine``) on top of vLLM's base class (``base``)
+    with its receiver set.
     An abstract method of ``base`` that the project does not implement is named here (a
     TypeError at composition) rather than as vLLM's "Can't instantiate abstract class" inside
     its engine core."""
-    cls = types.new_class(name, (PackedTransferEngine, base), exec_body=lambda ns: ns.update(
+    cls = types.new_class(name, (engine or PackedTransferEngine, base), exec_body=lambda ns: ns.update(
         join_receiver=staticmethod(join_receiver), __module__=module))
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
     if missing:
