@@ -33,9 +33,6 @@ from rollout_fleet.core.sharded_refit import (
 )
 
 
-sharded_plan = declared_plan  # the plan, computed once per declaration
-
-
 class ShardedTrainerSession:
     """One trainer rank's membership of a sharded refit group (every rank sends its shards).
     ``engine``: the engine layout this trainer expects, or None to take the one the engines
