@@ -24,7 +24,8 @@ DTYPE_BYTES: Mapping[str, int] = {
 }
 PACKED_PROTOCOL = "rollout-fleet-packed-v1"
 VLLM_PROTOCOL = "vllm"  # vLLM's own NCCL weight-transfer engine (NeMo-RL's trainers speak it)
-PROTOCOLS = (PACKED_PROTOCOL, VLLM_PROTOCOL)
+SHARDED_PROTOCOL = "rollout-fleet-sharded-v1"  # every trainer rank sends, each engine rank its slices
+PROTOCOLS = (PACKED_PROTOCOL, VLLM_PROTOCOL, SHARDED_PROTOCOL)
 TRANSFER_BACKENDS = ("gloo", "nccl")
 # What a refit does with the rollouts in flight (each engine maps them onto its own pauses):
 #   drain      new rollouts wait, those in flight finish on the old weights, then the swap

@@ -22,10 +22,10 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit import DTYPE_BYTES, RefitInfo, TensorMeta, plan_buckets
+from rollout_fleet.core.refit import SHARDED_PROTOCOL, DTYPE_BYTES, RefitInfo, TensorMeta, plan_buckets
 from rollout_fleet.core.validate import is_int
 
-SHARDED_PROTOCOL = "rollout-fleet-sharded-v1"
+__all__ = ["SHARDED_PROTOCOL", "EngineLayout", "TrainerLayout", "plan_sharded_refit", "tensor_slice"]
 VOCAB_PADDING = 64  # vLLM pads a vocabulary-parallel embedding's rows to a multiple of this
 ALIGN = 256
 
@@ -82,12 +82,15 @@ class TrainerLayout:
 
 @attrs.frozen
 class EngineLayout:
-    """W workers x tensor parallel E; heads as the model's config declares them."""
+    """W workers x tensor parallel E; heads as the model's config declares them. ``whole``:
+    tensor names the engine loads whole (its loader for them takes no pre-cut slice): they are
+    received in full, counted as fallback bytes."""
 
     num_workers: int
     tensor_parallel_size: int
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    whole: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def check(self) -> None:
         for field in ("num_workers", "tensor_parallel_size"):
@@ -104,7 +107,15 @@ class EngineLayout:
         return self.num_workers * self.tensor_parallel_size
 
     def to_wire(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        return {**attrs.asdict(self), "whole": list(self.whole)}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "EngineLayout":
+        fields = {f.name for f in attrs.fields(cls)}
+        if not isinstance(data, dict) or not set(data) <= fields or not isinstance(
+                data.get("whole", []), list):
+            raise InvalidValue("engine layout", data, f"must be a dict of {', '.join(sorted(fields))}")
+        return cls(**data)
 
 
 @attrs.frozen
@@ -186,6 +197,8 @@ def tensor_slice(meta: TensorMeta, layout: EngineLayout, tp_rank: int) -> Tensor
                            (), meta.nbytes)
     if layout.tensor_parallel_size == 1:
         return _cut(meta, "whole", 0, whole)
+    if meta.name in layout.whole:
+        return _cut(meta, "fallback", 0, whole)
     parts = meta.name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""
     if "norm" in module:

@@ -2,7 +2,7 @@
 
 vLLM calls ``register`` in each of its processes (entry point group ``vllm.general_plugins``,
 declared in pyproject.toml), so the weight-transfer engine factory of every worker knows the
-``rollout_fleet_packed`` backend. The class itself is imported only when a worker builds it.
+``rollout_fleet_packed`` and ``rollout_fleet_sharded`` backends. The class itself is imported only when a worker builds it.
 It also sets cuBLAS's and cuDNN's TF32 switches in every vLLM process from
 ``ROLLOUT_FLEET_ALLOW_TF32`` (set by the adapter, ``precision_env``), before any model loads.
 """
@@ -13,14 +13,16 @@ from __future__ import annotations
 def register() -> None:
     """Idempotent: a process may load plugins more than once."""
     _set_tf32()
+    from rollout_fleet.adapters.vllm.sharded_transfer_engine import SHARDED_BACKEND_NAME
     from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND_NAME, "rollout_fleet.wiring.vllm_transfer", "RolloutFleetTransferEngine")
-    except ValueError:  # registered already in this process
-        pass
+    for name, cls in ((BACKEND_NAME, "RolloutFleetTransferEngine"),
+                      (SHARDED_BACKEND_NAME, "RolloutFleetShardedTransferEngine")):
+        try:
+            WeightTransferEngineFactory.register_engine(name, "rollout_fleet.wiring.vllm_transfer", cls)
+        except ValueError:  # registered already in this process
+            pass
 
 
 def _set_tf32() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,7 +29,13 @@ from rollout_fleet.adapters.collective.packing import as_bytes, torch_dtype
 from rollout_fleet.adapters.collective.transfer import _hash63, wait_all
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec
-from rollout_fleet.core.sharded_refit import SHARDED_PROTOCOL, ShardedPlan
+from rollout_fleet.core.sharded_refit import (
+    SHARDED_PROTOCOL,
+    EngineLayout,
+    ShardedPlan,
+    TrainerLayout,
+    plan_sharded_refit,
+)
 
 HEADER_FIELDS = ("protocol", "buffer_bytes", "num_buffers", "plan", "total_bytes",
                  "train_world_size", "role")
@@ -71,6 +78,40 @@ def exchange_headers(group: CollectiveGroup, spec: CollectiveSenderSpec, plan: S
         raise group.fail("the header check", "the ranks disagree on the sharded refit"
                          " (trainer layout, engine layout, tensors or geometry): "
                          + "; ".join(problems))
+
+
+def exchange_layouts(group: CollectiveGroup, trainer: TrainerLayout | None,
+                     engine: EngineLayout | None) -> tuple[TrainerLayout, EngineLayout]:
+    """Trainer rank 0's trainer layout and engine rank 0's (group rank T) engine layout, learnt
+    by every rank (two all-reduces of a few bytes): each side declares only what it knows.
+    Every rank then plans with its own declaration and the other side's; the header check
+    compares the digests, so a rank that declared something else fails everywhere at once."""
+    t = group.train_world_size
+    mine = trainer if group.rank == 0 else engine if group.rank == t else None
+    text = json.dumps(mine.to_wire(), separators=(",", ":")).encode() if mine is not None else b""
+    lengths = torch.zeros(2, dtype=torch.int64, device=group.device)
+    slot = 0 if group.rank == 0 else 1
+    if mine is not None:
+        lengths[slot] = len(text)
+    group.wait(group.all_reduce_sum(lengths), "the layout exchange")
+    first, second = (int(n) for n in lengths.cpu().tolist())
+    data = torch.zeros(first + second, dtype=torch.uint8, device=group.device)
+    if mine is not None:
+        start = 0 if slot == 0 else first
+        data[start:start + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    group.wait(group.all_reduce_sum(data), "the layout exchange")
+    raw = bytes(data.cpu().tolist())
+    try:
+        return (TrainerLayout.from_wire(json.loads(raw[:first])),
+                EngineLayout.from_wire(json.loads(raw[first:])))
+    except ValueError as error:
+        raise group.fail("the layout exchange", f"a declared layout does not parse: {error}")
+
+
+@functools.lru_cache(maxsize=8)
+def declared_plan(info, trainer: TrainerLayout, engine: EngineLayout, buffer_bytes: int) -> ShardedPlan:
+    """The plan, computed once per declaration (a trainer sends the same model every step)."""
+    return plan_sharded_refit(info, trainer, engine, buffer_bytes)
 
 
 def _differs(rank: int, field: str, theirs: int, leaders: int) -> str:
@@ -168,11 +209,20 @@ class ShardedWeightReceiver:
         self.group = group
         self.spec = spec or CollectiveSenderSpec()
         self.engine_rank = group.rank - group.train_world_size
+        self.last_plan: ShardedPlan | None = None
         self._blocks = BlockPool(group.device, capacity=self.spec.num_buffers)
 
     @property
     def account(self) -> ByteAccount:
         return self._blocks.account
+
+    def receive_declared(self, info, engine: EngineLayout) -> Iterator[tuple[str, torch.Tensor]]:
+        """Declare this rank's engine layout, learn the trainer's, plan, receive (the plan
+        stays in ``last_plan``)."""
+        self.group.check_usable()
+        trainer, _ = exchange_layouts(self.group, None, engine)
+        self.last_plan = declared_plan(info, trainer, engine, self.spec.buffer_bytes)
+        yield from self.receive(self.last_plan)
 
     def receive(self, plan: ShardedPlan) -> Iterator[tuple[str, torch.Tensor]]:
         self.group.check_usable()

@@ -3,18 +3,26 @@
 Every trainer rank calls ``ShardedTrainerSession.send_shards`` with its local shards and the
 trainer layout (or ``send_dtensor_state_dict`` with a state dict of DTensors on a 1-D mesh of
 the trainer ranks, ``Shard(0)`` or ``Replicate()``); every engine rank joins with
-``join_sharded_receiver`` and receives its slices. Every rank plans the same refit.
+``join_sharded_receiver`` and receives its slices (``receive_declared`` with the layout its
+engine declares). Before each refit trainer rank 0 declares the trainer layout and engine rank
+0 the engine layout (``exchange_layouts``), so a trainer needs no knowledge of the engines: it
+joins at the address the fleet's ``init_collective`` was given, at its own trainer rank, as
+the packed protocol's trainer does. Every rank plans the same refit (checked by digest).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from rollout_fleet.adapters.collective.group import init_group
-from rollout_fleet.adapters.collective.sharded import ShardedWeightReceiver, ShardedWeightSender
+from rollout_fleet.adapters.collective.sharded import (
+    ShardedWeightReceiver,
+    ShardedWeightSender,
+    declared_plan,
+    exchange_layouts,
+)
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo, dtype_name
 from rollout_fleet.core.sharded_refit import (
@@ -22,24 +30,19 @@ from rollout_fleet.core.sharded_refit import (
     ShardedPlan,
     TrainerLayout,
     chunk_rows,
-    plan_sharded_refit,
 )
 
 
-@functools.lru_cache(maxsize=8)
-def sharded_plan(info: RefitInfo, trainer: TrainerLayout, engine: EngineLayout,
-                 buffer_bytes: int) -> ShardedPlan:
-    """The plan, computed once per declaration (a trainer sends the same model every step)."""
-    return plan_sharded_refit(info, trainer, engine, buffer_bytes)
-
-
 class ShardedTrainerSession:
-    """One trainer rank's membership of a sharded refit group (every rank sends its shards)."""
+    """One trainer rank's membership of a sharded refit group (every rank sends its shards).
+    ``engine``: the engine layout this trainer expects, or None to take the one the engines
+    declare; an expectation that differs fails the refit on every rank (the plan's digest)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, *, train_world_size: int,
-                 engine: EngineLayout, backend: str = "gloo", timeout_s: float = 60.0,
-                 spec: CollectiveSenderSpec | None = None) -> None:
+                 engine: EngineLayout | None = None, backend: str = "gloo",
+                 timeout_s: float = 60.0, spec: CollectiveSenderSpec | None = None) -> None:
         self.engine = engine
+        self.last_plan: ShardedPlan | None = None
         self.spec = spec or CollectiveSenderSpec()
         self.group = init_group(host, port, rank, world_size, backend, timeout_s,
                                 train_world_size=train_world_size, every_rank=True)
@@ -52,7 +55,10 @@ class ShardedTrainerSession:
     def send_shards(self, info: RefitInfo, layout: TrainerLayout,
                     local: Mapping[str, torch.Tensor]) -> ShardedPlan:
         """Send this rank's parts; ``layout`` must be the same on every rank (checked)."""
-        plan = sharded_plan(info, layout, self.engine, self.spec.buffer_bytes)
+        self.group.check_usable()
+        _, declared = exchange_layouts(self.group, layout if self.group.rank == 0 else None, None)
+        plan = declared_plan(info, layout, self.engine or declared, self.spec.buffer_bytes)
+        self.last_plan = plan
         self.sender.send(plan, local)
         return plan
 

@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from rollout_fleet.adapters.vllm.sharded_transfer_engine import SHARDED_BACKEND_NAME
 from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME, ROLLBACKS
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit import PACKED_PROTOCOL, PROTOCOLS
+from rollout_fleet.core.refit import PACKED_PROTOCOL, PROTOCOLS, SHARDED_PROTOCOL, VLLM_PROTOCOL
+
+# refit protocol -> the weight-transfer backend vLLM's workers build for it
+TRANSFER_BACKENDS = {PACKED_PROTOCOL: BACKEND_NAME, SHARDED_PROTOCOL: SHARDED_BACKEND_NAME,
+                     VLLM_PROTOCOL: "nccl"}
 
 WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
 DEVICES = ("cpu", "cuda")
@@ -93,7 +98,9 @@ class VllmEngineConfig:
     tensor_parallel_size: int = attrs.field(default=1, validator=_optional_positive_int("tensor_parallel_size"))
     pipeline_parallel_size: int = attrs.field(default=1, validator=_optional_positive_int("pipeline_parallel_size"))
     # The refit protocol the workers' weight-transfer engines speak: the project's packed one
-    # (gloo or NCCL, CPU or GPU), or "vllm": vLLM's own NCCL engine (GPUs only).
+    # (gloo or NCCL, CPU or GPU; one trainer rank sends), its many-source sharded one (every
+    # trainer rank sends, each engine rank receives its tensor-parallel slices), or "vllm":
+    # vLLM's own NCCL engine (GPUs only).
     refit_protocol: str = attrs.field(default=PACKED_PROTOCOL)
     # After a refit that died half way: "last_good" restores the previous weights from a copy
     # kept inside vLLM's workers; "none" keeps no copy and refuses rollouts until a refit
@@ -117,7 +124,7 @@ class VllmEngineConfig:
     def _protocol(self, _attr: Any, value: Any) -> None:
         if value not in PROTOCOLS:
             raise InvalidValue("refit_protocol", value, f"must be one of {', '.join(PROTOCOLS)}")
-        if value != PACKED_PROTOCOL and self.device != "cuda":
+        if value == VLLM_PROTOCOL and self.device != "cuda":
             raise InvalidValue("refit_protocol", value, "vLLM's own transfer engine needs GPUs"
                                f" (device={self.device!r}); use {PACKED_PROTOCOL!r}")
 
@@ -203,8 +210,7 @@ class VllmEngineConfig:
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
-            weight_transfer_config={
-                "backend": BACKEND_NAME if self.refit_protocol == PACKED_PROTOCOL else "nccl"},
+            weight_transfer_config={"backend": TRANSFER_BACKENDS[self.refit_protocol]},
             enable_prefix_caching=self.enable_prefix_caching,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,

@@ -16,6 +16,7 @@ from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, Wei
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
     PACKED_PROTOCOL,
+    SHARDED_PROTOCOL,
     GroupJoin,
     RefitInfo,
     TensorMeta,
@@ -25,6 +26,7 @@ from rollout_fleet.core.refit import (
 from rollout_fleet.ports.engine import RefitTarget
 
 log = logging.getLogger("rollout_fleet.adapters.vllm.engine")
+PROJECT_PROTOCOLS = (PACKED_PROTOCOL, SHARDED_PROTOCOL)  # received by the project's engines
 
 
 class VllmRefit(RefitTarget):
@@ -118,12 +120,12 @@ class VllmRefit(RefitTarget):
         self._kv_salt = None
 
     def _init_info(self, join: GroupJoin) -> dict[str, Any]:
-        if self.config.refit_protocol == PACKED_PROTOCOL:
+        if self.config.refit_protocol in PROJECT_PROTOCOLS:
             return {"join": join.to_wire(), "rollback": self.config.rollback}
         return native_init_info(join)
 
     def _update_info(self, info: RefitInfo) -> dict[str, Any]:
-        if self.config.refit_protocol == PACKED_PROTOCOL:
+        if self.config.refit_protocol in PROJECT_PROTOCOLS:
             sent = {t.name for t in info.tensors}
             return {"refit_info": info.to_wire(), "skip": sorted(sent & set(self._ignored))}
         return native_update_info(info)

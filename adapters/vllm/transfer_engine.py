@@ -40,9 +40,7 @@ The composition root registers it with vLLM under ``BACKEND_NAME`` and sets ``jo
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import logging
 import time
 import types
@@ -50,6 +48,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rollout_fleet.adapters.vllm.transfer_support import (
+    Progress,
+    counting,
+    cuda_memory_end,
+    cuda_memory_start,
+    host_trimmer,
+    synchronize,
+)
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import GroupJoin, RefitInfo
 from rollout_fleet.ports.collective import WeightReceiver
@@ -205,7 +211,7 @@ class PackedTransferEngine:
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        _synchronize(self.device)
+        synchronize(self.device)
 
     def receive_weights(self, update_info: PackedUpdateInfo) -> None:
         """Receive every bucket and load each tensor as it comes; on failure, end the reload
@@ -218,13 +224,13 @@ class PackedTransferEngine:
         # loaded, so its block goes back to the receiver (see receive_memory).
         kept: list[tuple[str, Any]] | None = [] if self.rollback == "last_good" else None
         spec = getattr(self.receiver, "spec", None)
-        progress = _Progress(trim=_host_trimmer(self.device),
+        progress = Progress(trim=host_trimmer(self.device),
                              trim_every=getattr(spec, "buffer_bytes", 0))
-        memory_before = _cuda_memory_start(self.device)
+        memory_before = cuda_memory_start(self.device)
         try:
             skip = frozenset(update_info.skip)
-            self.model.load_weights(item for item in _counting(
-                self.receiver.receive(info), progress, kept) if item[0] not in skip)
+            self.model.load_weights(item for item in counting(
+                self._stream(info), progress, kept) if item[0] not in skip)
             if progress.tensors != len(info.tensors):
                 raise RefitError(f"the model's load_weights stopped after {progress.tensors} of"
                                  f" {len(info.tensors)} tensors")
@@ -232,12 +238,16 @@ class PackedTransferEngine:
             self._recover(error, loaded=progress.tensors)
             raise
         self.stats = RefitStats(progress.tensors, info.total_bytes, time.perf_counter() - started,
-                                progress.waiting_s, **_cuda_memory_end(self.device, memory_before))
+                                progress.waiting_s, **cuda_memory_end(self.device, memory_before))
         log.info("refit received and loaded: %d tensors, %.0f MiB in %.3f s (%.3f s of it waiting"
                  " for the wire)", self.stats.tensors, self.stats.nbytes / 2**20,
                  self.stats.seconds, self.stats.waiting_s)
         if kept is not None:
             self._last_good = [item for item in kept if item[0] not in skip]
+
+    def _stream(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) pairs for the model's ``load_weights``, in refit order."""
+        return self.receiver.receive(info)
 
     def receive_memory(self) -> dict[str, int]:
         """Receive bytes alive now and at most since the last call, the bound for the last
@@ -256,7 +266,7 @@ class PackedTransferEngine:
         if self._updating:
             self._updating = False
             self.reload.end(self.model, self.model_config)
-            trim = _host_trimmer(self.device)
+            trim = host_trimmer(self.device)
             if trim is not None:
                 trim()
 
@@ -320,12 +330,14 @@ class PackedTransferEngine:
 
 
 def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int], WeightReceiver],
-                            module: str = __name__, name: str = "RolloutFleetTransferEngine") -> type:
-    """``PackedTransferEngine`` on top of vLLM's base class (``base``) with its receiver set.
+                            module: str = __name__, name: str = "RolloutFleetTransferEngine",
+                            engine: type | None = None) -> type:
+    """``engine`` (default ``PackedTransferEngine``) on top of vLLM's base class (``base``)
+    with its receiver set.
     An abstract method of ``base`` that the project does not implement is named here (a
     TypeError at composition) rather than as vLLM's "Can't instantiate abstract class" inside
     its engine core."""
-    cls = types.new_class(name, (PackedTransferEngine, base), exec_body=lambda ns: ns.update(
+    cls = types.new_class(name, (engine or PackedTransferEngine, base), exec_body=lambda ns: ns.update(
         join_receiver=staticmethod(join_receiver), __module__=module))
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
     if missing:
@@ -334,90 +346,9 @@ def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int]
     return cls
 
 
-@dataclasses.dataclass
-class _Progress:
-    tensors: int = 0
-    waiting_s: float = 0.0  # time spent waiting for the next tensor (the wire)
-    trim: Callable[[], Any] | None = None
-    trim_every: int = 0  # bytes loaded between two trims
-    untrimmed: int = 0
-
-    def loaded(self, tensor: Any) -> None:
-        """The consumer is done with ``tensor``: trim every ``trim_every`` bytes."""
-        if self.trim is None or not self.trim_every:
-            return
-        self.untrimmed += tensor.numel() * tensor.element_size()
-        if self.untrimmed >= self.trim_every:
-            self.untrimmed = 0
-            self.trim()
-
-
-def _host_trimmer(device: Any) -> Callable[[], Any] | None:
-    """glibc's ``malloc_trim`` on the CPU, else None. vLLM's CPU reload materializes each layer
-    afresh and repacks its kernels; the freed memory stayed in malloc's arenas (measured:
-    +263-348 MiB of RSS after each reload of a 368 MiB model, none of it live) until trimmed."""
-    if getattr(device, "type", "cpu") != "cpu":
-        return None
-    return _malloc_trim()
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[], Any] | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    return lambda: trim(0)
-
-
-def _counting(stream: Iterator[tuple[str, Any]], progress: _Progress,
-              kept: list | None) -> Iterator[tuple[str, Any]]:
-    """Pass the stream on, counting its items and the time spent waiting for each; keep them
-    only where a list is given (the rollback copy)."""
-    while True:
-        asked = time.perf_counter()
-        item = next(stream, None)
-        progress.waiting_s += time.perf_counter() - asked
-        if item is None:
-            return
-        progress.tensors += 1
-        if kept is not None:
-            kept.append(item)
-        yield item
-        progress.loaded(item[1])
-        item = None  # hold no tensor while the next one is received
-
-
 def _engine_rank(parallel_config: Any) -> int:
     """This worker's rank among its engine's ranks (tensor x pipeline; data-parallel replicas
     after each other), as vLLM numbers them."""
     if parallel_config is None:
         return 0
     return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
-
-
-def _cuda_memory_start(device: Any) -> int:
-    if getattr(device, "type", "cpu") != "cuda":
-        return -1
-    import torch
-
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _cuda_memory_end(device: Any, before: int) -> dict[str, int]:
-    if before < 0:
-        return {}
-    import torch
-
-    torch.cuda.synchronize(device)
-    return {"cuda_before": before, "cuda_peak": torch.cuda.max_memory_allocated(device),
-            "cuda_after": torch.cuda.memory_allocated(device)}
-
-
-def _synchronize(device: Any) -> None:
-    if getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)

@@ -80,7 +80,8 @@ def trainer(port: int, rank: int, world_size: int, *, train_world_size: int, wor
         sent = []
         try:
             with ShardedTrainerSession(HOST, port, rank, world_size,
-                                       train_world_size=train_world_size, engine=engine, spec=SPEC,
+                                       train_world_size=train_world_size,
+                                       engine=engine if rank < 2 else None, spec=SPEC,
                                        timeout_s=60) as session:
                 for seed in seeds:
                     state = model_state(seed)
@@ -101,12 +102,11 @@ def trainer(port: int, rank: int, world_size: int, *, train_world_size: int, wor
 def engine_rank(port: int, rank: int, world_size: int, *, train_world_size: int, workers: int,
                 tp: int, seeds: list[int], declared_tp: int | None = None) -> dict[str, Any]:
     def run():
-        from rollout_fleet.adapters.collective.sharded_trainer import join_sharded_receiver, sharded_plan
+        from rollout_fleet.adapters.collective.sharded_trainer import join_sharded_receiver
         from rollout_fleet.core.refit import GroupJoin
         from tests.unit.test_sharded_plan import reference_slice
 
-        info, layout, engine = declarations(train_world_size, workers, declared_tp or tp)
-        plan = sharded_plan(info, layout, engine, SPEC.buffer_bytes)
+        info, _, engine = declarations(train_world_size, workers, declared_tp or tp)
         g = rank - train_world_size
         join = GroupJoin(host=HOST, port=port, world_size=world_size,
                          train_world_size=train_world_size, first_rank=train_world_size + g // tp * tp,
@@ -116,13 +116,14 @@ def engine_rank(port: int, rank: int, world_size: int, *, train_world_size: int,
         try:
             for seed in seeds:
                 state, mismatched, names, peak = model_state(seed), [], [], 0
-                for name, got in receiver.receive(plan):
+                for name, got in receiver.receive_declared(info, engine):
                     want = reference_slice(state[name], name, tp, g % tp, HEADS, KV_HEADS, HEAD_DIM)
                     if got.shape != want.shape or not torch.equal(got, want):
                         mismatched.append(name)
                     names.append(name)
                     peak = max(peak, receiver.account.live_bytes)
                     del got
+                plan = receiver.last_plan
                 report.append({"names": names, "mismatched": mismatched, "peak": peak,
                                "planned_bytes": plan.receiver_bytes[g],
                                "bound": SPEC.num_buffers * plan.block_bytes[g]})
