@@ -18,7 +18,6 @@ import collections
 import contextlib
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 

@@ -34,7 +34,6 @@ from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
     KvEventSource,
-    RefitTarget,
     offered_keywords,
 )
 

@@ -7,7 +7,6 @@ that tensors cross buffer boundaries."""
 
 from __future__ import annotations
 
-import pytest
 
 from rollout_fleet.adapters.memory.control import LocalWorkerControl
 from rollout_fleet.adapters.vllm.refit import native_init_info, native_update_info

@@ -11,7 +11,7 @@ from rollout_fleet.adapters.nemo_rl import GenerationConfig, stack_outputs
 from rollout_fleet.core.errors import HttpStatusError, WorkerFailures
 from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation
 from tests.driver.conftest import PAD, check_sample, collect, engine_answers, mixed_batch
-from tests.driver.real_fleet import CONTEXT_LENGTH, SERVED_MODEL, start_local_fleet, stop_local_fleet
+from tests.driver.real_fleet import SERVED_MODEL, start_local_fleet, stop_local_fleet
 from tests.driver.test_generation_loopback import run_child
 
 pytestmark = pytest.mark.dynamo

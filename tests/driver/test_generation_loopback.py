@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig, stack_outputs
+from rollout_fleet.adapters.nemo_rl import GenerationConfig, stack_outputs
 from rollout_fleet.core.errors import (
     ContextLimitExceeded, HttpStatusError, InvalidValue, RolloutFleetError, WorkerFailures,
 )

@@ -6,7 +6,6 @@ import asyncio
 import os
 
 import pytest
-import torch
 
 from rollout_fleet.wiring.config import ConfigError, parse_config
 from rollout_fleet.wiring.fleet import Fleet, FleetStartError

@@ -8,7 +8,6 @@ in the middle of a batch."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -11,7 +11,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from rollout_fleet.core.retry import RetryPolicy
 from tests.driver.conftest import collect

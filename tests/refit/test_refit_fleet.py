@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from rollout_fleet.core.errors import RolloutFleetError, WorkerFailures, WorldSizeMismatch
+from rollout_fleet.core.errors import WorkerFailures, WorldSizeMismatch
 from tests.refit.conftest import ROOT, STEPS, Trainer
 from tests.driver.conftest import collect
 

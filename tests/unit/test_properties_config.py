@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.wiring.config import ConfigError, FleetConfig, load_config, parse_config
-from tests.unit.hostile import json_values, mutated, nested, one_field_mutated, python_values
+from tests.unit.hostile import json_values, mutated, one_field_mutated, python_values
 
 VALID_RETRY = {"max_attempts": 3, "base_delay_s": 0.1, "backoff": 2.0, "max_delay_s": 1.0, "jitter": 0.1}
 VALID_TIMEOUTS = {"start_s": 30.0, "connect_s": 1.0, "request_s": 60.0, "refit_s": 60.0, "shutdown_s": 5.0}

@@ -11,7 +11,7 @@ import math
 import attrs
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_fleet.core.budget import ContextLimitPolicy, token_budget

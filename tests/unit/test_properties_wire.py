@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rollout_fleet.core.errors import (
