@@ -28,6 +28,11 @@ def test_the_old_name_is_refused_naming_the_new_one():
 
 def test_a_fleets_driver_takes_the_fleets_max_in_flight_and_refuses_the_old_name(tmp_path):
     config = parse_config({"engine": {"kind": "memory"}, "max_in_flight": 12})
-    fleet = Fleet(config, None, tmp_path, "secret")
+    fleet = Fleet(config, None, tmp_path, "secret")  # not started: no worker, no frontend
+    generation = fleet.generation(frontend_url="http://127.0.0.1:9")  # nothing is sent
+    try:
+        assert generation.config.max_in_flight == 12
+    finally:
+        generation.shutdown()
     with pytest.raises(InvalidValue, match="renamed: use max_in_flight"):
         fleet.generation(max_concurrency=16)
