@@ -31,6 +31,7 @@ from rollout_fleet.core.rollout import (
     SamplingSpec,
 )
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+from rollout_fleet.core.sleep import WAKE_TAGS, SleepCoordinator, wake_tags
 from rollout_fleet.core.staleness import StalenessGate
 from rollout_fleet.ports.completions import CompletionsTransport
 from rollout_fleet.ports.control import WorkerControl
@@ -84,6 +85,9 @@ class DynamoGeneration:
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
         self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,
                                        timeout_s=config.control_timeout_s)
+        self._sleeps = SleepCoordinator(
+            [c for c in self._controls if c.worker_id in set(config.colocated_workers)],
+            timeout_s=config.control_timeout_s)
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
@@ -175,14 +179,38 @@ class DynamoGeneration:
         return semaphore
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+    def prepare_for_generation(self, *args: Any, tags: Any = None, **kwargs: Any) -> bool:
+        """Ready for a generation phase: wake every colocated worker (``tags``: ``weights``
+        before a refit, ``kv_cache`` after it, as NeMo-RL's colocated loop asks; none: both)
+        and, once all is back, wait until each serves. False when one cannot serve yet (its
+        level-2 sleep dropped its weights: a refit must load them first)."""
         self._check_open()
         self._start_sampler()
+        if not self._sleeps.worker_ids:
+            return True
+        self._forget_lost()
+        states = self._helper.run(self._sleeps.wake_up(tags))
+        if set(wake_tags(tags)) != set(WAKE_TAGS) or all(s.serving for s in states.values()):
+            return True
+        waiting = sorted(w for w, s in states.items() if not s.serving)
+        log.warning("worker(s) %s woke without their weights (a level-2 sleep): they serve once"
+                    " a refit loads them", waiting)
+        return False
+
+    def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
+        """The end of a generation phase: no rollout may be served from stale cache after it,
+        and the colocated workers sleep (``release_gpu=False``: the phase is over but the
+        trainer does not need the devices, so they stay awake), as NeMo-RL's loop asks."""
+        self.invalidate_kv_cache()
+        if release_gpu and self._sleeps.worker_ids:
+            self._helper.run(self._sleeps.sleep(self.config.sleep_level, self.config.sleep_mode))
         return True
 
-    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """The end of a generation phase: no rollout may be served from stale cache after it."""
-        return self.invalidate_kv_cache()
+    def sleep_states(self) -> dict[str, Any]:
+        """Each colocated worker's sleep state (core.sleep.SleepState)."""
+        self._check_open()
+        self._forget_lost()
+        return self._helper.run(self._sleeps.states())
 
     def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Flush every worker's prefix/KV cache; WorkerFailures names each worker that failed."""
@@ -262,6 +290,7 @@ class DynamoGeneration:
     def _forget_lost(self) -> None:
         if self._lost_workers is not None:
             self._left.update(self.forget_workers(self._lost_workers()))
+            self._sleeps.keep_only(self.worker_ids)
 
     def _take_in_joined(self) -> None:
         # Only where the trainer sizes its group: a worker that became ready between
