@@ -76,6 +76,11 @@ class HttpStatusError(RolloutFleetError):
         super().__init__(f"HTTP {status}: {_short(body.decode('utf-8', 'replace'))}")
 
 
+class WorkerRefusal(HttpStatusError, WireError):
+    """A worker refused the rollout inside its answer (``core.wire.refused_engine_data``): read
+    as the HTTP status it carries, and retried as such."""
+
+
 class RetriesExhausted(RolloutFleetError):
     """Every attempt of a rollout failed; names the attempts and the last cause."""
 

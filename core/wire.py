@@ -16,13 +16,13 @@ import attrs
 from rollout_fleet.core.errors import (
     AnnotationError,
     ErrorInBody,
-    HttpStatusError,
     InvalidValue,
     LengthMismatch,
     MissingField,
     SpecVersionError,
     UnreadableBody,
     WireError,
+    WorkerRefusal,
     shown,
 )
 from rollout_fleet.core.rollout import (
@@ -171,7 +171,7 @@ def refused_engine_data(status: int, message: str) -> dict[str, Any]:
 
 def served_from_engine_data(data: Any) -> ServedRollout:
     """Inverse of ``engine_data_of``; WireError subclasses on any defect; a refusal
-    (``refused_engine_data``) raises HttpStatusError with its status and message."""
+    (``refused_engine_data``) raises WorkerRefusal (an HttpStatusError) with its status and message."""
     if not isinstance(data, Mapping):
         raise WireError(f"engine_data must be an object, got {type(data).__name__}")
     if not _is_version(data.get("v"), ENGINE_DATA_VERSION):
@@ -252,9 +252,9 @@ def _required_wire(data: Mapping[str, Any], key: str, where: str) -> Any:
     return data[key]
 
 
-def _refusal(refused: Any) -> HttpStatusError:
+def _refusal(refused: Any) -> WorkerRefusal:
     status = refused.get("status") if isinstance(refused, Mapping) else None
     if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
         raise WireError(f"engine_data.refused is not a refusal: {shown(refused, 300)}")
     message = refused.get("message")
-    return HttpStatusError(status, str(message).encode())
+    return WorkerRefusal(status, str(message).encode())
