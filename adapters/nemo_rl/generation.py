@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from typing import Any
 
 import attrs
+from rollout_fleet.adapters.nemo_rl.colocated import ColocatedGeneration, ColocatedPhases
 from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
@@ -31,7 +32,6 @@ from rollout_fleet.core.rollout import (
     SamplingSpec,
 )
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
-from rollout_fleet.core.sleep import WAKE_TAGS, SleepCoordinator, wake_tags
 from rollout_fleet.core.staleness import StalenessGate
 from rollout_fleet.ports.completions import CompletionsTransport
 from rollout_fleet.ports.control import WorkerControl
@@ -49,7 +49,7 @@ class JoinedWorker:
     metrics: WorkerMetrics | None = None
 
 
-class DynamoGeneration:
+class DynamoGeneration(ColocatedGeneration):
     """A drop-in generation backend with the shape of NeMo-RL's ``GenerationInterface``.
 
     Owns (and stops at ``shutdown``) only what it was handed in ``owned``: the fleet, when
@@ -85,9 +85,10 @@ class DynamoGeneration:
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
         self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,
                                        timeout_s=config.control_timeout_s)
-        self._sleeps = SleepCoordinator(
-            [c for c in self._controls if c.worker_id in set(config.colocated_workers)],
-            timeout_s=config.control_timeout_s)
+        self._colocated = ColocatedPhases(
+            self._controls, config.colocated_workers, level=config.sleep_level,
+            mode=config.sleep_mode, timeout_s=config.control_timeout_s,
+            run=lambda step: self._helper.run(step))
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
@@ -179,39 +180,6 @@ class DynamoGeneration:
         return semaphore
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def prepare_for_generation(self, *args: Any, tags: Any = None, **kwargs: Any) -> bool:
-        """Ready for a generation phase: wake every colocated worker (``tags``: ``weights``
-        before a refit, ``kv_cache`` after it, as NeMo-RL's colocated loop asks; none: both)
-        and, once all is back, wait until each serves. False when one cannot serve yet (its
-        level-2 sleep dropped its weights: a refit must load them first)."""
-        self._check_open()
-        self._start_sampler()
-        if not self._sleeps.worker_ids:
-            return True
-        self._forget_lost()
-        states = self._helper.run(self._sleeps.wake_up(tags))
-        if set(wake_tags(tags)) != set(WAKE_TAGS) or all(s.serving for s in states.values()):
-            return True
-        waiting = sorted(w for w, s in states.items() if not s.serving)
-        log.warning("worker(s) %s woke without their weights (a level-2 sleep): they serve once"
-                    " a refit loads them", waiting)
-        return False
-
-    def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
-        """The end of a generation phase: no rollout may be served from stale cache after it,
-        and the colocated workers sleep (``release_gpu=False``: the phase is over but the
-        trainer does not need the devices, so they stay awake), as NeMo-RL's loop asks."""
-        self.invalidate_kv_cache()
-        if release_gpu and self._sleeps.worker_ids:
-            self._helper.run(self._sleeps.sleep(self.config.sleep_level, self.config.sleep_mode))
-        return True
-
-    def sleep_states(self) -> dict[str, Any]:
-        """Each colocated worker's sleep state (core.sleep.SleepState)."""
-        self._check_open()
-        self._forget_lost()
-        return self._helper.run(self._sleeps.states())
-
     def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Flush every worker's prefix/KV cache; WorkerFailures names each worker that failed."""
         self._check_open()
@@ -290,7 +258,7 @@ class DynamoGeneration:
     def _forget_lost(self) -> None:
         if self._lost_workers is not None:
             self._left.update(self.forget_workers(self._lost_workers()))
-            self._sleeps.keep_only(self.worker_ids)
+            self._colocated.keep_only(self.worker_ids)
 
     def _take_in_joined(self) -> None:
         # Only where the trainer sizes its group: a worker that became ready between
