@@ -76,6 +76,11 @@ class HttpStatusError(RolloutFleetError):
         super().__init__(f"HTTP {status}: {_short(body.decode('utf-8', 'replace'))}")
 
 
+class WorkerRefusal(HttpStatusError, WireError):
+    """A worker refused the rollout inside its answer (``core.wire.refused_engine_data``): read
+    as the HTTP status it carries, and retried as such."""
+
+
 class RetriesExhausted(RolloutFleetError):
     """Every attempt of a rollout failed; names the attempts and the last cause."""
 
@@ -106,6 +111,31 @@ class EngineDead(EngineError):
 class EngineHung(EngineDead):
     """A worker's engine made no progress for its hang timeout while requests waited on it: it
     is taken for dead (its requests go to other workers, the worker leaves the fleet)."""
+
+
+class EngineAsleep(EngineError):
+    """A worker's engine is asleep (its memory given back to a colocated trainer), or woke
+    from a level-2 sleep without its weights: it serves again once woken (and, after level 2,
+    refit). Not the request's fault: another worker, or this one later, can serve it."""
+
+    def __init__(self, level: int, worker: str | None = None, *, weights_lost: bool = False) -> None:
+        self.level = level
+        self.worker = worker
+        self.weights_lost = weights_lost
+        who = f"worker {worker}" if worker else "this worker"
+        if weights_lost:
+            text = (f"{who} woke from a level-{level} sleep without its weights; it serves again"
+                    " once a refit loads them (update_weights_from_collective / rollout-fleet refit)")
+        else:
+            text = (f"{who} is asleep (level {level}); the trainer wakes it with"
+                    " prepare_for_generation / rollout-fleet wake")
+        super().__init__(text)
+
+    def named(self, worker: str | None) -> "EngineAsleep":
+        """The same refusal, naming ``worker`` (the engine itself does not know its name)."""
+        if not worker or self.worker:
+            return self
+        return EngineAsleep(self.level, worker, weights_lost=self.weights_lost)
 
 
 class WeightMismatch(InvalidValue):

@@ -22,6 +22,7 @@ from rollout_fleet.core.errors import (
     SpecVersionError,
     UnreadableBody,
     WireError,
+    WorkerRefusal,
     shown,
 )
 from rollout_fleet.core.rollout import (
@@ -161,12 +162,22 @@ def engine_data_of(served: ServedRollout) -> dict[str, Any]:
     }
 
 
+def refused_engine_data(status: int, message: str) -> dict[str, Any]:
+    """A worker's refusal of a rollout, carried where a served rollout would be: Dynamo's
+    frontend hides the message of every 5xx it answers, and this one must reach the trainer
+    (a worker asleep says who wakes it). The driver reads it as that HTTP status."""
+    return {"v": ENGINE_DATA_VERSION, "refused": {"status": int(status), "message": str(message)}}
+
+
 def served_from_engine_data(data: Any) -> ServedRollout:
-    """Inverse of ``engine_data_of``; WireError subclasses on any defect."""
+    """Inverse of ``engine_data_of``; WireError subclasses on any defect; a refusal
+    (``refused_engine_data``) raises WorkerRefusal (an HttpStatusError) with its status and message."""
     if not isinstance(data, Mapping):
         raise WireError(f"engine_data must be an object, got {type(data).__name__}")
     if not _is_version(data.get("v"), ENGINE_DATA_VERSION):
         raise SpecVersionError(f"engine_data version {shown(data.get('v'))} is not {ENGINE_DATA_VERSION}")
+    if "refused" in data:
+        raise _refusal(data["refused"])
     token_ids = _required_wire(data, "token_ids", "nvext.engine_data")
     logprobs = _required_wire(data, "logprobs", "nvext.engine_data")
     if not isinstance(token_ids, list) or not isinstance(logprobs, list):
@@ -239,3 +250,11 @@ def _required_wire(data: Mapping[str, Any], key: str, where: str) -> Any:
     if key not in data:
         raise MissingField(f"{where}.{key}")
     return data[key]
+
+
+def _refusal(refused: Any) -> WorkerRefusal:
+    status = refused.get("status") if isinstance(refused, Mapping) else None
+    if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+        raise WireError(f"engine_data.refused is not a refusal: {shown(refused, 300)}")
+    message = refused.get("message")
+    return WorkerRefusal(status, str(message).encode())

@@ -6,17 +6,29 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_fleet.core.engine import EnginePort
-from rollout_fleet.core.errors import AnnotationError, EngineDead, EngineRejected, InvalidValue
-from rollout_fleet.core.wire import decode_rollout_annotation, engine_data_of
+from rollout_fleet.core.errors import (
+    AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
+)
+from rollout_fleet.core.wire import decode_rollout_annotation, engine_data_of, refused_engine_data
 
 
 async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence[int],
-                                  annotation: str) -> dict[str, Any]:
+                                  annotation: str, *, worker: str | None = None) -> dict[str, Any]:
     """Decode the rollout spec, serve it, and encode the whole answer as engine_data.
 
-    Raises AnnotationError / SpecVersionError for a bad spec, InvalidValue for a bad prompt,
-    and whatever the engine raises.
+    An engine asleep is answered as a refusal (503) naming ``worker`` and who wakes it, in the
+    engine_data (``core.wire.refused_engine_data``): the driver retries it, and when its retries
+    give up, that message is its last error. Raises AnnotationError / SpecVersionError for a
+    bad spec, InvalidValue for a bad prompt, and whatever else the engine raises.
     """
+    try:
+        return await _serve(engine, prompt_token_ids, annotation)
+    except EngineAsleep as asleep:
+        return refused_engine_data(status_of_engine_error(asleep), str(asleep.named(worker)))
+
+
+async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
+                 annotation: str) -> dict[str, Any]:
     request = decode_rollout_annotation(annotation).to_request(prompt_token_ids)
     # Only when asked: an engine without the optional keyword still serves every other rollout.
     extra = {"stop_token_ids": request.stop_token_ids} if request.stop_token_ids else {}
@@ -34,8 +46,9 @@ async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence
 def status_of_engine_error(error: BaseException) -> int:
     """The HTTP status a worker's failure to serve a rollout reaches the client as, the same
     for every serving adapter and fake: 400 for a request it refuses (never retried), 503 for
-    an engine that died (retried on another worker), 500 for any other failure (retried)."""
-    if isinstance(error, EngineDead):
+    an engine that died or is asleep (retried, on another worker or once it is woken), 500
+    for any other failure (retried)."""
+    if isinstance(error, EngineDead | EngineAsleep):
         return 503
     if isinstance(error, AnnotationError | InvalidValue | EngineRejected):
         return 400

@@ -1,10 +1,10 @@
-"""The engine port (declared in core: ``rollout_fleet.core.engine``) and the optional refit
-port an engine may also implement."""
+"""The engine port (declared in core: ``rollout_fleet.core.engine``) and the optional ports
+an engine may also implement: refit (``RefitTarget``) and sleep (``Sleeper``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rollout_fleet.core.engine import (
     OPTIONAL_ROLLOUT_KEYWORDS,
@@ -16,9 +16,11 @@ from rollout_fleet.core.engine import (
     offered_keywords,
 )
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
+from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 
 __all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "EngineFacts", "EnginePort",
-           "KvEventSource", "RefitTarget", "RolloutPiece", "offered_keywords"]
+           "KvEventSource", "RefitTarget", "RolloutPiece", "Sleeper", "SleepState",
+           "offered_keywords"]
 
 
 class RefitTarget(ABC):
@@ -58,3 +60,30 @@ class RefitTarget(ABC):
     @abstractmethod
     async def reset_cache(self) -> None:
         """Drop every cached prefix/KV block, so nothing computed under old weights is reused."""
+
+
+class Sleeper(ABC):
+    """Optional port: an engine that gives its device memory back between generation phases
+    (colocated RL: a trainer shares the device) and takes it back before the next one.
+    ``core/sleep.py`` states the levels, the modes and the wake tags; ``SleeperContract``
+    (``ports/contracts/sleeper.py``) checks an engine keeps them."""
+
+    @abstractmethod
+    async def sleep(self, level: int = 1, *, mode: str = DEFAULT_SLEEP_MODE) -> SleepState:
+        """Level 1: free the KV cache, keep the weights; level 2: free the weights too (a
+        refit must load weights before it serves again). ``mode`` says what happens to the
+        rollouts in flight (wait, abort, keep). From then on every rollout is refused with
+        ``EngineAsleep``. Asleep at ``level`` already: nothing changes. Asleep at another
+        level: ``InvalidValue`` (wake it first)."""
+
+    @abstractmethod
+    async def wake_up(self, tags: Sequence[str] = WAKE_TAGS) -> SleepState:
+        """Take back the memory of ``tags`` (``weights``, ``kv_cache``); it serves once both
+        are back (and, after level 2, a refit has loaded weights). Awake: nothing changes."""
+
+    @abstractmethod
+    def sleep_state(self) -> SleepState:
+        """What is freed now, the level it slept at, whether its weights were dropped."""
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_state().sleeping

@@ -37,6 +37,7 @@ class FleetFacts:
     kv_routing: bool = False  # the frontend routes by KV-cache events
     model: str = "tiny"  # the fleet's model folder, or "tiny"
     one_host: bool = True  # every worker runs on this machine (no Ray cluster joined)
+    colocated: bool = False  # workers share devices with trainer ranks and sleep in between
 
 
 @attrs.frozen

@@ -54,11 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--in-memory", action="store_true",
                       help="the in-memory demo: core services only, no Ray, Dynamo or vLLM")
     demo.set_defaults(run=_demo)
-    from rollout_fleet.wiring import cli_generate, cli_refit, cli_serve
+    from rollout_fleet.wiring import cli_generate, cli_refit, cli_serve, cli_sleep
 
     cli_serve.add_parser(commands)
     cli_generate.add_parser(commands)
     cli_refit.add_parser(commands)
+    cli_sleep.add_parsers(commands)
     tiny = commands.add_parser("build-tiny-model", help="write the tiny model folder",
                                description="Write the tiny Llama-style model (config, safetensors "
                                            "weights, tokenizer) built locally from a seed.")

@@ -24,6 +24,7 @@ from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.ports.engine_kind import FleetFacts
+from rollout_fleet.wiring.colocation import ColocationConfig
 from rollout_fleet.wiring.engines import engine_kind, without_kind
 
 
@@ -92,6 +93,7 @@ class RefitSection(_Strict):
 
 
 class FleetConfig(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
     model: str = Field("tiny", description='a model folder, a Hugging Face model id found in the '
                        'local Hugging Face cache (offline), or "tiny" (built into the run folder)')
     served_model_name: str = "tiny"
@@ -138,6 +140,14 @@ class FleetConfig(_Strict):
     retry: RetrySection = RetrySection()
     timeouts: TimeoutSection = TimeoutSection()
     refit: RefitSection = RefitSection()
+    colocation: ColocationConfig = Field(
+        default_factory=ColocationConfig, description="workers that share their devices with "
+        "trainer ranks and sleep between generation phases (wiring/colocation.py)")
+
+    @field_validator("colocation", mode="before")
+    @classmethod
+    def _colocation(cls, value: Any) -> ColocationConfig:
+        return ColocationConfig.from_mapping(value)
 
     @field_validator("model")
     @classmethod
@@ -154,6 +164,7 @@ class FleetConfig(_Strict):
         if "kind" not in self.engine:
             raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
         self._check_ranks()
+        self.colocated_workers  # refuses a trainer_ranks mapping the fleet cannot have
         if self.placement == "local" and self.ray_address is not None:
             raise ValueError(f"ray_address={_shown(self.ray_address)}: a local placement uses no Ray")
         try:
@@ -191,6 +202,12 @@ class FleetConfig(_Strict):
                 f"ranks_per_worker={_shown(self.ranks_per_worker)} disagrees with the engine's"
                 f" {engine_ranks} rank(s) (engine {kind.ranks_source(options)}): every engine rank"
                 " joins the refit group, so the two must be equal")
+
+    @property
+    def colocated_workers(self) -> dict[str, tuple[int, ...]]:
+        """Worker name -> the trainer ranks on its devices (empty: no colocation)."""
+        names = [f"worker-{i}" for i in range(self.num_workers)]
+        return self.colocation.placement(names, self.ranks_per_worker)
 
     @property
     def hang_timeout_s(self) -> float:
@@ -251,7 +268,8 @@ def fleet_facts(config: FleetConfig) -> FleetFacts:
     """What the config's engine kind may read of its fleet."""
     return FleetFacts(device=config.device, max_model_len=config.max_model_len,
                       num_workers=config.num_workers, kv_routing=config.router == "kv",
-                      model=config.model, one_host=config.ray_address is None)
+                      model=config.model, one_host=config.ray_address is None,
+                      colocated=config.colocation.enabled)
 
 
 def engine_config(config: FleetConfig) -> None:

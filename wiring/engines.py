@@ -134,6 +134,8 @@ class VllmKind(EngineKind):
             check_model_folder("model", fleet.model)
         if fleet.device == "gpu":  # checked as the workers get it (worker_options)
             options.setdefault("device", "cuda")
+            if fleet.colocated:
+                options.setdefault("enable_sleep_mode", True)
         engine_len = options.get("max_model_len")
         if isinstance(engine_len, int) and engine_len < fleet.max_model_len:
             raise InvalidValue("engine.max_model_len", engine_len,
@@ -167,6 +169,8 @@ class VllmKind(EngineKind):
         options = dict(options)
         if fleet.device == "gpu":
             options.setdefault("device", "cuda")
+            if fleet.colocated:  # a colocated engine gives its GPU memory back between phases
+                options.setdefault("enable_sleep_mode", True)
         if fleet.device == "cpu" and fleet.one_host:
             # Left alone, every vLLM engine on this host binds its model threads to the same
             # core and the workers take turns; each gets cores of its own instead.

@@ -99,6 +99,8 @@ class Fleet(FaultDrills):
     def start(cls, config: FleetConfig, placement: Placement | None = None) -> "Fleet":
         """Start everything; on any failure, stop what was started and raise."""
         check_network(config)
+        for reminder in config.colocation.reminders(config.device, config.engine):
+            logger.warning("%s", reminder)
         own = None if config.run_dir else tempfile.TemporaryDirectory(prefix="rollout-fleet-")
         run_dir = private_folder(Path(config.run_dir or own.name).resolve())
         fleet = cls(config, placement or placement_for(config), run_dir, secrets.token_hex(16),

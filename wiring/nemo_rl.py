@@ -99,10 +99,12 @@ class DynamoGeneration:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return self.native.prepare_for_generation()
+        """Wakes the colocated workers (NeMo-RL's ``tags``: weights, kv_cache)."""
+        return self.native.prepare_for_generation(tags=kwargs.get("tags"))
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return self.native.finish_generation()
+        """Sleeps the colocated workers (unless NeMo-RL's ``release_gpu=False``)."""
+        return self.native.finish_generation(release_gpu=kwargs.get("release_gpu", True))
 
     def invalidate_kv_cache(self) -> bool:
         return self.native.invalidate_kv_cache()

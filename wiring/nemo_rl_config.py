@@ -73,7 +73,12 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
     router = (dynamo.get("frontend_args") or {}).get("router_mode")
     if router is not None:
         fleet["router"] = router
+    colocation = _colocation(config.get("colocated"))
+    if colocation:
+        fleet["colocation"] = colocation
     extension = dict(config.get("rollout_fleet") or {})
+    if "colocation" in extension and isinstance(extension["colocation"], Mapping):
+        extension["colocation"] = {**colocation, **extension["colocation"]}
     if "engine" in extension:  # the fleet's own engine options, over those NeMo-RL's keys give
         extension["engine"] = _merged_engine(fleet["engine"], extension["engine"])
     if "env" in extension:
@@ -91,6 +96,36 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
         "metrics_interval_s": interval if vllm.get("enable_vllm_metrics_logger") else 0.0,
     }
     return DropInSettings(fleet_config, generation, pad_token_id=config.get("_pad_token_id"))
+
+def _colocation(colocated: Any) -> dict[str, Any]:
+    """NeMo-RL's ``colocated`` section -> the fleet's ``[colocation]``: ``enabled`` (the
+    workers share the trainer's GPUs, worker i with trainer rank i, and sleep between
+    generation phases); ``resources`` (NeMo-RL's size of a dedicated generation cluster, read
+    only when ``enabled`` is false) is checked, and the fleet's size still comes from the
+    cluster NeMo-RL hands over."""
+    if colocated is None:
+        return {}
+    where = f"{PREFIX}.colocated"
+    if not isinstance(colocated, Mapping):
+        raise InvalidValue(where, colocated, "must be a mapping (enabled, resources)")
+    unknown = sorted(set(colocated) - {"enabled", "resources"})
+    if unknown:
+        raise InvalidValue(f"{where}.{unknown[0]}", colocated[unknown[0]],
+                           "unknown key; NeMo-RL's colocated section has enabled and resources")
+    enabled = colocated.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise InvalidValue(f"{where}.enabled", enabled, "must be true or false")
+    resources = colocated.get("resources") or {}
+    if not isinstance(resources, Mapping):
+        raise InvalidValue(f"{where}.resources", resources, "must be a mapping")
+    for key, value in resources.items():
+        if key not in ("gpus_per_node", "num_nodes"):
+            raise InvalidValue(f"{where}.resources.{key}", value,
+                               "unknown key; NeMo-RL's resources are gpus_per_node and num_nodes")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidValue(f"{where}.resources.{key}", value, "must be null or an int >= 1")
+    return {"enabled": True} if enabled else {}
+
 
 def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: bool
             ) -> dict[str, Any]:
@@ -175,9 +210,6 @@ def _refuse_unoffered(config: Mapping[str, Any], dynamo: Mapping[str, Any],
         raise InvalidValue(f"{PREFIX}.vllm_cfg.expose_http_server", True,
                            "not offered: NeMo-Gym's clients reach the fleet's own OpenAI "
                            "frontend at frontend_url, which serves token IDs only")
-    if (config.get("colocated") or {}).get("enabled"):
-        raise InvalidValue(f"{PREFIX}.colocated.enabled", True,
-                           "a Dynamo fleet runs on resources of its own")
     if config.get("refit_transport") is not None:
         raise InvalidValue(f"{PREFIX}.refit_transport", config["refit_transport"],
                            "must be null: this backend refits over the collective only")

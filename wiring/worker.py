@@ -89,6 +89,15 @@ def refit_controls(engine: Any, config: WorkerConfig) -> dict[str, Control]:
     return {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
 
 
+def sleep_controls(engine: Any) -> dict[str, Control]:
+    """``sleep``, ``wake_up`` and ``is_sleeping`` of an engine that implements the sleep port
+    (core/sleep.py); none for one that does not."""
+    from rollout_fleet.core.sleep import WorkerSleep
+    from rollout_fleet.ports.engine import Sleeper
+
+    return WorkerSleep(engine).controls() if isinstance(engine, Sleeper) else {}
+
+
 def worker_env(config: WorkerConfig | Mapping[str, Any]) -> dict[str, str]:
     """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start)."""
     from rollout_fleet.adapters.dynamo.env import dynamo_env
@@ -122,7 +131,9 @@ async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
         raise InvalidValue("hold_until_refit", held, "this worker's engine cannot be refit, "
                            "so nothing would ever end the hold")
     adapter = DynamoEngineAdapter(built.engine, control_secret=secret, hold_until_refit=held,
-                                  controls={**built.controls, **refit})
+                                  controls={**built.controls, **refit,
+                                            **sleep_controls(built.engine)},
+                                  worker_name=config.worker_id)
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
     watch = front = None
@@ -179,13 +190,21 @@ def _is_hang(reason: str | None) -> bool:
 def _hang_reason(engine: EnginePort, adapter: Any, watch: ProgressWatch) -> str | None:
     """Why the engine counts as hung now (busy, no step for hang_timeout_s), else None. A
     control call (a refit pauses the engine) holds the clock back."""
-    busy = adapter.requests_in_flight > 0 and adapter.controls_running == 0
+    # Asleep (a keep-mode sleep holds its rollouts) is no hang either.
+    busy = adapter.requests_in_flight > 0 and adapter.controls_running == 0 \
+        and not _asleep(engine)
     stalled = watch.observe(time.monotonic(), engine.progress(), busy)
     if stalled is None:
         return None
     return (f"{HANG_REASON_PREFIX}no step completed in {stalled:.1f} s with "
             f"{adapter.requests_in_flight} request(s) waiting on it (hang_timeout_s="
             f"{watch.hang_timeout_s:g})")
+
+
+def _asleep(engine: EnginePort) -> bool:
+    from rollout_fleet.ports.engine import Sleeper
+
+    return isinstance(engine, Sleeper) and engine.is_sleeping()
 
 
 async def _leave_when_engine_dies(engine: EnginePort, adapter: Any, watch: ProgressWatch) -> None:

@@ -73,6 +73,7 @@ class WorkerConfig:
     log_level: str = attrs.field(default="warn", validator=non_empty_str("log_level"))
     env: Mapping[str, str] = attrs.field(factory=dict, validator=_env)  # e.g. etcd discovery
     hold_until_refit: bool = attrs.field(default=False, validator=_bool)  # joins a running fleet
+    worker_id: str | None = attrs.field(default=None, validator=_optional_str)  # "worker-0"
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "WorkerConfig":

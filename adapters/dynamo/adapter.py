@@ -39,7 +39,9 @@ from rollout_fleet.adapters.dynamo.plain import (
     _chunks_of, _hidden_stop_ids, _openai_finish, _piece_chunks, _PlainOptions, _prompt_of,
     _TokenTexts, _usage,
 )
-from rollout_fleet.core.errors import AnnotationError, EngineDead, EngineRejected, InvalidValue
+from rollout_fleet.core.errors import (
+    AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
+)
 from rollout_fleet.core.validate import check_int_at_least
 from rollout_fleet.core.rollout import FinishReason
 from rollout_fleet.core.wire import (
@@ -70,8 +72,9 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
     def __init__(self, engine: EnginePort, *, model_path: str = "",
                  served_model_name: str | None = None, control_secret: str | None = None,
                  controls: Mapping[str, ControlHandler] | None = None,
-                 hold_until_refit: bool = False) -> None:
+                 hold_until_refit: bool = False, worker_name: str | None = None) -> None:
         self.engine = engine
+        self.worker_name = worker_name  # how a refusal names this worker (``worker-0``)
         self.model_path = model_path
         self.served_model_name = served_model_name
         self._control_secret = control_secret
@@ -202,6 +205,9 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
             # Cut off by engine_died: answer it as retryable before the worker goes.
             raise EngineShutdown(f"this worker's engine died ({self._dead_reason}); retry on "
                                  "another worker") from None
+        except EngineAsleep as exc:
+            self._counts["asleep"] += 1
+            raise _asleep_answer(str(exc.named(self.worker_name))) from None
         except EngineDead as exc:
             self.engine_died(str(exc))
             # EngineShutdown: the frontend answers 503 (retried by the driver) and takes this
@@ -272,7 +278,13 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
             raise InvalidValue("stop_token_ids", list(spec.stop_token_ids),
                                "this worker's engine does not offer it")
         self._in_flight[context_id] = spec.request_id
-        engine_data = await serve_annotated_rollout(self.engine, _prompt_of(request), annotation)
+        engine_data = await serve_annotated_rollout(self.engine, _prompt_of(request), annotation,
+                                                    worker=self.worker_name)
+        if "refused" in engine_data:  # asleep: the refusal rides where the result would
+            self._counts["asleep"] += 1
+            return [{"token_ids": [], "index": 0, "finish_reason": "stop",
+                     "completion_usage": _usage(len(_prompt_of(request)), 0),
+                     "engine_data": engine_data}]
         tokens = engine_data["token_ids"]
         # Whole result in the final chunk. Its token_ids leave out the hidden stop tokens (EOS):
         # the frontend ends a stream at one, and must not cut this chunk short.
@@ -335,3 +347,12 @@ def _zmq_source(source: KvEventSource) -> ZmqSource:
     return ZmqSource(endpoint=source.endpoint, topic=source.topic)
 
 
+
+
+def _asleep_answer(message: str) -> Exception:
+    """A plain request refused by a sleeping engine: a 503 (Dynamo's frontend hides a 5xx's
+    message; a rollout carries it in its engine_data instead), and the worker stays in the
+    frontend's routing, so it serves at once when woken."""
+    from dynamo.llm.exceptions import HttpError
+
+    return HttpError(503, message)

@@ -108,6 +108,7 @@ class WorkerControls:
             "engine_dead": self._dead_reason,
             "held": self._held,
             "held_back": self._counts["held_back"],
+            "refused_asleep": self._counts["asleep"],
         }
 
 

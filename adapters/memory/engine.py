@@ -41,13 +41,15 @@ from rollout_fleet.ports.engine import (
     RefitTarget,
 )
 from rollout_fleet.ports.collective import WeightReceiver
+from rollout_fleet.adapters.memory.sleep import MemorySleep
 
 # The model's names are imported from here too (tests, the memory demo, the model folder).
 __all__ = ["EOS_TOKEN_ID", "VOCAB", "MemoryEngine", "TinyBigramModel", "decode"]
 
 
-class MemoryEngine(EnginePort, RefitTarget):
-    """The in-memory engine: implements the engine port and the refit port.
+class MemoryEngine(EnginePort, RefitTarget, MemorySleep):
+    """The in-memory engine: implements the engine port, the refit port and the sleep port
+    (``sleep.py``).
 
     For refits it holds ``refit_ranks`` ranks of the group (as a tensor-parallel engine would),
     each joined through ``join_receiver`` (the composition root's transfer backend: the
@@ -87,6 +89,7 @@ class MemoryEngine(EnginePort, RefitTarget):
         self._steps = 0  # tokens generated, all requests together (``progress``)
         # request id -> where each token goes as it is picked (a streamed rollout's queue)
         self._token_sinks: dict[str, Callable[[tuple], None]] = {}
+        self._init_sleep()
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -99,6 +102,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                             stop_token_ids: Sequence[int] = (),
                             extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
         self._check_alive()
+        self._check_serving()  # asleep: refused, retryable (EngineAsleep)
         self._check_input(prompt_token_ids, max_new_tokens)
         if not is_int(top_logprobs) or not 0 <= top_logprobs <= len(VOCAB):
             raise EngineRejected(f"top_logprobs={top_logprobs!r}: must be an int in 0..{len(VOCAB)}")
@@ -207,6 +211,7 @@ class MemoryEngine(EnginePort, RefitTarget):
             raise RefitError("update_weights before init_collective")
         metas = self.weight_metas()
         info.check_against(metas)
+        self._check_refit_allowed([t.name for t in info.tensors])
         received = await _all_ranks([lambda r=r: list(r.receive(info)) for r in self._receivers])
         staged = {name: _as_matrix(name, tensor, metas[name]) for name, tensor in received[0]}
         for rank, tensors in enumerate(received[1:], start=1):
@@ -217,6 +222,7 @@ class MemoryEngine(EnginePort, RefitTarget):
             self.model.lm_head = staged.get("lm_head.weight", self.model.lm_head)
             await self.reset_cache()
             self._version = next_version(self._version, version)
+            self._loaded_by_refit()
         return self._version
 
     @contextlib.asynccontextmanager
@@ -272,6 +278,7 @@ class MemoryEngine(EnginePort, RefitTarget):
                 await asyncio.sleep(0)  # let aborts and other requests in
             if not self._running.is_set():
                 await self._running.wait()  # frozen: never set again
+            await self._wait_while_asleep()  # kept by a sleep: continues after the wake
             self._check_alive()
             if request_id in self._aborted:
                 finish = FinishReason.ABORT

@@ -22,8 +22,10 @@ from rollout_fleet.ports.engine import EnginePort
 
 class EngineCompletionsTransport(CompletionsTransport):
     def __init__(self, engine: EnginePort, *, model: str = "memory",
-                 faults: Iterable[TransportResponse | BaseException] = ()) -> None:
+                 faults: Iterable[TransportResponse | BaseException] = (),
+                 worker_id: str | None = None) -> None:
         self.engine = engine
+        self.worker_id = worker_id  # how a refusal names the worker
         self.model = model
         self.faults: deque[TransportResponse | BaseException] = deque(faults)
         self.seen_request_ids: list[str] = []  # one entry per attempt, in order
@@ -52,13 +54,14 @@ class EngineCompletionsTransport(CompletionsTransport):
         if annotation is None:
             return _json(400, {"error": {"message": "only rollout requests are served in memory"}})
         try:
-            engine_data = await serve_annotated_rollout(self.engine, prompt, annotation)
+            engine_data = await serve_annotated_rollout(self.engine, prompt, annotation,
+                                                        worker=self.worker_id)
         except Exception as exc:  # noqa: BLE001 - answered as the real worker answers it
             return _json(status_of_engine_error(exc),
                          {"error": {"message": f"{type(exc).__name__}: {exc}"}})
         return _json(200, {"object": "text_completion", "model": self.model,
                            "choices": [{"index": 0, "text": "",
-                                        "finish_reason": engine_data["finish_reason"]}],
+                                        "finish_reason": engine_data.get("finish_reason", "stop")}],
                            "nvext": {"engine_data": engine_data}})
 
 

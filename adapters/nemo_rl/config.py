@@ -11,6 +11,7 @@ from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.core.rollout import GREEDY, SamplingSpec
+from rollout_fleet.core.sleep import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
 from rollout_fleet.core.stop_strings import merge_stop_strings
 from rollout_fleet.core.validate import finite_at_least, int_at_least, non_empty_str, positive_int
 
@@ -46,6 +47,11 @@ class GenerationConfig:
         default=None, validator=attrs.validators.optional(int_at_least("max_staleness", 0)))
     # > 0: sample every worker's metrics this often while the driver lives; 0: only on demand.
     metrics_interval_s: float = attrs.field(default=0.0, validator=finite_at_least("metrics_interval_s"))
+    # Colocated RL: the workers that share devices with trainer ranks; they sleep at
+    # finish_generation (at this level and mode, core/sleep.py) and wake at prepare_for_generation.
+    colocated_workers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    sleep_level: int = attrs.field(default=DEFAULT_SLEEP_LEVEL, converter=sleep_level)
+    sleep_mode: str = attrs.field(default=DEFAULT_SLEEP_MODE, converter=sleep_mode)
 
     def __init__(self, *args: Any, **fields: Any) -> None:
         for old, new in _RENAMED.items():

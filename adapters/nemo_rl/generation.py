@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from typing import Any
 
 import attrs
+from rollout_fleet.adapters.nemo_rl.colocated import ColocatedGeneration, ColocatedPhases
 from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
@@ -48,7 +49,7 @@ class JoinedWorker:
     metrics: WorkerMetrics | None = None
 
 
-class DynamoGeneration:
+class DynamoGeneration(ColocatedGeneration):
     """A drop-in generation backend with the shape of NeMo-RL's ``GenerationInterface``.
 
     Owns (and stops at ``shutdown``) only what it was handed in ``owned``: the fleet, when
@@ -84,6 +85,10 @@ class DynamoGeneration:
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
         self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,
                                        timeout_s=config.control_timeout_s)
+        self._colocated = ColocatedPhases(
+            self._controls, config.colocated_workers, level=config.sleep_level,
+            mode=config.sleep_mode, timeout_s=config.control_timeout_s,
+            run=lambda step: self._helper.run(step))
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
@@ -175,15 +180,6 @@ class DynamoGeneration:
         return semaphore
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        self._check_open()
-        self._start_sampler()
-        return True
-
-    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """The end of a generation phase: no rollout may be served from stale cache after it."""
-        return self.invalidate_kv_cache()
-
     def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Flush every worker's prefix/KV cache; WorkerFailures names each worker that failed."""
         self._check_open()
@@ -262,6 +258,7 @@ class DynamoGeneration:
     def _forget_lost(self) -> None:
         if self._lost_workers is not None:
             self._left.update(self.forget_workers(self._lost_workers()))
+            self._colocated.keep_only(self.worker_ids)
 
     def _take_in_joined(self) -> None:
         # Only where the trainer sizes its group: a worker that became ready between

@@ -113,6 +113,9 @@ class VllmEngineConfig:
                                                     validator=_cores)
     kv_events_port: int | None = attrs.field(
         default=None, validator=_optional_positive_int("kv_events_port"))  # None: no KV events
+    # vLLM's sleep mode (GPUs only): what lets a colocated worker give its memory back
+    # (adapters/vllm/sleep.py); a colocated GPU fleet sets it.
+    enable_sleep_mode: bool = attrs.field(default=False, validator=_bool("enable_sleep_mode"))
     extra_engine_args: Mapping[str, Any] = attrs.field(factory=dict)
 
     @model.validator
@@ -127,6 +130,13 @@ class VllmEngineConfig:
         if value == VLLM_PROTOCOL and self.device != "cuda":
             raise InvalidValue("refit_protocol", value, "vLLM's own transfer engine needs GPUs"
                                f" (device={self.device!r}); use {PACKED_PROTOCOL!r}")
+
+    @enable_sleep_mode.validator
+    def _sleep_mode(self, _attr: Any, value: Any) -> None:
+        if value and self.device != "cuda":
+            raise InvalidValue("enable_sleep_mode", value, f"vLLM has no sleep mode on the"
+                               f" {self.device} platform (Platform.is_sleep_mode_available() is"
+                               " False there); it needs device='cuda'")
 
     @refit_rollback.validator
     def _rollback(self, _attr: Any, value: Any) -> None:
@@ -224,6 +234,8 @@ class VllmEngineConfig:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         if self.kv_events_endpoint is not None:
             kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                           "endpoint": self.kv_events_endpoint, "topic": KV_EVENTS_TOPIC}

@@ -33,6 +33,7 @@ from rollout_fleet.adapters.vllm.process import (
     _set_worker_priority, _track_segments, _unfreeze_and_collect,
 )
 from rollout_fleet.adapters.vllm.refit import VllmRefit
+from rollout_fleet.adapters.vllm.sleep import VllmSleep
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas, tied_metas
 from rollout_fleet.core.errors import EngineDead, EngineError, EngineRejected
 from rollout_fleet.core.refit import TensorMeta
@@ -59,8 +60,9 @@ class _Live:
     aborted: bool = False
 
 
-class VllmEngine(EnginePort, VllmRefit):
-    """The vLLM backend of a rollout-fleet worker."""
+class VllmEngine(EnginePort, VllmRefit, VllmSleep):
+    """The vLLM backend of a rollout-fleet worker (refit: ``refit.py``; sleep and wake:
+    ``sleep.py``)."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
@@ -80,6 +82,7 @@ class VllmEngine(EnginePort, VllmRefit):
         self._engine_processes: set[int] = set()  # what vLLM started under this process
         self._features: VllmFeatures | None = None  # what this vLLM offers (features.py)
         self._steps = 0  # engine-core outputs received: grows with every step (``progress``)
+        self._init_sleep()
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -166,6 +169,7 @@ class VllmEngine(EnginePort, VllmRefit):
     def _admissible(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
                     stop_token_ids: Sequence[int] = (),
                     extra_sampling: Mapping[str, Any] | None = None) -> list[int]:
+        self._sleep.check_serving()  # asleep, or woke without weights: EngineAsleep (a 503)
         if self._torn:
             raise EngineError(f"this worker's weights are torn ({self._torn}); it serves again"
                               " after a refit succeeds")

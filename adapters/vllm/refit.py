@@ -79,6 +79,7 @@ class VllmRefit(RefitTarget):
         if not self._joined:
             raise RefitError("update_weights before init_collective")
         _check_complete(info, self._metas, self._ignored)
+        self._sleep.check_refit_allowed()  # the weights' memory must be back (wake_up weights)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self._weight_lock, _paused(engine, mode), _refit_priority(self.config, self._engine_processes):
@@ -96,6 +97,7 @@ class VllmRefit(RefitTarget):
                                     if self._torn else "; the previous weights serve")) from error
             loaded = time.perf_counter()
             self._torn = None
+            self._sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
             version = await self._commit_new_weights(mode, version)
         reset = time.perf_counter()
         ranks = await self._engine.collective_rpc("rollout_fleet_refit_stats")

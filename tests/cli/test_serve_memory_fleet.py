@@ -1,6 +1,6 @@
 """End to end on a real fleet (2 memory-engine workers on Ray, the real Dynamo frontend):
-`serve` in a subprocess, `generate` and `refit` through its fleet file, then Ctrl-C (SIGINT)
-stops everything: no process of the fleet left, no port still listening."""
+`serve` in a subprocess, `generate`, `sleep` / `wake` and `refit` through its fleet file, then
+Ctrl-C (SIGINT) stops everything: no process of the fleet left, no port still listening."""
 
 from __future__ import annotations
 
@@ -76,6 +76,34 @@ def _memory_checkpoint(folder: Path, seed: int, rows: int | None = None) -> Path
              for name, matrix in TinyBigramModel.from_seed(seed).state_dict().items()}
     save_file(state, str(folder / "model.safetensors"))
     return folder
+
+
+def test_sleep_refuses_rollouts_with_the_workers_message_and_wake_serves_as_before(fleet, tmp_path):
+    """Runs before the Ctrl-C test below (the module's fleet is shared); leaves it awake."""
+    _process, fleet_file, _log = fleet
+    (tmp_path / "a").mkdir()
+    before = _generate(tmp_path / "a", fleet_file, _token_prompts())
+    try:
+        asleep = run_cli("sleep", "--fleet-file", fleet_file, "--level", "1")
+        assert asleep.returncode == 0, asleep.stderr[-3000:]
+        assert "worker-0: asleep (level 1; freed: kv_cache, weights)" in asleep.stdout
+        assert "worker-1: asleep (level 1" in asleep.stdout
+        again = run_cli("sleep", "--fleet-file", fleet_file, "--level", "1")
+        assert again.stdout.count("(unchanged)") == 2, again.stdout
+        (tmp_path / "s").mkdir()
+        lines, refused = _generate_lines(tmp_path / "s", fleet_file, _token_prompts())
+        assert refused.returncode == 2
+        assert all("HTTP 503: worker worker-" in line["error"] for line in lines), lines
+        assert "is asleep (level 1); the trainer wakes it with prepare_for_generation / " \
+               "rollout-fleet wake" in refused.stderr, refused.stderr[-3000:]
+    finally:
+        woke = run_cli("wake", "--fleet-file", fleet_file)
+    assert woke.returncode == 0, woke.stderr[-3000:]
+    assert "worker-0: awake, serving" in woke.stdout and "worker-1: awake, serving" in woke.stdout
+    (tmp_path / "b").mkdir()
+    after = _generate(tmp_path / "b", fleet_file, _token_prompts())
+    assert [(r["token_ids"], r["logprobs"]) for r in after] == \
+        [(r["token_ids"], r["logprobs"]) for r in before]
 
 
 def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):

@@ -124,7 +124,7 @@ def test_workers_follow_the_clusters_world_size(tmp_path):
 @pytest.mark.parametrize("change, field", [
     ({"backend": "vllm"}, "policy.generation.backend"),
     ({"vllm_cfg": {"expose_http_server": True}}, "policy.generation.vllm_cfg.expose_http_server"),
-    ({"colocated": {"enabled": True}}, "policy.generation.colocated.enabled"),
+    ({"colocated": {"enabled": "yes"}}, "policy.generation.colocated.enabled"),
     ({"dynamo_cfg": {"worker_args": {"tool_call_parser": "hermes"}}},
      "policy.generation.dynamo_cfg.worker_args.tool_call_parser"),
 ], ids=["backend", "http_server", "colocated", "tool_parser"])

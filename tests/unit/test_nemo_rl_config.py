@@ -155,3 +155,47 @@ def test_memory_engine_seed_is_its_model_and_stays_alike(tmp_path):
                            "num_workers": 2, "run_dir": str(tmp_path)})
     fleet = Fleet(config, None, tmp_path, "secret")
     assert [fleet.worker_config(i).engine["seed"] for i in range(2)] == [3, 3]
+
+
+# -- NeMo-RL's colocated section ------------------------------------------------------------------
+def test_colocated_generation_becomes_the_fleets_colocation(tiny):
+    config = generation_config(tiny)
+    config["colocated"] = {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}}
+    fleet = read_nemo_rl_config(config, GpuCluster(2)).fleet
+    assert fleet.colocation.enabled and fleet.colocation.sleep_level == 1
+    assert fleet.colocated_workers == {"worker-0": (0,), "worker-1": (1,)}  # worker i, rank i
+    options = Fleet(fleet, placement=None, run_dir=tiny, secret="s").worker_config(0).engine
+    assert options["enable_sleep_mode"] is True  # vLLM starts with sleep mode on the GPUs
+
+
+def test_dedicated_generation_is_no_colocation_and_its_resources_are_checked(tiny):
+    config = generation_config(tiny)
+    config["colocated"] = {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": 1}}
+    fleet = read_nemo_rl_config(config, GpuCluster(2)).fleet
+    assert not fleet.colocation.enabled and fleet.colocated_workers == {}
+    assert "enable_sleep_mode" not in Fleet(fleet, placement=None, run_dir=tiny,
+                                            secret="s").worker_config(0).engine
+
+
+@pytest.mark.parametrize("colocated, field", [
+    ({"enabled": "yes"}, "policy.generation.colocated.enabled"),
+    ({"enabled": True, "resources": {"gpus_per_node": 0}},
+     "policy.generation.colocated.resources.gpus_per_node"),
+    ({"enabled": True, "resources": {"gpus": 1}}, "policy.generation.colocated.resources.gpus"),
+    ({"enabled": True, "placement": "x"}, "policy.generation.colocated.placement"),
+    ("on", "policy.generation.colocated"),
+])
+def test_a_bad_colocated_section_is_refused_by_name(tiny, colocated, field):
+    config = generation_config(tiny)
+    config["colocated"] = colocated
+    with pytest.raises(InvalidValue) as caught:
+        read_nemo_rl_config(config, GpuCluster(2))
+    assert str(caught.value).startswith(field)
+
+
+def test_the_rollout_fleet_section_sets_the_sleep_level_over_nemo_rls_colocation(tiny):
+    config = generation_config(tiny)
+    config["colocated"] = {"enabled": True}
+    config["rollout_fleet"] = {"colocation": {"sleep_level": 2}}
+    fleet = read_nemo_rl_config(config, GpuCluster(1)).fleet
+    assert fleet.colocation.enabled and fleet.colocation.sleep_level == 2

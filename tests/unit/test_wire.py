@@ -105,3 +105,20 @@ def test_engine_data_with_a_bad_value_is_a_wire_error():
     data["logprobs"] = [0.5]
     with pytest.raises(WireError):
         served_from_engine_data(data)
+
+
+def test_a_workers_refusal_in_the_engine_data_reads_as_its_http_status():
+    import json as _json
+
+    from rollout_fleet.core.errors import HttpStatusError, WireError
+    from rollout_fleet.core.retry import is_transient
+    from rollout_fleet.core.wire import parse_completion_answer, refused_engine_data
+
+    body = _json.dumps({"nvext": {"engine_data": refused_engine_data(503, "worker w is asleep")}})
+    with pytest.raises(HttpStatusError) as refused:
+        parse_completion_answer(body)
+    assert refused.value.status == 503 and "worker w is asleep" in str(refused.value)
+    assert isinstance(refused.value, WireError) and is_transient(refused.value)
+    bad = _json.dumps({"nvext": {"engine_data": {"v": 1, "refused": {"status": 200}}}})
+    with pytest.raises(WireError, match="not a refusal"):
+        parse_completion_answer(bad)

@@ -278,3 +278,19 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
 
 def _system_port(fleet: VllmFleet) -> int:
     return json.loads((fleet.run_dir / "worker.json").read_text())["system_port"]
+
+
+def test_sleep_is_refused_on_the_cpu_naming_the_platform_and_the_worker_still_serves(
+        vllm_fleet, vllm_engine):
+    """vLLM has no sleep mode on the CPU: the real worker's sleep control says so (nothing is
+    faked), stays awake, and serves the next rollout as before."""
+    request = RolloutRequest(request_id="fe-sleep-cpu", prompt_token_ids=vllm_engine.prompts[0],
+                             max_new_tokens=12)
+    url = f"http://127.0.0.1:{_system_port(vllm_fleet)}/engine/control"
+    vllm_fleet.url()  # the worker is up
+    refused = httpx.post(f"{url}/sleep", json={"level": 1}, timeout=60).json()
+    assert refused["status"] == "error", refused
+    assert "no sleep mode on the cpu platform" in refused["message"], refused
+    state = httpx.post(f"{url}/is_sleeping", json={}, timeout=60).json()
+    assert state["status"] == "ok" and not state["sleeping"] and state["serving"], state
+    assert_same(through_frontend(vllm_fleet, request), direct(vllm_engine, request))

@@ -1,0 +1,82 @@
+"""The driver's colocated phases: the workers that share devices with trainer ranks sleep at
+the end of a generation phase and wake before the next (core/sleep.py), as NeMo-RL's
+colocated loop calls ``finish_generation`` / ``prepare_for_generation(tags=...)``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from rollout_fleet.core.sleep import WAKE_TAGS, SleepCoordinator, SleepState, wake_tags
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedPhases:
+    """Sleep and wake of the colocated workers among ``controls``, run on the driver's helper
+    loop (``run``: a coroutine -> its result)."""
+
+    def __init__(self, controls: Sequence[Any], colocated: Collection[str], *, level: int,
+                 mode: str, timeout_s: float, run: Any) -> None:
+        wanted = set(colocated)
+        self._sleeps = SleepCoordinator([c for c in controls if c.worker_id in wanted],
+                                        timeout_s=timeout_s)
+        self._level, self._mode, self._run = level, mode, run
+
+    @property
+    def active(self) -> bool:
+        return bool(self._sleeps.worker_ids)
+
+    def keep_only(self, worker_ids: Collection[str]) -> None:
+        self._sleeps.keep_only(worker_ids)
+
+    def wake(self, tags: Any = None) -> bool:
+        """Wake every colocated worker; True once each serves (or only part was asked), False
+        when one woke without weights (a level-2 sleep: a refit must load them first)."""
+        if not self.active:
+            return True
+        states = self._run(self._sleeps.wake_up(tags))
+        if set(wake_tags(tags)) != set(WAKE_TAGS) or all(s.serving for s in states.values()):
+            return True
+        waiting = sorted(w for w, s in states.items() if not s.serving)
+        log.warning("worker(s) %s woke without their weights (a level-2 sleep): they serve once"
+                    " a refit loads them", waiting)
+        return False
+
+    def sleep(self) -> None:
+        if self.active:
+            self._run(self._sleeps.sleep(self._level, self._mode))
+
+    def states(self) -> dict[str, SleepState]:
+        return self._run(self._sleeps.states()) if self.active else {}
+
+
+class ColocatedGeneration:
+    """``DynamoGeneration``'s phase methods (it provides ``_colocated``, ``_check_open``,
+    ``_start_sampler``, ``_forget_lost`` and ``invalidate_kv_cache``)."""
+
+    def prepare_for_generation(self, *args: Any, tags: Any = None, **kwargs: Any) -> bool:
+        """Ready for a generation phase: wake every colocated worker (``tags``: ``weights``
+        before a refit, ``kv_cache`` after it, as NeMo-RL's colocated loop asks; none: both)
+        and, once all is back, wait until each serves. False when one cannot serve yet (its
+        level-2 sleep dropped its weights: a refit must load them first)."""
+        self._check_open()
+        self._start_sampler()
+        self._forget_lost()
+        return self._colocated.wake(tags)
+
+    def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
+        """The end of a generation phase: no rollout may be served from stale cache after it,
+        and the colocated workers sleep (``release_gpu=False``: the phase is over but the
+        trainer does not need the devices, so they stay awake), as NeMo-RL's loop asks."""
+        self.invalidate_kv_cache()
+        if release_gpu:
+            self._colocated.sleep()
+        return True
+
+    def sleep_states(self) -> dict[str, SleepState]:
+        """Each colocated worker's sleep state."""
+        self._check_open()
+        self._forget_lost()
+        return self._colocated.states()

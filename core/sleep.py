@@ -1,0 +1,233 @@
+"""Sleep and wake of an engine that shares its device with a trainer (colocated RL).
+
+Between generation phases a colocated engine gives its memory back to the trainer and takes
+it back before the next batch, as vLLM's sleep mode does:
+
+    level 1   the KV cache is freed; the weights are kept (vLLM copies them to host memory)
+    level 2   the KV cache and the weights are freed: after the wake the engine has no
+              weights, and refuses rollouts until a refit has loaded them
+
+What sleep does to the rollouts in flight (``mode``, vLLM's pause modes):
+
+    wait      (the default) they finish first, then the engine sleeps: nothing is lost. A
+              colocated trainer asks for sleep once its batch is done (NeMo-RL's
+              ``finish_generation``), so there is normally nothing to wait for.
+    abort     they end now, with what they generated (finish reason ``abort``)
+    keep      they are frozen where they are and continue after the wake (their KV is
+              recomputed: it was freed); level 1 only. A drain-mode refit waits for them, so
+              refit a kept engine in keep or recompute mode
+
+Wake takes tags, as vLLM's ``wake_up(tags)``: ``weights`` (back before a refit, so the
+trainer's weights can land) and ``kv_cache``; none means both. The engine serves again once
+both are back and, after a level-2 sleep, a refit has succeeded.
+
+A sleep while asleep at that level, or a wake while awake, changes nothing and says so.
+
+Services: ``SleepTracker`` (one per engine: the state and its transitions, shared by every
+engine adapter), ``WorkerSleep`` (a worker's ``sleep`` / ``wake_up`` / ``is_sleeping``
+controls over an engine implementing ``ports.engine.Sleeper``) and ``SleepCoordinator`` (the
+driver's side, across the colocated workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import attrs
+from rollout_fleet.core.errors import EngineAsleep, InvalidValue
+
+SLEEP_LEVELS = (1, 2)
+SLEEP_MODES = ("wait", "abort", "keep")
+DEFAULT_SLEEP_LEVEL = 1
+DEFAULT_SLEEP_MODE = "wait"
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+def sleep_level(value: Any) -> int:
+    """``value`` checked as a sleep level (None: the default)."""
+    if value is None:
+        return DEFAULT_SLEEP_LEVEL
+    if isinstance(value, bool) or value not in SLEEP_LEVELS:
+        raise InvalidValue("level", value, "must be 1 (free the KV cache, keep the weights) or 2"
+                           " (free the weights too: a refit must follow before serving)")
+    return int(value)
+
+
+def sleep_mode(value: Any) -> str:
+    """``value`` checked as a sleep mode (None: the default)."""
+    if value is None:
+        return DEFAULT_SLEEP_MODE
+    if value not in SLEEP_MODES:
+        raise InvalidValue("mode", value, f"must be one of {', '.join(SLEEP_MODES)} (what happens"
+                           " to the rollouts in flight)")
+    return str(value)
+
+
+def wake_tags(value: Any) -> tuple[str, ...]:
+    """``value`` checked as wake tags; None (or empty) wakes everything."""
+    if value is None:
+        return WAKE_TAGS
+    if isinstance(value, str) or not isinstance(value, Sequence) \
+            or not all(isinstance(tag, str) and tag in WAKE_TAGS for tag in value):
+        raise InvalidValue("tags", value, f"must be a list of {', '.join(WAKE_TAGS)} (or null:"
+                           " both)")
+    return tuple(tag for tag in WAKE_TAGS if tag in value) or WAKE_TAGS
+
+
+@attrs.frozen
+class SleepState:
+    """Where an engine stands: what it has freed, at which level it fell asleep, and whether
+    its weights were dropped (level 2) and not yet loaded again by a refit."""
+
+    level: int = 0  # the level of the last sleep, 0 while it never slept or is fully awake
+    asleep: frozenset[str] = frozenset()  # of WAKE_TAGS: what is freed now
+    weights_lost: bool = False
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    @property
+    def serving(self) -> bool:
+        return not self.asleep and not self.weights_lost
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"sleeping": self.sleeping, "level": self.level, "asleep": sorted(self.asleep),
+                "weights_lost": self.weights_lost, "serving": self.serving}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> "SleepState":
+        return cls(level=int(data.get("level", 0)), asleep=frozenset(data.get("asleep", ())),
+                   weights_lost=bool(data.get("weights_lost", False)))
+
+
+class SleepTracker:
+    """One engine's sleep state and the rules of its transitions (pure; the engine adapter
+    does the freeing and calls back here)."""
+
+    def __init__(self) -> None:
+        self.state = SleepState()
+
+    def wants_sleep(self, level: Any, mode: Any = None) -> tuple[int, str] | None:
+        """The checked ``(level, mode)`` to fall asleep with; None when already asleep at that
+        level (nothing to do). A different level while asleep is refused: wake it first."""
+        level, mode = sleep_level(level), sleep_mode(mode)
+        if mode == "keep" and level >= 2:
+            raise InvalidValue("mode", mode, "a level-2 sleep drops the weights the kept rollouts"
+                               " would continue on: use wait or abort")
+        if not self.state.sleeping:
+            return level, mode
+        if level == self.state.level:
+            return None
+        raise InvalidValue("level", level, f"the engine is asleep at level {self.state.level}:"
+                           " wake it first (wake_up) to sleep at another level")
+
+    def fell_asleep(self, level: int) -> SleepState:
+        self.state = SleepState(level, frozenset(WAKE_TAGS),
+                                self.state.weights_lost or level >= 2)
+        return self.state
+
+    def wants_wake(self, tags: Any = None) -> tuple[str, ...]:
+        """The checked tags still asleep among those asked for; empty: nothing to do."""
+        asked = wake_tags(tags)
+        return tuple(tag for tag in asked if tag in self.state.asleep)
+
+    def woke(self, tags: Collection[str]) -> SleepState:
+        asleep = self.state.asleep - set(tags)
+        self.state = attrs.evolve(self.state, asleep=asleep, level=self.state.level if asleep
+                                  or self.state.weights_lost else 0)
+        return self.state
+
+    def check_refit_allowed(self) -> None:
+        """A refit needs the weights' memory back (``wake_up(tags=["weights"])`` first)."""
+        if "weights" in self.state.asleep:
+            raise EngineAsleep(self.state.level)
+
+    def refit_loaded(self) -> SleepState:
+        """A refit succeeded: the weights are the trainer's again."""
+        if self.state.weights_lost:
+            self.state = attrs.evolve(self.state, weights_lost=False,
+                                      level=self.state.level if self.state.asleep else 0)
+        return self.state
+
+    def refusal(self) -> EngineAsleep | None:
+        """Why a rollout is refused now (asleep, or woke without weights); None: it serves."""
+        if self.state.sleeping:
+            return EngineAsleep(self.state.level)
+        if self.state.weights_lost:
+            return EngineAsleep(2, weights_lost=True)
+        return None
+
+    def check_serving(self) -> None:
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
+
+
+Handler = Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class WorkerSleep:
+    """A worker's sleep controls over its engine (a ``ports.engine.Sleeper``)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def controls(self) -> dict[str, Handler]:
+        return {"sleep": self.sleep, "wake_up": self.wake_up, "is_sleeping": self.is_sleeping}
+
+    async def sleep(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        body = body if isinstance(body, Mapping) else {}
+        before = self._target.sleep_state()
+        state = await self._target.sleep(sleep_level(body.get("level")),
+                                         mode=sleep_mode(body.get("mode")))
+        return {**state.to_wire(), "changed": state != before}
+
+    async def wake_up(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        body = body if isinstance(body, Mapping) else {}
+        before = self._target.sleep_state()
+        state = await self._target.wake_up(wake_tags(body.get("tags")))
+        return {**state.to_wire(), "changed": state != before}
+
+    async def is_sleeping(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self._target.sleep_state().to_wire()
+
+
+class SleepCoordinator:
+    """The driver's side: sleep or wake every colocated worker (one control call each, all
+    at once, bounded by a timeout); WorkerFailures names each worker that failed."""
+
+    def __init__(self, controls: Sequence[Any], *, timeout_s: float = 600.0) -> None:
+        self._controls = list(controls)
+        self.timeout_s = timeout_s
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(c.worker_id for c in self._controls)
+
+    def keep_only(self, worker_ids: Collection[str]) -> None:
+        """Forget the workers not in ``worker_ids`` (lost ones)."""
+        self._controls = [c for c in self._controls if c.worker_id in worker_ids]
+
+    def add(self, controls: Sequence[Any]) -> None:
+        known = set(self.worker_ids)
+        self._controls.extend(c for c in controls if c.worker_id not in known)
+
+    async def sleep(self, level: Any = None, mode: Any = None) -> dict[str, SleepState]:
+        body = {"level": sleep_level(level), "mode": sleep_mode(mode)}
+        return await self._everywhere("sleep", body)
+
+    async def wake_up(self, tags: Any = None) -> dict[str, SleepState]:
+        return await self._everywhere("wake_up", {"tags": list(wake_tags(tags))})
+
+    async def states(self) -> dict[str, SleepState]:
+        return await self._everywhere("is_sleeping", {})
+
+    async def _everywhere(self, step: str, body: Mapping[str, Any]) -> dict[str, SleepState]:
+        from rollout_fleet.core.refit_service import ControlCall, gather_workers, run_control_call
+
+        answers = await gather_workers(step, {
+            c.worker_id: run_control_call(ControlCall(c, step, body), self.timeout_s)
+            for c in self._controls})
+        return {worker: SleepState.from_wire(answer) for worker, answer in answers.items()}
