@@ -110,8 +110,11 @@ def test_a_colocated_refit_serves_the_new_weights_and_a_refit_back_the_old_exact
     answer = trainer.send(f"send {models[1]}")
     assert "error" not in answer, answer
     assert answer["weight_version"] == 1 and answer["buckets"] > 10
-    # Each buffer is the plan's largest bucket: the 256 KiB embedding, which travels alone.
-    assert answer["pool_bytes"] == NUM_BUFFERS * largest_tensor_bytes(models[1]) < answer["nbytes"] / 3
+    # Each buffer is the plan's largest bucket: at most the buffer size plus one tensor (the
+    # 256 KiB embedding travels alone), so the pool stays a small part of the model.
+    largest = largest_tensor_bytes(models[1])
+    assert answer["pool_bytes"] <= NUM_BUFFERS * (BUFFER_BYTES + largest)
+    assert answer["pool_bytes"] < answer["nbytes"] / 3
     assert_serves(generation, reference, 1)  # = transformers' float32 greedy decode of model 1
     engine = answer["engine"]
     assert engine["tensors"] > 0 and engine["buckets"] == answer["buckets"]
