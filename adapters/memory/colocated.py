@@ -29,6 +29,7 @@ class MemoryColocated(ColocatedTarget):
     async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
         if self.refit_ranks() != 1:
             raise InvalidValue("refit_ranks", self.refit_ranks(), COLOCATED_TP_RULE)
+        self._check_refit_allowed([t.name for t in manifest.info.tensors])  # as any refit, asleep
         self._colocated = {"mode": mode, "staged": {}, "bytes": 0, "peak_open": 0}
 
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
