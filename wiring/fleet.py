@@ -205,6 +205,13 @@ class Fleet(FaultDrills):
     def control_urls(self) -> dict[str, str]:
         return self._roster.control_urls(self.control_url)
 
+    def worker_control(self, worker: int | str) -> Any:
+        """The control of one worker (by index or id), e.g. for a trainer colocated with it:
+        ``ColocatedSender(fleet.worker_control(0), ...)`` (``wiring/colocated_trainer.py``)."""
+        from rollout_fleet.wiring.colocated_trainer import worker_control
+
+        return worker_control(self, worker)
+
     def endpoints(self, *, live_only: bool = False) -> list["WorkerEndpoint"]:
         """Every worker's endpoint; ``live_only``: those registered and not lost."""
         from rollout_fleet.wiring.driver import WorkerEndpoint

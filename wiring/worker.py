@@ -86,7 +86,16 @@ def refit_controls(engine: Any, config: WorkerConfig) -> dict[str, Control]:
     if not isinstance(engine, RefitTarget):
         return {}
     controls = WorkerRefit(engine, config.collective_backend).controls()
-    return {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
+    picked = {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
+    return {**picked, **colocated_controls(engine)}
+
+
+def colocated_controls(engine: Any) -> dict[str, Control]:
+    """colocated_start / _bucket / _finish / _abort, for an engine that takes colocated refits."""
+    from rollout_fleet.core.colocated_service import WorkerColocatedRefit
+    from rollout_fleet.ports.colocated import ColocatedTarget
+
+    return WorkerColocatedRefit(engine).controls() if isinstance(engine, ColocatedTarget) else {}
 
 
 def sleep_controls(engine: Any) -> dict[str, Control]:

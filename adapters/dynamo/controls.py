@@ -18,8 +18,8 @@ logger = logging.getLogger("rollout_fleet.adapters.dynamo.adapter")
 
 ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 CONTROL_SECRET_FIELD = "control_secret"
-# The control whose first success lets a worker that joined late serve.
-_FIRST_REFIT_CONTROL = "update_weights"
+# The controls whose first success lets a worker that joined late serve (a refit completed).
+_FIRST_REFIT_CONTROLS = ("update_weights", "colocated_finish")
 
 
 class WorkerControls:
@@ -56,7 +56,7 @@ class WorkerControls:
             return _error(f"control {control!r} failed: {type(exc).__name__}: {exc}")
         finally:
             self._controls_running -= 1
-        if control == _FIRST_REFIT_CONTROL and self._held:
+        if control in _FIRST_REFIT_CONTROLS and self._held:
             self._held = False
             logger.info("serving from now on: the fleet's weights are loaded (version %s)",
                         (answer or {}).get("weight_version"))

@@ -40,6 +40,7 @@ from rollout_fleet.ports.engine import (
     KvEventSource,
     RefitTarget,
 )
+from rollout_fleet.adapters.memory.colocated import MemoryColocated
 from rollout_fleet.ports.collective import WeightReceiver
 from rollout_fleet.adapters.memory.sleep import MemorySleep
 
@@ -47,9 +48,9 @@ from rollout_fleet.adapters.memory.sleep import MemorySleep
 __all__ = ["EOS_TOKEN_ID", "VOCAB", "MemoryEngine", "TinyBigramModel", "decode"]
 
 
-class MemoryEngine(EnginePort, RefitTarget, MemorySleep):
-    """The in-memory engine: implements the engine port, the refit port and the sleep port
-    (``sleep.py``).
+class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
+    """The in-memory engine: implements the engine port, the refit port, the sleep port
+    (``sleep.py``) and the colocated refit port (``colocated.py``).
 
     For refits it holds ``refit_ranks`` ranks of the group (as a tensor-parallel engine would),
     each joined through ``join_receiver`` (the composition root's transfer backend: the
@@ -217,6 +218,11 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep):
         for rank, tensors in enumerate(received[1:], start=1):
             if {name: _as_matrix(name, t, metas[name]) for name, t in tensors} != staged:
                 raise RefitError(f"engine rank {rank} received other bytes than rank 0")
+        return await self._swap_weights(staged, mode, version)
+
+    async def _swap_weights(self, staged: Mapping[str, list[list[float]]], mode: str,
+                            version: int | None) -> int:
+        """Every refit, collective or colocated, ends here: swap, reset the cache, version."""
         async with self._drained() if mode == "drain" else contextlib.nullcontext():
             self.model.embed = staged.get("embed.weight", self.model.embed)
             self.model.lm_head = staged.get("lm_head.weight", self.model.lm_head)
@@ -224,6 +230,9 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep):
             self._version = next_version(self._version, version)
             self._loaded_by_refit()
         return self._version
+
+    def _matrix(self, name: str, tensor: Any, metas: Mapping[str, TensorMeta]) -> list[list[float]]:
+        return _as_matrix(name, tensor, metas[name])
 
     @contextlib.asynccontextmanager
     async def _drained(self):

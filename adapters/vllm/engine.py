@@ -32,6 +32,7 @@ from rollout_fleet.adapters.vllm.process import (
     _child_pids, _cpu_binding, _environment, _freeze_startup_objects, _in_thread,
     _set_worker_priority, _track_segments, _unfreeze_and_collect,
 )
+from rollout_fleet.adapters.vllm.colocated import VllmColocated
 from rollout_fleet.adapters.vllm.refit import VllmRefit
 from rollout_fleet.adapters.vllm.sleep import VllmSleep
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas, tied_metas
@@ -60,9 +61,9 @@ class _Live:
     aborted: bool = False
 
 
-class VllmEngine(EnginePort, VllmRefit, VllmSleep):
+class VllmEngine(EnginePort, VllmRefit, VllmSleep, VllmColocated):
     """The vLLM backend of a rollout-fleet worker (refit: ``refit.py``; sleep and wake:
-    ``sleep.py``)."""
+    ``sleep.py``; colocated refit: ``colocated.py``)."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config

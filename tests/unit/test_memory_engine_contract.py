@@ -7,6 +7,7 @@ import pytest
 from rollout_fleet.adapters.memory import MemoryCollective, MemoryWeightSender
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel, decode
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
+from rollout_fleet.ports.contracts.colocated import ColocatedContract
 from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest, OpenAIExtrasContract
 from rollout_fleet.ports.contracts.refit_target import RefitTargetContract, RefitTrainer
 
@@ -58,7 +59,17 @@ def weight_sets():
     return TinyBigramModel.from_seed(0).state_dict(), TinyBigramModel.from_seed(1).state_dict()
 
 
-class TestMemoryEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract):
+@pytest.fixture(scope="class")
+def colocated_trainer():
+    from tests.support.colocated_trainer import TrainerProcess
+
+    # 800-byte buffers: each 48 x 8 float32 matrix (1,536 bytes) closes a bucket of its own.
+    trainer = TrainerProcess(buffer_bytes=800, num_buffers=2)
+    yield trainer.contract(buckets_per_refit=2)
+    trainer.close()
+
+
+class TestMemoryEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract, ColocatedContract):
     pass
 
 

@@ -1,10 +1,11 @@
-"""The vLLM engine passes the same engine and refit contract suites as the in-memory engine:
-refits are received inside vLLM's worker, over a real gloo group from a trainer rank 0 in a
-thread of this process."""
+"""The vLLM engine passes the same engine, refit and colocated refit contract suites as the
+in-memory engine: refits are received inside vLLM's worker, over a real gloo group from a
+trainer rank 0 in a thread of this process, or out of the shared buffers of a trainer process."""
 
 import pytest
 
 from rollout_fleet.core.refit import CollectiveSenderSpec
+from rollout_fleet.ports.contracts.colocated import ColocatedContract
 from rollout_fleet.ports.contracts.engine import EngineContract, OpenAIExtrasContract
 from rollout_fleet.ports.contracts.refit_target import RefitTargetContract
 from tests.support.trainer import ThreadedTrainer
@@ -31,5 +32,18 @@ def refit_trainer():
     trainer.close()
 
 
-class TestVllmEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract):
+@pytest.fixture(scope="class")
+def colocated_trainer(weights):
+    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.core.refit import plan_buckets
+    from tests.support.colocated_trainer import TrainerProcess
+
+    buffer_bytes = 256 << 10  # the tiny model crosses several buckets, as in the packed suite
+    trainer = TrainerProcess(buffer_bytes=buffer_bytes, num_buffers=2)
+    buckets = len(plan_buckets(refit_info_of(weights[MODEL_SEED]).tensors, buffer_bytes))
+    yield trainer.contract(buckets_per_refit=buckets)
+    trainer.close()
+
+
+class TestVllmEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract, ColocatedContract):
     pass

@@ -1,0 +1,157 @@
+"""The trainer's end of a colocated refit: ``ColocatedSender(control, ...).send(state_dict)``.
+
+The trainer runs on the same device as the worker's engine (the same host on the CPU, the same
+GPU on a GPU) and reaches the worker's control routes through ``control`` (a
+``ports.control.WorkerControl``: the fleet's HTTP control with its secret, as every refit).
+It packs bucket k into buffer ``k % num_buffers`` while the engine loads bucket k - 1, so with
+two buffers packing and loading overlap; the calls themselves go one after the other, in
+order. Its pool is allocated at the first send (sized by that refit's plan) and reused by
+every later one with the same plan; ``close`` frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from rollout_fleet.adapters.collective.colocated import BufferPool
+from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket
+from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.core.colocated_refit import ColocatedManifest, bucket_entries_wire
+from rollout_fleet.core.errors import RefitError
+from rollout_fleet.core.refit import Bucket, refit_mode
+
+_sessions = itertools.count(1)
+
+
+@attrs.frozen
+class ColocatedResult:
+    """One colocated refit, as the trainer saw it."""
+
+    weight_version: int
+    seconds: float  # start to finish answered
+    pack_s: float  # of which packing buffers (overlapping the engine's loads)
+    wait_s: float  # of which waiting for the engine's answers
+    nbytes: int  # the model's bytes moved
+    buckets: int
+    pool_bytes: int  # what the trainer's buffers hold: the whole transfer's footprint here
+    engine: Mapping[str, Any] = attrs.field(factory=dict)  # the engine's own stats
+
+
+class ColocatedSender:
+    def __init__(self, control: Any, *, buffer_bytes: int = 1 << 30, num_buffers: int = 2,
+                 device: Any = "cpu", timeout_s: float = 600.0, mode: str | None = None) -> None:
+        self.control = control
+        self.device = torch.device(device)
+        self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
+        self.timeout_s, self.mode = timeout_s, refit_mode(mode)
+        self._pool: BufferPool | None = None
+
+    def send(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> ColocatedResult:
+        """One refit from a plain (synchronous) trainer loop; see ``send_async``."""
+        return asyncio.run(self.send_async(state_dict, version))
+
+    async def send_async(self, state_dict: Mapping[str, torch.Tensor],
+                         version: int | None = None) -> ColocatedResult:
+        """Refit the worker with ``state_dict`` (in its order); returns the new weight version
+        (``version`` when given) and the timings. A refusal or failure raises after telling
+        the worker to give the refit up, so it keeps serving."""
+        info = refit_info_of(state_dict)
+        manifest = ColocatedManifest(info, self.buffer_bytes, self.num_buffers,
+                                     "cuda" if self.device.type == "cuda" else "shm")
+        pool = self._pool_for(manifest)
+        session = f"colocated-{os.getpid()}-{next(_sessions)}"
+        started = time.perf_counter()
+        start = {"session": session, "manifest": manifest.to_wire(), "mode": self.mode}
+        if version is not None:
+            start["weight_version"] = version
+        await self._call("colocated_start", start)
+        try:
+            pack_s, wait_s = await self._buckets(session, manifest.plan, pool, state_dict)
+            answer = await self._call("colocated_finish", {"session": session})
+        except BaseException as error:
+            await self._abort(session, error)
+            raise
+        return ColocatedResult(int(answer["weight_version"]), time.perf_counter() - started,
+                               pack_s, wait_s, info.total_bytes, len(manifest.plan), pool.nbytes,
+                               answer.get("stats", {}))
+
+    async def _buckets(self, session: str, plan: tuple[Bucket, ...], pool: BufferPool,
+                       state_dict: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+        pending: asyncio.Task | None = None
+        pending_slot = -1
+        pack_s = wait_s = 0.0
+        try:
+            for index, bucket in enumerate(plan):
+                slot = index % pool.num_buffers
+                if pending is not None and pending_slot == slot:  # one buffer: wait for it
+                    wait_s += await _timed(pending)
+                    pending = None
+                tensors = [state_dict[e.meta.name] for e in bucket.entries]
+                for entry, tensor in zip(bucket.entries, tensors):
+                    check_tensor(entry.meta, entry.meta.name, tensor)
+                pack_s += await asyncio.to_thread(_pack, pool, slot, bucket, tensors)
+                if pending is not None:
+                    wait_s += await _timed(pending)
+                body = {"session": session, "index": index, "tensors": bucket_entries_wire(bucket),
+                        "handle": pool.handle(slot).to_wire()}
+                pending, pending_slot = asyncio.ensure_future(self._call("colocated_bucket", body)), slot
+            if pending is not None:
+                wait_s += await _timed(pending)
+                pending = None
+        finally:
+            if pending is not None:
+                pending.cancel()
+        return pack_s, wait_s
+
+    def _pool_for(self, manifest: ColocatedManifest) -> BufferPool:
+        pool = self._pool
+        if pool is None or pool.slot_bytes != manifest.slot_bytes:
+            self.close()
+            pool = self._pool = BufferPool(manifest.slot_bytes, manifest.num_buffers, self.device)
+        return pool
+
+    async def _call(self, name: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        try:
+            return await asyncio.wait_for(self.control.call(name, body, timeout_s=self.timeout_s),
+                                          self.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RefitError(f"{name} on worker {self.control.worker_id} timed out after"
+                             f" {self.timeout_s:g} s") from None
+
+    async def _abort(self, session: str, error: BaseException) -> None:
+        try:
+            await self._call("colocated_abort", {"session": session, "reason": str(error)[:500]})
+        except Exception:  # noqa: BLE001 - the worker gives the session up on its own in time
+            pass
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def __enter__(self) -> "ColocatedSender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pack(pool: BufferPool, slot: int, bucket: Bucket, tensors: list[torch.Tensor]) -> float:
+    started = time.perf_counter()
+    pack_bucket(pool.buffer(slot), bucket, tensors)
+    if pool.device.type == "cuda":  # the engine reads the buffer once the call arrives
+        torch.cuda.current_stream(pool.device).synchronize()
+    return time.perf_counter() - started
+
+
+async def _timed(task: asyncio.Future) -> float:
+    started = time.perf_counter()
+    await task
+    return time.perf_counter() - started

@@ -1,0 +1,233 @@
+"""The colocated refit inside vLLM's worker: the packed transfer engine, which also opens the
+trainer's shared buffers (``core.colocated_refit``) and loads each bucket straight out of them.
+
+vLLM keeps one weight-transfer engine per worker, chosen when the engine starts; this class is
+that engine for the project's workers, so one worker takes packed refits over its group (the
+parent class, unchanged) and colocated ones, told apart by the update request: a colocated
+step is ``{"colocated": {"begin" | "bucket" | "end" | "abort": ...}}``, each one
+``update_weights`` call between vLLM's ``start_weight_update`` and ``finish_weight_update``.
+
+A bucket is loaded through the same ``load_weights`` and layerwise reload as a packed one, from
+tensors that view the trainer's buffer (no copy on the way in). vLLM's reload keeps the parts
+of a fused layer (q, k, v; gate, up) until the last part arrives, and a bucket may end between
+them: those still held when the bucket is loaded are moved to a copy of their own before the
+call answers, since the trainer then reuses the buffer; ``OpenedBuffer.close`` refuses (and
+the refit fails, the weights recovered) if any view would be left behind. So the engine holds,
+beyond its weights: the mapped buffers (the trainer's memory, ``num_buffers`` x the plan's
+largest bucket), the copies of held parts (at most a fused layer's), and with
+``rollback="last_good"`` a copy of the model (counted apart, as for packed refits).
+
+The buffer opener (``open_buffer``: shared memory or CUDA IPC, the collective adapter's) is
+injected by the composition root, as the packed engine's receiver is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rollout_fleet.adapters.vllm.transfer_engine import ROLLBACKS, PackedTransferEngine, RefitStats
+from rollout_fleet.adapters.vllm.transfer_support import synchronize
+from rollout_fleet.core.colocated_refit import BufferHandle
+from rollout_fleet.core.errors import RefitError
+from rollout_fleet.core.refit import Bucket, BucketEntry, RefitInfo
+
+COLOCATED_KEY = "colocated"
+
+
+@dataclasses.dataclass
+class ColocatedStats(RefitStats):
+    """A colocated refit's stats: the buffers mapped at most at once, and the copies made of
+    tensors the loader still held when their bucket was loaded (alive at most at once)."""
+
+    buckets: int = 0
+    mapped_peak_bytes: int = 0
+    held_copy_bytes: int = 0
+    held_copy_peak_bytes: int = 0
+
+
+class _HeldCopies:
+    """Bytes of held-part copies alive (each freed once the loader lets go of it)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.total = 0
+
+    def track(self, tensor: Any, nbytes: int) -> None:
+        self.live += nbytes
+        self.total += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+@dataclasses.dataclass
+class _Session:
+    info: RefitInfo
+    skip: frozenset[str]
+    kept: list | None
+    started: float
+    opened: dict[int, Any] = dataclasses.field(default_factory=dict)  # slot -> OpenedBuffer
+    loaded: int = 0
+    buckets: int = 0
+    mapped_peak: int = 0
+    held: _HeldCopies = dataclasses.field(default_factory=_HeldCopies)
+
+
+class ColocatedTransferEngine(PackedTransferEngine):
+    # (handle, device) -> an opened buffer (``tensors(bucket)``, ``keep``, ``views_held``,
+    # ``close``); set by the composition root.
+    open_buffer: Callable[[BufferHandle, Any], Any] | None = None
+    _colocated: _Session | None = None
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
+        if COLOCATED_KEY in update_dict:
+            return update_dict
+        return super().parse_update_info(update_dict)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        step = update_info.get(COLOCATED_KEY) if isinstance(update_info, dict) else None
+        if step is None:
+            super().update_weights(update_info)
+            return
+        self.colocated_step(step)
+        synchronize(self.device)  # every copy out of the buffer is done before the answer
+
+    def colocated_step(self, step: dict[str, Any]) -> None:
+        (kind, body), = step.items()
+        if kind == "begin":
+            self._colocated_begin(body)
+        elif kind == "bucket":
+            self._colocated_bucket(body)
+        elif kind == "end":
+            self._colocated_end()
+        elif kind == "abort":
+            self._colocated_abort(str(body))
+        else:
+            raise RefitError(f"unknown colocated step {kind!r}")
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _colocated_begin(self, body: dict[str, Any]) -> None:
+        if self.open_buffer is None:
+            raise RefitError(f"{type(self).__name__}.open_buffer is not set: register the engine"
+                             " through the composition root")
+        self._close_buffers()
+        rollback = body.get("rollback", self.rollback)
+        if rollback not in ROLLBACKS:
+            raise RefitError(f"rollback={rollback!r}: must be one of {', '.join(ROLLBACKS)}")
+        self.rollback = rollback
+        self._colocated = _Session(RefitInfo.from_wire(body["refit_info"]),
+                                   frozenset(body.get("skip", ())),
+                                   [] if self.rollback == "last_good" else None, time.perf_counter())
+
+    def _colocated_bucket(self, body: dict[str, Any]) -> None:
+        session = self._session()
+        handle = BufferHandle.from_wire(body["handle"])
+        metas = {t.name: t for t in session.info.tensors}
+        bucket = Bucket(tuple(BucketEntry(metas[name], offset) for name, offset in body["tensors"]),
+                        int(body["nbytes"]))
+        try:
+            opened = self._opened(session, handle)
+            watched: list[weakref.ref] = []
+            self.model.load_weights(self._bucket_tensors(session, opened, bucket, watched))
+            for ref in watched:  # what the reload still holds: its own copy from now on
+                tensor = ref()
+                if tensor is not None:
+                    session.held.track(tensor, opened.keep(tensor))
+                tensor = None
+            if opened.views_held():
+                raise RefitError(f"{opened.views_held()} view(s) into buffer {handle.slot} are still"
+                                 " held after its bucket was loaded")
+        except BaseException as error:
+            self._colocated_abort(f"bucket failed: {error}", error)
+            raise
+        session.buckets += 1
+
+    def _bucket_tensors(self, session: _Session, opened: Any, bucket: Bucket,
+                        watched: list) -> Iterator[tuple[str, Any]]:
+        for name, tensor in opened.tensors(bucket):
+            session.loaded += 1
+            if session.kept is not None:  # the rollback copy is what the loader gets
+                tensor = tensor.clone()
+                session.kept.append((name, tensor))
+            else:
+                watched.append(weakref.ref(tensor))
+            if name not in session.skip:
+                yield name, tensor
+            tensor = None  # hold no view while the loader works on the next
+
+    def _colocated_end(self) -> None:
+        session = self._session()
+        self._colocated = None
+        self._close_buffers(session)
+        if session.loaded != len(session.info.tensors):
+            self._recover(RefitError("incomplete"), loaded=session.loaded)
+            raise RefitError(f"colocated refit ended after {session.loaded} of"
+                             f" {len(session.info.tensors)} tensors")
+        if session.kept is not None:
+            self._last_good = [item for item in session.kept if item[0] not in session.skip]
+        self.stats = ColocatedStats(
+            tensors=session.loaded, nbytes=session.info.total_bytes,
+            seconds=time.perf_counter() - session.started, buckets=session.buckets,
+            mapped_peak_bytes=session.mapped_peak, held_copy_bytes=session.held.total,
+            held_copy_peak_bytes=session.held.peak)
+
+    def _colocated_abort(self, reason: str, error: BaseException | None = None) -> None:
+        session, self._colocated = self._colocated, None
+        if session is None:
+            return
+        try:
+            self._close_buffers(session)
+        except RefitError:
+            pass  # a view still held: the mapping stays (nothing dangles); the reload recovers
+        self._recover(error or RefitError(reason), loaded=session.loaded)
+
+    # -- buffers --------------------------------------------------------------------------------
+    def _opened(self, session: _Session, handle: BufferHandle) -> Any:
+        """Each trainer buffer is opened once per refit and closed at its end."""
+        opened = session.opened.get(handle.slot)
+        if opened is None or opened.nbytes != handle.nbytes:
+            if opened is not None:
+                opened.close()
+            opened = session.opened[handle.slot] = self.open_buffer(handle, self.device)
+        session.mapped_peak = max(session.mapped_peak,
+                                  sum(o.nbytes for o in session.opened.values()))
+        return opened
+
+    def _close_buffers(self, session: _Session | None = None) -> None:
+        session = session or self._colocated
+        if session is None:
+            return
+        opened, session.opened = session.opened, {}
+        for buffer in opened.values():
+            buffer.close()
+
+    def _session(self) -> _Session:
+        session = self._colocated
+        if session is None:
+            raise RefitError("colocated bucket before the refit began on this rank")
+        return session
+
+    def shutdown(self) -> None:
+        self._colocated_abort("the weight-transfer engine shut down")
+        super().shutdown()
+
+
+def compose_colocated_engine(base: type, join_receiver: Callable, open_buffer: Callable,
+                             module: str = __name__,
+                             name: str = "RolloutFleetTransferEngine") -> type:
+    """``ColocatedTransferEngine`` on top of vLLM's base class, receiver and opener set; an
+    abstract method of ``base`` left unimplemented is named here (as ``compose_transfer_engine``)."""
+    cls = types.new_class(name, (ColocatedTransferEngine, base), exec_body=lambda ns: ns.update(
+        join_receiver=staticmethod(join_receiver), open_buffer=staticmethod(open_buffer),
+        __module__=module))
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(f"{name}: vLLM's {base.__qualname__} declares abstract methods the"
+                        f" project's refit engine lacks: {', '.join(missing)}")
+    return cls

@@ -1,0 +1,156 @@
+"""A worker's colocated-refit controls over its engine (``ports.colocated.ColocatedTarget``).
+
+Each control is one step of ``core.colocated_refit.ColocatedSession``; the session is checked
+here, before the engine is asked to do anything, so every engine refuses the same steps the
+same way. A session with no call for ``idle_timeout_s`` is given up (its trainer is gone): the
+engine recovers and serves again, as after any failed refit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest, ColocatedSession
+from rollout_fleet.core.errors import InvalidValue, RefitError
+from rollout_fleet.core.refit import refit_mode
+
+CONTROLS = ("colocated_start", "colocated_bucket", "colocated_finish", "colocated_abort")
+DEFAULT_IDLE_TIMEOUT_S = 600.0
+
+
+class WorkerColocatedRefit:
+    def __init__(self, target: Any, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+        if isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, (int, float)) \
+                or not idle_timeout_s > 0:
+            raise InvalidValue("idle_timeout_s", idle_timeout_s, "must be a number > 0")
+        self._target = target
+        self._idle_timeout_s = float(idle_timeout_s)
+        self._session: ColocatedSession | None = None
+        self._lock = asyncio.Lock()
+        self._expiry: asyncio.TimerHandle | None = None
+        self._started = 0.0
+
+    def controls(self) -> dict[str, Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]]:
+        return {"colocated_start": self.start, "colocated_bucket": self.bucket,
+                "colocated_finish": self.finish, "colocated_abort": self.abort}
+
+    @property
+    def session(self) -> ColocatedSession | None:
+        return self._session
+
+    async def start(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the manifest against the engine (names, shapes, dtypes; transport; version)
+        before anything is loaded, then let the engine begin."""
+        body = _mapping(body)
+        manifest = ColocatedManifest.from_wire(body.get("manifest"))
+        mode = refit_mode(body.get("mode"))
+        async with self._lock:
+            if self._session is not None and self._session.is_open:
+                raise RefitError(f"a colocated refit is open on this worker (session"
+                                 f" {self._session.session_id!r}, bucket {self._session.next_index}"
+                                 f" of {self._session.buckets} next): finish or abort it first")
+            transports = tuple(self._target.colocated_transports())
+            if manifest.transport not in transports:
+                raise InvalidValue("manifest.transport", manifest.transport,
+                                   f"this worker's engine opens {', '.join(transports)} handles")
+            manifest.info.check_against(self._target.weight_metas())
+            session = ColocatedSession.begin(body.get("session"), manifest,
+                                             self._target.weight_version(),
+                                             body.get("weight_version"))
+            await self._target.begin_colocated(manifest, mode=mode)
+            self._session, self._started = session, time.perf_counter()
+            self._arm(session)
+        return {"session": session.session_id, "buckets": session.buckets,
+                "slot_bytes": manifest.slot_bytes, "bound_bytes": manifest.bound_bytes}
+
+    async def bucket(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        body = _mapping(body)
+        async with self._lock:
+            session = self._current(body)
+            index = body.get("index")
+            was_open = session.is_open
+            try:
+                handle = BufferHandle.from_wire(body.get("handle"))
+                bucket = session.take_bucket(index, body.get("tensors"), handle)
+                started = time.perf_counter()
+                await self._target.load_colocated_bucket(bucket, handle)
+            except BaseException as error:
+                await self._failed(session, was_open, f"bucket {index!r}: {error}")
+                raise
+            self._arm(session)
+        return {"index": index, "seconds": round(time.perf_counter() - started, 6)}
+
+    async def finish(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        body = _mapping(body)
+        async with self._lock:
+            session = self._current(body)
+            was_open = session.is_open
+            try:
+                wanted = session.check_finish()
+                self._disarm()
+                version = await self._target.end_colocated(version=wanted)
+            except BaseException as error:
+                await self._failed(session, was_open, f"finish: {error}")
+                raise
+        return {"weight_version": version, "buckets": session.buckets,
+                "seconds": round(time.perf_counter() - self._started, 6),
+                "stats": dict(self._target.colocated_stats())}
+
+    async def _failed(self, session: ColocatedSession, was_open: bool, reason: str) -> None:
+        """A step failed: the engine recovers once, when this step ended the session."""
+        session.fail(reason)
+        if was_open:
+            self._disarm()
+            await self._target.abandon_colocated(reason)
+
+    async def abort(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Give up the open session (any, or the one named): the engine recovers."""
+        body = _mapping(body)
+        async with self._lock:
+            session = self._session
+            if session is None or not session.is_open:
+                return {"aborted": None}
+            if body.get("session") is not None:
+                session.check_session(body.get("session"))
+            reason = str(body.get("reason") or "the trainer aborted the refit")
+            session.fail(reason)
+            self._disarm()
+            await self._target.abandon_colocated(reason)
+        return {"aborted": session.session_id}
+
+    def _current(self, body: Mapping[str, Any]) -> ColocatedSession:
+        session = self._session
+        if session is None:
+            raise RefitError("no colocated refit was started on this worker")
+        session.check_session(body.get("session"))
+        return session
+
+    def _arm(self, session: ColocatedSession) -> None:
+        self._disarm()
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_later(self._idle_timeout_s,
+                                       lambda: asyncio.ensure_future(self._expire(session)))
+
+    def _disarm(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    async def _expire(self, session: ColocatedSession) -> None:
+        async with self._lock:
+            if self._session is not session or not session.is_open:
+                return
+            reason = (f"no call for {self._idle_timeout_s:g} s after bucket {session.next_index}"
+                      f" of {session.buckets}: the trainer is gone")
+            session.fail(reason)
+            self._expiry = None
+            await self._target.abandon_colocated(reason)
+
+
+def _mapping(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise InvalidValue("control body", body, "must be an object")
+    return body

@@ -1,0 +1,134 @@
+"""The colocated refit's contract suite, for engines that implement ``ColocatedTarget``.
+
+Usage, beside the refit suite (``ports.contracts.engine``)::
+
+    class TestMyEngine(EngineContract, RefitTargetContract, ColocatedContract):
+        ...  # fixtures: engine_under_test, weight_sets, colocated_trainer
+
+``colocated_trainer`` is a ``ColocatedTrainer`` built by the adapter's tests: a trainer in
+another process that owns the shared buffers and sends one refit per ``refit`` call, its
+control calls answered through ``call`` (the worker's controls, run here by the suite).
+The suite drives the engine through the worker's colocated controls
+(``core.colocated_service.WorkerColocatedRefit``), so every engine meets the same session.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import pytest
+from rollout_fleet.core.colocated_service import WorkerColocatedRefit
+from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.ports.colocated import ColocatedTarget
+
+IDLE_TIMEOUT_S = 3.0  # the suite's session expiry: a dead trainer is given up within it
+# faults a ColocatedTrainer injects (its own side of the protocol, never the engine's):
+WRONG_SHAPE = "wrong_shape"  # the named tensor offered with another shape
+DIE_AFTER_BUCKET = "die_after_bucket"  # the trainer process exits after bucket 0's answer
+UNLINK_BEFORE_BUCKET = "unlink_before_bucket"  # bucket 1's buffer is gone before the call
+
+
+_SERVICES: "weakref.WeakKeyDictionary[Any, WorkerColocatedRefit]" = weakref.WeakKeyDictionary()
+
+
+class TrainerDied(RolloutFleetError):
+    """The trainer process ended in the middle of a refit."""
+
+
+@attrs.frozen
+class ColocatedTrainer:
+    """``refit(call, tensors, version=None, fault=None, fault_arg=None)``: one refit of the
+    state dict ``tensors`` from the trainer's process; ``call(name, body) -> answer`` reaches
+    the worker's controls. Returns the finish's answer; raises what the worker refused with,
+    or ``TrainerDied``. ``buckets_per_refit``: how many buckets a refit of the weight sets
+    takes with the trainer's buffer size (the suite needs at least 2)."""
+
+    refit: Callable[..., Mapping[str, Any]]
+    buckets_per_refit: int
+
+
+class ColocatedContract:
+    def _colocated_service(self, eut) -> WorkerColocatedRefit:
+        assert isinstance(eut.engine, ColocatedTarget), "the engine does not implement ColocatedTarget"
+        service = _SERVICES.get(eut.engine)
+        if service is None:
+            service = _SERVICES[eut.engine] = WorkerColocatedRefit(eut.engine,
+                                                                 idle_timeout_s=IDLE_TIMEOUT_S)
+        return service
+
+    def _colocated_caller(self, eut) -> Callable[[str, Mapping[str, Any]], Mapping[str, Any]]:
+        controls = self._colocated_service(eut).controls()
+        return lambda name, body: eut.loop.run(controls[name](dict(body)))
+
+    def _colocated_greedy(self, eut):
+        return [eut.serve(p, 12).token_ids for p in eut.prompts]
+
+    def _colocated_refit(self, eut, trainer, tensors, **kw) -> Mapping[str, Any]:
+        return trainer.refit(self._colocated_caller(eut), tensors, **kw)
+
+    def test_a_refit_crosses_several_buckets(self, colocated_trainer):
+        assert colocated_trainer.buckets_per_refit >= 2
+
+    def test_a_colocated_refit_changes_outputs_and_refitting_back_restores_them(
+            self, engine_under_test, weight_sets, colocated_trainer):
+        eut, (original, alternate) = engine_under_test, weight_sets
+        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        answer = self._colocated_refit(eut, colocated_trainer, alternate)
+        assert answer["weight_version"] == version + 1
+        assert answer["buckets"] == colocated_trainer.buckets_per_refit
+        assert self._colocated_greedy(eut) != before, "a colocated refit of other weights changed nothing"
+        assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 2
+        assert self._colocated_greedy(eut) == before, "refitting the original back did not restore it"
+
+    def test_the_fleet_version_is_taken_and_one_going_backwards_refused(
+            self, engine_under_test, weight_sets, colocated_trainer):
+        eut, (original, alternate) = engine_under_test, weight_sets
+        wanted = eut.engine.weight_version() + 3
+        assert self._colocated_refit(eut, colocated_trainer, alternate, version=wanted)["weight_version"] == wanted
+        with pytest.raises(RolloutFleetError, match="weight_version"):
+            self._colocated_refit(eut, colocated_trainer, original, version=wanted)
+        assert eut.engine.weight_version() == wanted
+        assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == wanted + 1
+
+    def test_a_wrong_shape_is_refused_naming_the_tensor_and_nothing_changes(
+            self, engine_under_test, weight_sets, colocated_trainer):
+        eut, (original, _alternate) = engine_under_test, weight_sets
+        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        name = sorted(original)[-1]
+        with pytest.raises(RolloutFleetError, match=f"shape of '{name}'"):
+            self._colocated_refit(eut, colocated_trainer, original, fault=WRONG_SHAPE, fault_arg=name)
+        assert eut.engine.weight_version() == version
+        assert self._colocated_greedy(eut) == before
+
+    def test_a_buffer_gone_mid_refit_fails_it_and_the_old_weights_serve(
+            self, engine_under_test, weight_sets, colocated_trainer):
+        eut, (original, alternate) = engine_under_test, weight_sets
+        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        with pytest.raises(RolloutFleetError, match="segment|handle"):
+            self._colocated_refit(eut, colocated_trainer, alternate, fault=UNLINK_BEFORE_BUCKET)
+        assert eut.engine.weight_version() == version
+        assert self._colocated_greedy(eut) == before, "a failed colocated refit changed the answers"
+        assert self._colocated_refit(eut, colocated_trainer, alternate)["weight_version"] == version + 1
+        assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 2
+        assert self._colocated_greedy(eut) == before
+
+    def test_a_trainer_dying_between_buckets_is_given_up_and_the_old_weights_serve(
+            self, engine_under_test, weight_sets, colocated_trainer):
+        eut, (original, alternate) = engine_under_test, weight_sets
+        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        with pytest.raises(TrainerDied):
+            self._colocated_refit(eut, colocated_trainer, alternate, fault=DIE_AFTER_BUCKET)
+        service = self._colocated_service(eut)
+        deadline = time.monotonic() + IDLE_TIMEOUT_S + 30
+        while service.session.is_open and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not service.session.is_open, "the dead trainer's session was never given up"
+        assert "the trainer is gone" in service.session.failure
+        assert eut.engine.weight_version() == version
+        assert self._colocated_greedy(eut) == before
+        assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 1
+        assert self._colocated_greedy(eut) == before
