@@ -3,7 +3,7 @@
 One run, one real Dynamo frontend and in-memory-engine workers on loopback, clients measured
 in interleaved rounds (the order rotates each round), medians printed with the ratios:
 
-  (a)  this project's driver: DynamoGeneration.generate_async (tensors in, build the request,
+  (a)  this project's driver: FleetGeneration.generate_async (tensors in, build the request,
        send through the pooled client with retries, parse, assemble the contract's tensors)
   (a') the same driver on the httpx API over httpx-aiohttp's transport (the runner-up stack)
   (b)  the floor: a bare pooled aiohttp POST loop, same concurrency, same body bytes, json.loads

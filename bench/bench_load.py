@@ -1,11 +1,11 @@
-"""Load: thousands of rollouts in flight from one DynamoGeneration over a local fleet.
+"""Load: thousands of rollouts in flight from one FleetGeneration over a local fleet.
 
 One run, loopback only: 8 memory-engine workers (a per-token delay stands in for a GPU) behind
 the real Dynamo frontend, for each router mode (round-robin, then Dynamo's KV router). For each,
 two clients send the same bodies at the same concurrency (every rollout in flight at once),
 interleaved, each in a fresh child process so its memory and sockets are its own:
 
-  driver    this project's DynamoGeneration.generate_async (one pooled client, retries,
+  driver    this project's FleetGeneration.generate_async (one pooled client, retries,
             tensors in and out), from a fresh pool (``--warm``: then again on the warm pool)
   upstream  a new aiohttp session per request (the upstream NeMo-RL way), same bodies, parsed
             with the same wire parser

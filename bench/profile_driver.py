@@ -2,7 +2,7 @@
 then over one of its floor (b), the bare pooled aiohttp loop, for comparison.
 
 The same fleet as ``bench_driver.py`` (a real Dynamo frontend, in-memory workers on loopback),
-the same driver call (``DynamoGeneration.generate_async``, greedy, 16 new tokens), profiled with
+the same driver call (``FleetGeneration.generate_async``, greedy, 16 new tokens), profiled with
 cProfile on this process's CPU clock (``time.process_time``), after a warm-up batch. Each
 function's own time goes to a bucket: by the function's module and name where it belongs to one
 step of a rollout, else (the standard library, built-ins: json, len, ...) to its callers' buckets

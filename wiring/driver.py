@@ -1,7 +1,7 @@
 """The composition root of every driver: what sends rollouts and refits to a fleet.
 
 ``build_generation``: the http adapter's transport, control and metrics clients (all sharing
-one pooled client per event loop) under the nemo_rl adapter's DynamoGeneration, for an existing
+one pooled client per event loop) under the nemo_rl adapter's FleetGeneration, for an existing
 frontend URL and the workers' system ports. A fleet built by this project hands its own URLs
 here (and itself as ``owned``). ``build_frontend_client``: rollouts alone, straight to a
 frontend (``rollout-fleet generate``). ``build_memory_driver``: the same services over in-memory
@@ -21,7 +21,7 @@ from rollout_fleet.adapters.http import (
     LoopClients,
 )
 from rollout_fleet.adapters.http.transport import check_base_url
-from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig, JoinedWorker
+from rollout_fleet.adapters.nemo_rl import FleetGeneration, GenerationConfig, JoinedWorker
 from rollout_fleet.core.attempt_timeout import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue
@@ -43,7 +43,7 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
                      clock: Clock | None = None,
                      lost_workers: Callable[[], Collection[str]] | None = None,
                      joined_workers: Callable[[], Sequence[WorkerEndpoint]] | None = None,
-                     ) -> DynamoGeneration:
+                     ) -> FleetGeneration:
     """A driver over an existing frontend and workers; the pool holds one connection per
     allowed in-flight rollout unless ``http`` says otherwise. ``lost_workers`` and
     ``joined_workers`` (the fleet's workers now) are asked before each refit step."""
@@ -63,7 +63,7 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
         return [reach(w) for w in joined_workers() if w.worker_id not in known]
 
     reached = [reach(w) for w in workers]
-    return DynamoGeneration(
+    return FleetGeneration(
         generation,
         frontend_url=check_base_url("frontend_url", frontend_url),
         transport=HttpCompletionsTransport(frontend_url, clients=clients),

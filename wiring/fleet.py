@@ -4,7 +4,7 @@ the CLI, the demo, the benches and the tests all start their fleets here.
 
     fleet = Fleet.start(parse_config({...}))     # or load_config("fleet.toml")
     try:
-        generation = fleet.generation()           # DynamoGeneration over this fleet
+        generation = fleet.generation()           # FleetGeneration over this fleet
         ...
     finally:
         fleet.shutdown()                          # safe to repeat; also runs on a failed start
@@ -53,7 +53,7 @@ from rollout_fleet.wiring.network import check_network
 from rollout_fleet.wiring.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
-    from rollout_fleet.adapters.nemo_rl import DynamoGeneration
+    from rollout_fleet.adapters.nemo_rl import FleetGeneration
     from rollout_fleet.wiring.driver import WorkerEndpoint
 
 # call_control and http_settings are imported from here too (the CLI, tests, benches).
@@ -221,8 +221,8 @@ class Fleet(FaultDrills):
                 if name not in left_out]
 
     def generation(self, *, frontend_url: str | None = None, http: "HttpSettings | None" = None,
-                   **overrides: Any) -> "DynamoGeneration":
-        """A DynamoGeneration over this fleet (``overrides``: GenerationConfig fields;
+                   **overrides: Any) -> "FleetGeneration":
+        """A FleetGeneration over this fleet (``overrides``: GenerationConfig fields;
         ``frontend_url``: e.g. a proxy in front of the frontend); ``shutdown()`` stops the fleet."""
         return fleet_generation(self, frontend_url=frontend_url, http=http, **overrides)
 

@@ -1,4 +1,4 @@
-"""The driver a running fleet hands out: a NeMo-RL-shaped ``DynamoGeneration`` over its
+"""The driver a running fleet hands out: a NeMo-RL-shaped ``FleetGeneration`` over its
 frontend and its workers' controls, with the fleet's settings (``Fleet.generation``)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.wiring.config import FleetConfig
 
 if TYPE_CHECKING:
-    from rollout_fleet.adapters.nemo_rl import DynamoGeneration
+    from rollout_fleet.adapters.nemo_rl import FleetGeneration
     from rollout_fleet.wiring.fleet import Fleet
 
 
 def fleet_generation(fleet: "Fleet", *, frontend_url: str | None = None,
-                     http: HttpSettings | None = None, **overrides: Any) -> "DynamoGeneration":
+                     http: HttpSettings | None = None, **overrides: Any) -> "FleetGeneration":
     """See ``Fleet.generation``."""
     from rollout_fleet.adapters.nemo_rl import GenerationConfig
     from rollout_fleet.wiring.driver import build_generation

@@ -6,7 +6,7 @@ owns, and stops at ``shutdown()``.
 
 Underneath, the project's own pieces: the config dict becomes a ``FleetConfig`` (``Fleet``
 starts it) and a ``GenerationConfig`` for the native driver
-(``rollout_fleet.adapters.nemo_rl.DynamoGeneration``, reachable as ``.native``).
+(``rollout_fleet.adapters.nemo_rl.FleetGeneration``, reachable as ``.native``).
 
 docs/running-a-fleet.md ("NeMo-RL: a drop-in DynamoGeneration") lists every key and what it
 becomes: each is passed on or refused by name. Workers go into the placement groups of the

@@ -53,7 +53,7 @@ class ColocatedPhases:
 
 
 class ColocatedGeneration:
-    """``DynamoGeneration``'s phase methods (it provides ``_colocated``, ``_check_open``,
+    """``FleetGeneration``'s phase methods (it provides ``_colocated``, ``_check_open``,
     ``_start_sampler``, ``_forget_lost`` and ``invalidate_kv_cache``)."""
 
     def prepare_for_generation(self, *args: Any, tags: Any = None, **kwargs: Any) -> bool:

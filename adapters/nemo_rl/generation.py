@@ -1,4 +1,4 @@
-"""DynamoGeneration: NeMo-RL's generation interface over a Dynamo fleet.
+"""FleetGeneration: NeMo-RL's generation interface over a Dynamo fleet.
 
 Torch tensors live only at this edge; inside, prompts become the core's RolloutRequests, the
 core's rollout client sends them (retrying transient failures) through the completions port,
@@ -49,7 +49,7 @@ class JoinedWorker:
     metrics: WorkerMetrics | None = None
 
 
-class DynamoGeneration(ColocatedGeneration):
+class FleetGeneration(ColocatedGeneration):
     """A drop-in generation backend with the shape of NeMo-RL's ``GenerationInterface``.
 
     Owns (and stops at ``shutdown``) only what it was handed in ``owned``: the fleet, when
@@ -103,7 +103,7 @@ class DynamoGeneration(ColocatedGeneration):
     # -- generation ---------------------------------------------------------------------------
     def generate(self, data: Any, greedy: bool = False) -> Any:
         raise NotImplementedError(
-            "DynamoGeneration serves a fleet asynchronously and has no blocking generate(): "
+            "FleetGeneration serves a fleet asynchronously and has no blocking generate(): "
             "use `async for index, sample in generation.generate_async(data, greedy)`")
 
     async def generate_async(self, data: Any, greedy: bool = False
@@ -218,7 +218,7 @@ class DynamoGeneration(ColocatedGeneration):
 
     def _check_open(self) -> None:
         if self._shut_down:
-            raise RolloutFleetError("this DynamoGeneration was shut down")
+            raise RolloutFleetError("this FleetGeneration was shut down")
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -370,7 +370,7 @@ class DynamoGeneration(ColocatedGeneration):
 
     def __repr__(self) -> str:
         kind = "copy" if self.is_copy else "owner"
-        return f"DynamoGeneration({self.frontend_url!r}, workers={list(self.worker_ids)}, {kind})"
+        return f"FleetGeneration({self.frontend_url!r}, workers={list(self.worker_ids)}, {kind})"
 
 
 class _NoHold:

@@ -1,4 +1,4 @@
-"""DynamoGeneration's refit half: NeMo-RL's collective refit calls, over each worker's control
+"""FleetGeneration's refit half: NeMo-RL's collective refit calls, over each worker's control
 channel.
 
 ``init_collective`` and ``update_weights_from_collective`` return one future per worker at

@@ -1,4 +1,4 @@
-"""Run in a child process: unpickle a DynamoGeneration, generate, invalidate caches, report.
+"""Run in a child process: unpickle a FleetGeneration, generate, invalidate caches, report.
 
 stdin: the pickled driver and a batch; stdout: a pickled report. Used by the driver tests to
 show that a pickled copy works in another process, as a Ray rollout actor would use it.

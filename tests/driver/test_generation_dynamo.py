@@ -1,4 +1,4 @@
-"""DynamoGeneration against the REAL Dynamo frontend and two in-memory-engine worker processes."""
+"""FleetGeneration against the REAL Dynamo frontend and two in-memory-engine worker processes."""
 
 from __future__ import annotations
 

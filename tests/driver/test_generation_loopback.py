@@ -1,4 +1,4 @@
-"""DynamoGeneration over a real HTTP hop to a loopback server that answers like a Dynamo frontend
+"""FleetGeneration over a real HTTP hop to a loopback server that answers like a Dynamo frontend
 (and worker system port) with the in-memory engine."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from rollout_fleet.adapters.memory import EngineCompletionsTransport, LocalWorkerControl
 from rollout_fleet.adapters.memory.engine import MemoryEngine
-from rollout_fleet.adapters.nemo_rl import DynamoGeneration, GenerationConfig
+from rollout_fleet.adapters.nemo_rl import FleetGeneration, GenerationConfig
 from rollout_fleet.core.errors import RetriesExhausted
 from rollout_fleet.core.refit_service import WorkerRefit
 from rollout_fleet.core.retry import RetryPolicy
@@ -28,7 +28,7 @@ def driver(colocated=("worker-0",), level=1):
                               retry=RetryPolicy(max_attempts=2, base_delay_s=0.0, jitter=0.0),
                               colocated_workers=colocated, sleep_level=level)
     transport = EngineCompletionsTransport(engines[0], worker_id="worker-0")
-    return DynamoGeneration(config, frontend_url="http://127.0.0.1:1", transport=transport,
+    return FleetGeneration(config, frontend_url="http://127.0.0.1:1", transport=transport,
                             controls=controls), engines
 
 
