@@ -50,6 +50,10 @@ case "${1:-}" in
     shift
     python3 bench/bench_gpu_fleet.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench-gpu-fleet.log"
     ;;
-  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS]"; exit 0 ;;
-  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS]" >&2; exit 2 ;;
+  colocated)
+    shift
+    python3 -m rollout_fleet.wiring.cli demo --colocated --device gpu --quiet --out "$OUT/colocated" "$@" 2>&1 | tee "$OUT/colocated-demo.log"
+    ;;
+  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
+  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
 esac

@@ -32,6 +32,11 @@ def _demo(args: argparse.Namespace) -> int:
         settings = attrs.evolve(settings, steps=2, prompts=4, group_size=4)
     if args.steps is not None:
         settings = attrs.evolve(settings, steps=args.steps)
+    if args.colocated:
+        from rollout_fleet.wiring.demo.colocated import run_colocated_demo
+
+        run_colocated_demo(attrs.evolve(settings, workers=1), device=args.device)
+        return 0
     run_demo(settings)
     return 0
 
@@ -51,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--async", dest="asynchronous", action="store_true",
                       help="one-step off-policy GRPO: the fleet generates the next batch while "
                            "the trainer trains, and refits swap weights under rollouts in flight")
+    demo.add_argument("--colocated", action="store_true",
+                      help="the trainer and one vLLM worker on one device, taking turns: the "
+                           "engine sleeps while the trainer trains (GPUs), refits come from the "
+                           "trainer's own buffers (CUDA IPC on a GPU, shared memory on the CPU)")
+    demo.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                      help="with --colocated: where the trainer and the worker run (default cpu)")
     demo.add_argument("--in-memory", action="store_true",
                       help="the in-memory demo: core services only, no Ray, Dynamo or vLLM")
     demo.set_defaults(run=_demo)

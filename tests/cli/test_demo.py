@@ -64,3 +64,22 @@ def test_the_async_ci_demo_refits_in_keep_mode_one_step_off_policy(tmp_path):
         assert 0.0 <= step["off_policy_tokens"] <= 1.0 and 0.0 <= step["mean_reward"] <= 1.0
         assert step["rollouts_per_s"] > 0 and step["refit_s"] > 0
     assert steps[-1]["loop_rollouts_per_s"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.dynamo
+def test_the_colocated_ci_demo_refits_its_worker_from_the_trainers_shared_buffers(tmp_path):
+    """The trainer and one vLLM worker on this machine: each step's refit goes through the
+    trainer's shared-memory buffers (several buckets; tests/refit/test_colocated_fleet.py
+    checks their bound), the worker serves those weights (the mismatch bound holds on the next
+    batch), and the CPU run says it does not sleep."""
+    result = run_cli("demo", "--colocated", "--ci", "--quiet", "--out", tmp_path, timeout_s=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "sleep between phases: off (vLLM has no sleep mode on the CPU)" in result.stdout
+    figures = json.loads((tmp_path / "demo.json").read_text())
+    meta, steps = figures["meta"], figures["steps"]
+    assert meta["workers"] == 1 and [s["step"] for s in steps] == [1, 2]
+    assert [s["weight_versions"] for s in steps] == [[1], [2]]
+    for step in steps:
+        assert 0.0 <= step["mismatch_mean"] <= step["mismatch_max"] <= meta["mismatch_bound"]
+        assert step["refit_buckets"] > 1 and step["refit_s"] > 0

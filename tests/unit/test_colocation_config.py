@@ -53,3 +53,21 @@ def test_a_colocated_gpu_fleet_is_reminded_of_the_engines_gpu_share():
     assert "gpu_memory_utilization=0.9" in reminder
     assert config.colocation.reminders("gpu", {"gpu_memory_utilization": 0.4}) == []
     assert parse_config(MEMORY).colocation.reminders("gpu", {}) == []
+
+
+def test_the_colocated_demos_gpu_fleet_starts_its_engine_with_sleep_mode():
+    """What `rollout-fleet demo --colocated --device gpu` asks for (it runs only on a GPU):
+    one colocated worker whose vLLM engine starts with sleep mode, in float32, on a share of
+    the GPU; on the CPU the same demo asks for no colocation (vLLM cannot sleep there)."""
+    from rollout_fleet.wiring.config import fleet_facts
+    from rollout_fleet.wiring.demo.colocated import _config
+    from rollout_fleet.wiring.demo.run import DemoSettings
+    from rollout_fleet.wiring.engines import engine_kind, without_kind
+
+    gpu = _config(DemoSettings(), "gpu")
+    assert gpu.colocation.enabled and gpu.num_workers == 1 and gpu.device == "gpu"
+    options = engine_kind("vllm").worker_options(without_kind(gpu.engine), fleet_facts(gpu),
+                                                 slot=0, free_port=lambda: 0)
+    assert options["enable_sleep_mode"] is True and options["device"] == "cuda"
+    assert options["dtype"] == "float32" and options["gpu_memory_utilization"] < 0.5
+    assert not _config(DemoSettings(), "cpu").colocation.enabled

@@ -49,11 +49,14 @@ def group_advantages(rewards: Sequence[float], group_size: int) -> list[float]:
 
 
 class PolicyTrainer:
-    def __init__(self, model_dir: str, *, learning_rate: float = 3e-3, seed: int = 0) -> None:
+    def __init__(self, model_dir: str, *, learning_rate: float = 3e-3, seed: int = 0,
+                 device: str = "cpu") -> None:
         from transformers import LlamaForCausalLM
 
         torch.manual_seed(seed)
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        self.device = torch.device(device)
+        self.model = LlamaForCausalLM.from_pretrained(
+            model_dir, torch_dtype=torch.float32).to(self.device)
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learning_rate)
 
@@ -75,7 +78,8 @@ class PolicyTrainer:
             ids[row, :len(sequence)] = torch.tensor(sequence)
             mask[row, :len(sequence)] = 1
         with torch.set_grad_enabled(grad):
-            logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+            logits = self.model(input_ids=ids.to(self.device),
+                                attention_mask=mask.to(self.device)).logits.float().cpu()
             logprobs = torch.log_softmax(logits, dim=-1)
         out = []
         for row, r in enumerate(rollouts):

@@ -1,0 +1,130 @@
+"""The colocated demo: the GRPO loop of the demo with the trainer and one vLLM worker on one
+device, taking turns as colocated RL does. Each step: wake the engine, generate, put it to
+sleep, train, wake its weights, refit it from the trainer's own buffers (shared memory on
+the CPU, CUDA IPC on a GPU), and again.
+
+On a GPU the engine sleeps between phases (vLLM's sleep mode, level 1: the KV cache goes back
+to the trainer); vLLM has no sleep mode on the CPU, so there the worker stays awake and the
+demo says so. Every step prints its sleep, wake and refit seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rollout_fleet.wiring.demo.run import (
+    DemoFailed,
+    DemoSettings,
+    _batch_figures,
+    _prompts,
+    _rollouts,
+    _summary,
+)
+
+BUFFER_BYTES = 1 << 20  # several buckets per refit even for the tiny model
+
+
+def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict[str, Any]]:
+    import torch
+    from rollout_fleet.wiring.demo.report import write_outputs
+    from rollout_fleet.wiring.demo.trainer import PolicyTrainer, TargetTokenReward
+    from rollout_fleet.wiring.fleet import Fleet
+
+    torch.set_num_threads(1)  # the worker needs the cores more than the tiny trainer does
+    sleeps = device == "gpu"
+    print(f"starting one colocated {settings.engine} worker on the {device} ...", flush=True)
+    started = time.perf_counter()
+    fleet = Fleet.start(_config(settings, device))
+    steps: list[dict[str, Any]] = []
+    generation = sender = None
+    try:
+        print(f"fleet up in {time.perf_counter() - started:.1f} s; sleep between phases: "
+              f"{'level 1' if sleeps else 'off (vLLM has no sleep mode on the CPU)'}", flush=True)
+        generation = fleet.generation()
+        trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
+                                seed=settings.seed, device="cuda" if sleeps else "cpu")
+        reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
+        prompts = _prompts(settings, trainer.model.config.vocab_size)
+        sender = fleet_sender(fleet, "cuda" if sleeps else "cpu")
+        loop_started = time.perf_counter()
+        for step in range(1, settings.steps + 1):
+            figures = _step(step, generation, trainer, sender, prompts, settings, reward)
+            steps.append(figures)
+            print(_row(figures), flush=True)
+            _check(figures, step, settings)
+        _summary(steps, time.perf_counter() - loop_started, settings)
+    finally:
+        if sender is not None:
+            sender.close()
+        if generation is not None:
+            generation.shutdown()
+        fleet.shutdown()
+    json_path, png_path = write_outputs(steps, Path(settings.out_dir), attrs.asdict(settings))
+    print(f"figures: {json_path}  plot: {png_path}")
+    return steps
+
+
+def fleet_sender(fleet: Any, device: str) -> Any:
+    from rollout_fleet.wiring.colocated_trainer import colocated_sender
+
+    return colocated_sender(fleet.worker_control(0), device=device, buffer_bytes=BUFFER_BYTES,
+                            num_buffers=2, timeout_s=300)
+
+
+def _config(settings: DemoSettings, device: str):
+    from rollout_fleet.wiring.config import parse_config
+
+    engine: dict[str, Any] = {"kind": settings.engine}
+    if device == "gpu":
+        engine.update(gpu_memory_utilization=0.3, dtype="float32")
+    return parse_config({
+        "engine": engine, "num_workers": 1, "model": "tiny", "device": device,
+        "placement": "local", "served_model_name": "tiny",
+        "max_new_tokens": settings.max_new_tokens, "max_model_len": 512,
+        "colocation": {"enabled": device == "gpu"},
+        "timeouts": {"start_s": 600, "refit_s": 300}})
+
+
+def _step(step: int, generation, trainer, sender, prompts, settings: DemoSettings, reward
+          ) -> dict[str, Any]:
+    """One colocated step; the phases' seconds beside the batch's figures."""
+    wake_s = _timed(generation.prepare_for_generation)
+    scored, seconds = _rollouts(generation, prompts, settings, reward)
+    figures = _batch_figures(step, scored, seconds, trainer)
+    sleep_s = _timed(generation.finish_generation)
+    figures["loss"] = trainer.step(scored, settings.group_size)
+    wake_s += _timed(lambda: generation.prepare_for_generation(tags=["weights"]))
+    result = sender.send(trainer.state_dict())
+    figures.update(wake_s=wake_s, sleep_s=sleep_s, refit_s=result.seconds,
+                   refit_buckets=result.buckets, refit_pool_bytes=result.pool_bytes,
+                   refit_bytes=result.nbytes,
+                   weight_versions=[result.weight_version])
+    return figures
+
+
+def _timed(call) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def _row(figures: dict[str, Any]) -> str:
+    return (f"step {figures['step']}: reward {figures['mean_reward']:.3f}, mismatch max "
+            f"{figures['mismatch_max']:.1e}, {figures['tokens_per_s']:,.0f} tokens/s; sleep "
+            f"{figures['sleep_s']:.2f} s, wake {figures['wake_s']:.2f} s, refit "
+            f"{figures['refit_s']:.2f} s ({figures['refit_buckets']} buckets through 2 buffers of "
+            f"{figures['refit_pool_bytes'] / 2 / 2**20:.1f} MiB), weight version "
+            f"{figures['weight_versions'][0]}")
+
+
+def _check(figures: dict[str, Any], step: int, settings: DemoSettings) -> None:
+    if figures["weight_versions"] != [step]:
+        raise DemoFailed(f"step {step}: the colocated refit set weight version "
+                         f"{figures['weight_versions']}, expected {step}")
+    if figures["mismatch_max"] > settings.mismatch_bound:
+        raise DemoFailed(f"step {step}: train/inference logprob mismatch "
+                         f"{figures['mismatch_max']:.2e} exceeds {settings.mismatch_bound:.0e}")
