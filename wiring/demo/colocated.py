@@ -11,10 +11,7 @@ demo says so. Every step prints its sleep, wake and refit seconds.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
-
-import attrs
 
 from rollout_fleet.wiring.demo.run import (
     DemoFailed,
@@ -23,6 +20,8 @@ from rollout_fleet.wiring.demo.run import (
     _prompts,
     _rollouts,
     _summary,
+    shut_down,
+    write_figures,
 )
 
 BUFFER_BYTES = 1 << 20  # several buckets per refit even for the tiny model
@@ -30,12 +29,11 @@ BUFFER_BYTES = 1 << 20  # several buckets per refit even for the tiny model
 
 def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict[str, Any]]:
     import torch
-    from rollout_fleet.wiring.demo.report import write_outputs
     from rollout_fleet.wiring.demo.trainer import PolicyTrainer, TargetTokenReward
     from rollout_fleet.wiring.fleet import Fleet
 
     torch.set_num_threads(1)  # the worker needs the cores more than the tiny trainer does
-    sleeps = device == "gpu"
+    on_gpu = device == "gpu"  # vLLM sleeps only there
     print(f"starting one colocated {settings.engine} worker on the {device} ...", flush=True)
     started = time.perf_counter()
     fleet = Fleet.start(_config(settings, device))
@@ -43,13 +41,13 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
     generation = sender = None
     try:
         print(f"fleet up in {time.perf_counter() - started:.1f} s; sleep between phases: "
-              f"{'level 1' if sleeps else 'off (vLLM has no sleep mode on the CPU)'}", flush=True)
+              f"{'level 1' if on_gpu else 'off (vLLM has no sleep mode on the CPU)'}", flush=True)
         generation = fleet.generation()
         trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
-                                seed=settings.seed, device="cuda" if sleeps else "cpu")
+                                seed=settings.seed, device="cuda" if on_gpu else "cpu")
         reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
         prompts = _prompts(settings, trainer.model.config.vocab_size)
-        sender = fleet_sender(fleet, "cuda" if sleeps else "cpu")
+        sender = fleet_sender(fleet, "cuda" if on_gpu else "cpu")
         loop_started = time.perf_counter()
         for step in range(1, settings.steps + 1):
             figures = _step(step, generation, trainer, sender, prompts, settings, reward)
@@ -58,14 +56,8 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
             _check(figures, step, settings)
         _summary(steps, time.perf_counter() - loop_started, settings)
     finally:
-        if sender is not None:
-            sender.close()
-        if generation is not None:
-            generation.shutdown()
-        fleet.shutdown()
-    json_path, png_path = write_outputs(steps, Path(settings.out_dir), attrs.asdict(settings))
-    print(f"figures: {json_path}  plot: {png_path}")
-    return steps
+        shut_down(fleet, generation, sender)
+    return write_figures(steps, settings)
 
 
 def fleet_sender(fleet: Any, device: str) -> Any:

@@ -40,7 +40,7 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     import torch
     from rollout_fleet.adapters.collective import TrainerRefitSession
     from rollout_fleet.adapters.shared import free_port
-    from rollout_fleet.wiring.demo.report import header, write_outputs
+    from rollout_fleet.wiring.demo.report import header
     from rollout_fleet.wiring.demo.trainer import (
         PolicyTrainer,
         TargetTokenReward,
@@ -81,11 +81,23 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
             steps = _sync_steps(generation, trainer, session, info, prompts, settings, reward)
         _summary(steps, time.perf_counter() - loop_started, settings)
     finally:
-        if session is not None:
-            session.close()
-        if generation is not None:
-            generation.shutdown()
-        fleet.shutdown()
+        shut_down(fleet, generation, session)
+    return write_figures(steps, settings)
+
+
+def shut_down(fleet, generation, weights_channel) -> None:
+    """Close what a demo opened (None: never opened): the trainer's way to send weights, the
+    driver, then the fleet."""
+    if weights_channel is not None:
+        weights_channel.close()
+    if generation is not None:
+        generation.shutdown()
+    fleet.shutdown()
+
+
+def write_figures(steps: list[dict[str, Any]], settings: DemoSettings) -> list[dict[str, Any]]:
+    from rollout_fleet.wiring.demo.report import write_outputs
+
     json_path, png_path = write_outputs(steps, Path(settings.out_dir), attrs.asdict(settings))
     print(f"figures: {json_path}  plot: {png_path}")
     return steps
