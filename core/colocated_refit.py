@@ -25,7 +25,7 @@ This module holds the values and the order (``ColocatedSession``: a pure state m
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -37,7 +37,7 @@ from rollout_fleet.core.refit import (
     next_version,
     plan_buckets,
 )
-from rollout_fleet.core.validate import is_int, positive_int
+from rollout_fleet.core.validate import is_int, one_of, positive_int
 
 COLOCATED_PROTOCOL = "rollout-fleet-colocated-v1"
 SHM_TRANSPORT = "shm"  # a named POSIX shared-memory segment (CPU)
@@ -51,12 +51,6 @@ _CUDA_FIELDS = ("device_uuid", "storage_handle", "storage_size_bytes", "storage_
                 "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
 
 
-def _one_of(field: str, allowed: Sequence[str]):
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if value not in allowed:
-            raise InvalidValue(field, value, f"must be one of {', '.join(allowed)}")
-    return check
-
 
 @attrs.frozen
 class ColocatedManifest:
@@ -65,9 +59,9 @@ class ColocatedManifest:
     info: RefitInfo
     buffer_bytes: int = attrs.field(validator=positive_int("buffer_bytes"))
     num_buffers: int = attrs.field(validator=positive_int("num_buffers"))
-    transport: str = attrs.field(validator=_one_of("transport", TRANSPORTS))
+    transport: str = attrs.field(validator=one_of("transport", TRANSPORTS))
     protocol: str = attrs.field(default=COLOCATED_PROTOCOL,
-                                validator=_one_of("protocol", (COLOCATED_PROTOCOL,)))
+                                validator=one_of("protocol", (COLOCATED_PROTOCOL,)))
 
     @property
     def plan(self) -> tuple[Bucket, ...]:
@@ -109,7 +103,7 @@ class BufferHandle:
     or a CUDA IPC handle (``cuda``: the fields torch's CUDA IPC rebuild needs, bytes as
     base64 text, and the trainer's GPU by UUID)."""
 
-    transport: str = attrs.field(validator=_one_of("handle.transport", TRANSPORTS))
+    transport: str = attrs.field(validator=one_of("handle.transport", TRANSPORTS))
     slot: int = attrs.field(validator=attrs.validators.instance_of(int))
     nbytes: int = attrs.field(validator=positive_int("handle.nbytes"))
     name: str | None = None

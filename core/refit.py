@@ -13,6 +13,7 @@ from rollout_fleet.core.validate import (
     int_at_least,
     is_int,
     non_empty_str,
+    one_of,
     positive_int,
 )
 
@@ -259,12 +260,6 @@ class RankLayout:
             )
 
 
-def _one_of(field: str, allowed: Sequence[Any]):
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if value not in allowed:
-            raise InvalidValue(field, value, f"must be one of {', '.join(map(str, allowed))}")
-    return check
-
 
 @attrs.frozen
 class GroupJoin:
@@ -283,7 +278,7 @@ class GroupJoin:
     sender_spec: CollectiveSenderSpec = attrs.field(factory=lambda: CollectiveSenderSpec())
     timeout_s: float = attrs.field(default=600.0, validator=finite_at_least("timeout_s", 0, strictly=True))
     # gloo or nccl; None: the worker's own (a driver does not know what its workers run on)
-    backend: str | None = attrs.field(default=None, validator=_one_of("backend", (*TRANSFER_BACKENDS, None)))
+    backend: str | None = attrs.field(default=None, validator=one_of("backend", (*TRANSFER_BACKENDS, None)))
 
     def __attrs_post_init__(self) -> None:
         if self.first_rank < self.train_world_size:

@@ -6,6 +6,7 @@ Plain functions (``check_*``) raise at once; the attrs validators wrap them.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.core.errors import InvalidValue
@@ -74,3 +75,20 @@ def non_empty_str(field: str):
         if not isinstance(value, str) or not value:
             raise InvalidValue(field, value, "must be a non-empty string")
     return check
+
+
+def one_of(field: str, allowed: Sequence[Any]):
+    """A value among ``allowed``."""
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if value not in allowed:
+            raise InvalidValue(field, value, f"must be one of {', '.join(map(str, allowed))}")
+    return check
+
+
+def check_known_keys(data: Mapping[str, Any], known: Collection[str], prefix: str = "") -> None:
+    """Refuse the first key of ``data`` that is not in ``known``, naming it (``prefix`` +
+    key) and the known ones."""
+    for key in data:
+        if key not in known:
+            raise InvalidValue(f"{prefix}{key}", data[key], "unknown key (known: "
+                               f"{', '.join(sorted(known))})")

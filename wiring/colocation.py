@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.sleep import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
-from rollout_fleet.core.validate import is_int
+from rollout_fleet.core.validate import check_known_keys, is_int
 
 # A colocated engine above this share of its GPU leaves its trainer rank little room.
 GPU_SHARE_REMINDER = 0.5
@@ -84,11 +84,7 @@ class ColocationConfig:
             return data
         if not isinstance(data, Mapping):
             raise InvalidValue("colocation", data, "must be a table")
-        known = {f.name for f in attrs.fields(cls)}
-        for key in data:
-            if key not in known:
-                raise InvalidValue(f"colocation.{key}", data[key], "unknown key; known: "
-                                   + ", ".join(sorted(known)))
+        check_known_keys(data, {f.name for f in attrs.fields(cls)}, "colocation.")
         return cls(**data)
 
     def placement(self, worker_names: list[str], ranks_per_worker: int) -> dict[str, tuple[int, ...]]:

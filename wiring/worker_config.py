@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.validate import finite_at_least, is_int, non_empty_str
+from rollout_fleet.core.validate import check_known_keys, finite_at_least, is_int, non_empty_str
 
 DEFAULT_SIGTERM_GRACE_S = 15.0
 
@@ -81,11 +81,7 @@ class WorkerConfig:
             return data
         if not isinstance(data, Mapping):
             raise InvalidValue("worker config", data, "must be a JSON object")
-        known = {field.name for field in attrs.fields(cls)}
-        for key in data:
-            if key not in known:
-                raise InvalidValue(key, data[key], "is not a worker setting (known: "
-                                   f"{', '.join(sorted(known))})")
+        check_known_keys(data, {field.name for field in attrs.fields(cls)})
         if data.get("run_dir") in (None, ""):
             raise InvalidValue("run_dir", data.get("run_dir"), "the worker config needs it")
         return cls(**data)
