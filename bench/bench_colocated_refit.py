@@ -14,7 +14,11 @@ real colocated controls (``WorkerColocatedRefit``); the control calls cross a pi
 HTTP. Per rep, interleaved, after one warm-up (medians printed):
   copy:       in the trainer's process, one ``copy_`` of every tensor into a second model
               (a plain memcpy on the CPU, a device-to-device copy on a GPU): the floor
+  staged:     in the trainer's process, every tensor copied into one buffer and out of it
+              into the second model: the two copies a packed handoff makes, with no second
+              process, no handle and no control call (this design's floor)
   colocated:  start -> every bucket packed by the trainer, loaded by the engine -> finish
+              (also printed: the trainer's seconds packing, and waiting for the engine)
   packed:     (CPU) the packed refit over gloo between the same two processes, received and
               loaded by ``PackedTransferEngine`` (NCCL refuses two ranks on one GPU)
 After the reps the engine's weights are compared with the trainer's, byte for byte.
@@ -123,6 +127,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _staged_copy(state, copy, staging, device) -> float:
+    started = time.perf_counter()
+    for name, tensor in state.items():
+        block = staging[:_nbytes(tensor)]
+        block.copy_(tensor.reshape(-1).view(torch.uint8))
+        copy[name].view(-1).view(torch.uint8).copy_(block)
+    _sync(device)
+    return time.perf_counter() - started
+
+
 def _digest(state) -> str:
     h = hashlib.sha256()
     for name, tensor in state.items():
@@ -141,7 +159,9 @@ def trainer(args, connection):
     nbytes = refit_info_of(state).total_bytes
     rows = []
     for mib in args.buffer_mib:
-        times = {"copy": [], "colocated": [], "packed": []}
+        times = {"copy": [], "staged": [], "colocated": [], "pack": [], "wait": [], "packed": []}
+        staging = torch.empty(max(int(mib * 2**20), max(_nbytes(t) for t in state.values())),
+                              dtype=torch.uint8, device=device)
         sender = ColocatedSender(PipeControl(connection), buffer_bytes=int(mib * 2**20),
                                  num_buffers=args.num_buffers, device=device)
         group = sender_packed = None
@@ -157,6 +177,7 @@ def trainer(args, connection):
                 copy[name].copy_(tensor)
             _sync(device)
             copy_s = time.perf_counter() - started
+            staged_s = _staged_copy(state, copy, staging, device)
             result = sender.send(state)
             packed_s = None
             if sender_packed is not None:
@@ -167,7 +188,10 @@ def trainer(args, connection):
                 packed_s = time.perf_counter() - started
             if rep:
                 times["copy"].append(copy_s)
+                times["staged"].append(staged_s)
                 times["colocated"].append(result.seconds)
+                times["pack"].append(result.pack_s)
+                times["wait"].append(result.wait_s)
                 if packed_s is not None:
                     times["packed"].append(packed_s)
         model.randomize(seed=7 + len(rows))  # new weights: every byte must move
@@ -232,6 +256,7 @@ def _row(mib, nbytes, times, exact, result):
     row = {"buffer_mib": mib, "reps": len(times["copy"]), "exact": exact, "nbytes": nbytes,
            "pool_mib": result.pool_bytes / 2**20, **{f"{k}_s": v for k, v in med.items()}}
     row["colocated_over_copy"] = med["colocated"] / med["copy"]
+    row["staged_over_copy"] = med["staged"] / med["copy"]
     if "packed" in med:
         row["packed_over_copy"] = med["packed"] / med["copy"]
         row["packed_over_colocated"] = med["packed"] / med["colocated"]
@@ -240,8 +265,10 @@ def _row(mib, nbytes, times, exact, result):
 
 def _format(row):
     text = (f"  buffers {row['buffer_mib']:g} MiB (pool {row['pool_mib']:.1f} MiB): copy"
-            f" {row['copy_s'] * 1e3:.1f} ms, colocated {row['colocated_s'] * 1e3:.1f} ms"
-            f" ({row['colocated_over_copy']:.2f}x copy)")
+            f" {row['copy_s'] * 1e3:.1f} ms, staged {row['staged_s'] * 1e3:.1f} ms"
+            f" ({row['staged_over_copy']:.2f}x copy), colocated {row['colocated_s'] * 1e3:.1f} ms"
+            f" ({row['colocated_over_copy']:.2f}x copy; trainer packing {row['pack_s'] * 1e3:.1f}"
+            f" ms, waiting {row['wait_s'] * 1e3:.1f} ms)")
     if "packed_s" in row:
         text += (f", packed gloo {row['packed_s'] * 1e3:.1f} ms ({row['packed_over_copy']:.2f}x"
                  f" copy, {row['packed_over_colocated']:.2f}x colocated)")
@@ -273,11 +300,11 @@ def main(argv=None) -> int:
     mp.start_processes(_run, args=(args, connections, results), nprocs=2, start_method="spawn")
     rows, nbytes = results.get()
     print(f"\n{nbytes / 2**20:.0f} MiB, medians of {rows[0]['reps']} reps")
-    print("| buffers | copy ms | colocated ms | colocated / copy | packed gloo ms | packed / copy"
-          " | packed / colocated | bit-exact |")
+    print("| buffers | copy ms | staged / copy | colocated ms | colocated / copy | packed gloo ms"
+          " | packed / copy | packed / colocated | bit-exact |")
     for r in rows:
         print(f"| {r['buffer_mib']:g} MiB x {args.num_buffers} | {r['copy_s'] * 1e3:.1f} |"
-              f" {r['colocated_s'] * 1e3:.1f} | {r['colocated_over_copy']:.2f} |"
+              f" {r['staged_over_copy']:.2f} | {r['colocated_s'] * 1e3:.1f} | {r['colocated_over_copy']:.2f} |"
               f" {r.get('packed_s', float('nan')) * 1e3:.1f} | {r.get('packed_over_copy', float('nan')):.2f} |"
               f" {r.get('packed_over_colocated', float('nan')):.2f} | {'yes' if r['exact'] else 'NO'} |")
     return 0 if all(r["exact"] for r in rows) else 1

@@ -10,7 +10,10 @@ demo says so. Every step prints its sleep, wake and refit seconds.
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 from rollout_fleet.wiring.demo.run import (
@@ -48,6 +51,9 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
         reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
         prompts = _prompts(settings, trainer.model.config.vocab_size)
         sender = fleet_sender(fleet, "cuda" if on_gpu else "cpu")
+        slept = sleep_check(generation, prompts, settings, fleet.run_dir) if on_gpu else None
+        if slept:
+            print(_sleep_line(slept), flush=True)
         loop_started = time.perf_counter()
         for step in range(1, settings.steps + 1):
             figures = _step(step, generation, trainer, sender, prompts, settings, reward)
@@ -55,6 +61,9 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
             print(_row(figures), flush=True)
             _check(figures, step, settings)
         _summary(steps, time.perf_counter() - loop_started, settings)
+        if slept:  # checked after the loop, so one run gives every figure
+            _check_sleep(slept)
+            steps[0]["sleep_check"] = slept
     finally:
         shut_down(fleet, generation, sender)
     return write_figures(steps, settings)
@@ -65,6 +74,70 @@ def fleet_sender(fleet: Any, device: str) -> Any:
 
     return colocated_sender(fleet.worker_control(0), device=device, buffer_bytes=BUFFER_BYTES,
                             num_buffers=2, timeout_s=300)
+
+
+def sleep_check(generation, prompts, settings: DemoSettings, run_dir: Path) -> dict[str, Any]:
+    """Before training: greedy answers, a level-1 sleep with the device's free memory measured
+    from this (the trainer's) process before, asleep and woken, then the same answers again."""
+    import torch
+
+    awake = torch.cuda.mem_get_info()[0]
+    before = _greedy(generation, prompts, settings)
+    generation.finish_generation()
+    asleep = torch.cuda.mem_get_info()[0]
+    generation.prepare_for_generation()
+    woken = torch.cuda.mem_get_info()[0]
+    after = _greedy(generation, prompts, settings)
+    figures = {"sleep_freed_mib": (asleep - awake) / 2**20,
+               "wake_took_mib": (asleep - woken) / 2**20,
+               "kv_cache_mib": _kv_cache_mib(run_dir / "worker-0.log"),
+               "answers_equal_after_wake": sum(a[0] == b[0] for a, b in zip(before, after)),
+               "answers": len(before),
+               "max_dlogprob_after_wake": max(
+                   (abs(x - y) for a, b in zip(before, after) for x, y in zip(a[1], b[1])),
+                   default=0.0)}
+    return figures
+
+
+def _check_sleep(figures: dict[str, Any]) -> None:
+    if figures["answers_equal_after_wake"] != figures["answers"]:
+        raise DemoFailed(f"after a sleep and a wake, {figures['answers_equal_after_wake']} of "
+                         f"{figures['answers']} greedy answers equal those before it (same weights)")
+
+
+def _kv_cache_mib(worker_log: Path) -> float | None:
+    """The KV cache vLLM allocated, from its worker's log line (None if it printed none)."""
+    found = re.findall(r"Available KV cache memory: ([0-9.]+) GiB",
+                       worker_log.read_text(errors="replace") if worker_log.exists() else "")
+    return float(found[-1]) * 1024 if found else None
+
+
+def _greedy(generation, prompts, settings: DemoSettings) -> list[tuple[list[int], list[float]]]:
+    import torch
+
+    data = {"input_ids": torch.tensor(prompts, dtype=torch.long),
+            "input_lengths": torch.full((len(prompts),), settings.prompt_len, dtype=torch.long)}
+    answers: list = [None] * len(prompts)
+
+    async def collect():
+        async for index, sample in generation.generate_async(data, greedy=True):
+            n, start = int(sample["generation_lengths"][0]), settings.prompt_len
+            answers[index] = (sample["output_ids"][0, start:start + n].tolist(),
+                              sample["logprobs"][0, start:start + n].tolist())
+
+    asyncio.run(collect())
+    return answers
+
+
+def _sleep_line(figures: dict[str, Any]) -> str:
+    kv = figures["kv_cache_mib"]
+    share = (f" = {figures['sleep_freed_mib'] / kv:.0%} of the {kv:,.0f} MiB KV cache vLLM "
+             "allocated" if kv else " (vLLM's KV cache size not found in its log)")
+    return (f"sleep check: a level-1 sleep freed {figures['sleep_freed_mib']:,.0f} MiB of the "
+            f"device{share} (this process's torch.cuda.mem_get_info), the wake took back "
+            f"{figures['wake_took_mib']:,.0f} MiB; greedy answers after the wake equal those "
+            f"before: {figures['answers_equal_after_wake']} of {figures['answers']} (max "
+            f"|dlogprob| {figures['max_dlogprob_after_wake']:.1e})")
 
 
 def _config(settings: DemoSettings, device: str):
