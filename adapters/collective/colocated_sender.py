@@ -52,10 +52,15 @@ class ColocatedSender:
         self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
         self.timeout_s, self.mode = timeout_s, refit_mode(mode)
         self._pool: BufferPool | None = None
+        # ``send``'s own loop, kept across refits: a fresh loop per refit would start new
+        # threads and a new control connection each time (a few ms of a small model's refit)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def send(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> ColocatedResult:
         """One refit from a plain (synchronous) trainer loop; see ``send_async``."""
-        return asyncio.run(self.send_async(state_dict, version))
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self.send_async(state_dict, version))
 
     async def send_async(self, state_dict: Mapping[str, torch.Tensor],
                          version: int | None = None) -> ColocatedResult:
@@ -113,7 +118,7 @@ class ColocatedSender:
     def _pool_for(self, manifest: ColocatedManifest) -> BufferPool:
         pool = self._pool
         if pool is None or pool.slot_bytes != manifest.slot_bytes:
-            self.close()
+            self._close_pool()
             pool = self._pool = BufferPool(manifest.slot_bytes, manifest.num_buffers, self.device)
         return pool
 
@@ -132,6 +137,16 @@ class ColocatedSender:
             pass
 
     def close(self) -> None:
+        self._close_pool()
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            try:  # what asyncio.run does at its end: the control's clients close with the loop
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                loop.close()
+
+    def _close_pool(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()

@@ -180,11 +180,25 @@ _VLLM_PAUSE = {"drain": "wait", "keep": "keep", "recompute": "keep"}
 async def _paused(engine: Any, mode: str = DEFAULT_REFIT_MODE):
     """Hold new requests, drain or freeze those in flight (``mode``), and always resume (even
     on a failed load)."""
-    await engine.pause_generation(mode=_VLLM_PAUSE[mode], clear_cache=False)
+    await _pause(engine, _VLLM_PAUSE[mode])
     try:
         yield
     finally:
         await engine.resume_generation()
+
+
+async def _pause(engine: Any, vllm_mode: str) -> None:
+    """vLLM's ``pause_generation``, less its fixed 20 ms sleep when nothing is in flight: that
+    sleep only lets in-flight requests' last outputs through first, and an idle engine has none
+    (it was most of a small model's refit). Busy, or without those parts: vLLM's own call."""
+    processor = getattr(engine, "output_processor", None)
+    core = getattr(engine, "engine_core", None)
+    idle = callable(getattr(processor, "has_unfinished_requests", None)) and \
+        not processor.has_unfinished_requests()
+    if idle and callable(getattr(core, "pause_scheduler_async", None)):
+        await core.pause_scheduler_async(mode=vllm_mode, clear_cache=False)
+    else:
+        await engine.pause_generation(mode=vllm_mode, clear_cache=False)
 
 
 def native_init_info(join: GroupJoin) -> dict[str, Any]:
