@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from rollout_fleet.adapters.collective.packing import torch_dtype
-from rollout_fleet.adapters.shared.segments import Segment, new_segment_name
+from rollout_fleet.adapters.shared.segments import Segment, new_segment_name, remove_orphans
 from rollout_fleet.core.colocated_refit import (
     CUDA_TRANSPORT,
     SHM_TRANSPORT,
@@ -39,6 +39,8 @@ class BufferPool:
         self._segments: list[Segment] = []
         self._buffers: list[torch.Tensor] = []
         self._handles: list[BufferHandle] = []
+        if self.transport == SHM_TRANSPORT:
+            remove_orphans()  # a trainer killed before its close left its segments behind
         try:
             for slot in range(num_buffers):
                 self._buffers.append(self._allocate(slot))

@@ -1,7 +1,8 @@
 """Named POSIX shared-memory segments (``/dev/shm/<name>``) for colocated refits on the CPU.
 
-The trainer creates a segment per buffer once and unlinks it when it is done; an engine on the
-same host opens one by name, maps it, and closes its mapping when the refit ends. Plain files
+The trainer creates a segment per buffer once and unlinks it when it is done (and a new pool
+first unlinks the segments of trainers that died without doing so); an engine on the same host
+opens one by name, maps it, and closes its mapping when the refit ends. Plain files
 under /dev/shm with ``mmap`` rather than ``multiprocessing.shared_memory``: Python 3.11's
 class registers every segment it opens with a resource tracker, which unlinks it (and warns)
 when the opening process exits, taking the trainer's buffer away. Names carry the protocol's
@@ -22,7 +23,9 @@ SHM_DIR = "/dev/shm"
 
 
 def new_segment_name(slot: int) -> str:
-    return f"{SEGMENT_PREFIX}{os.getpid()}-{slot}-{secrets.token_hex(6)}"
+    """``<prefix><pid>.<pid namespace>-<slot>-<random>``: the sweep judges a creator only
+    inside its own pid namespace (containers sharing /dev/shm see other pids)."""
+    return f"{SEGMENT_PREFIX}{os.getpid()}.{_pid_namespace()}-{slot}-{secrets.token_hex(6)}"
 
 
 class Segment:
@@ -90,6 +93,48 @@ class Segment:
             os.unlink(_path(self.name))
         except FileNotFoundError:
             pass
+
+
+def remove_orphans(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink this user's segments whose creating process is gone (a trainer killed by SIGKILL
+    cannot unlink its own); returns their names. A live creator's are kept, whoever it is."""
+    removed = []
+    for entry in os.scandir(shm_dir) if os.path.isdir(shm_dir) else ():
+        pid = _creator(entry.name)
+        if pid is None or _alive(pid):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except FileNotFoundError:
+            pass  # its creator's clean-up, or another sweep, got there first
+    return removed
+
+
+def _creator(name: str) -> int | None:
+    """The pid in a name from ``new_segment_name`` made in this pid namespace; else None."""
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    pid, _, namespace = name[len(SEGMENT_PREFIX):].split("-", 1)[0].partition(".")
+    return int(pid) if pid.isdigit() and namespace == _pid_namespace() else None
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "unknown"  # no /proc: names still match each other on this host
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive, and not ours to judge
+    return True
 
 
 def _path(name: str) -> str:
