@@ -10,21 +10,12 @@ from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
 from rollout_fleet.ports.contracts.colocated import ColocatedContract
 from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest, OpenAIExtrasContract
 from rollout_fleet.ports.contracts.refit_target import RefitTargetContract, RefitTrainer
+from tests.support.memory_group import SwappableGroup
 
 PROMPTS = [[3, 4, 5], [10, 11], [20, 21, 22, 23], [7]]
 
 
-class _Group:
-    """The in-memory refit group of one test: the engine joins through it, the trainer sends."""
-
-    def __init__(self):
-        self.collective = MemoryCollective()
-
-    def join_receiver(self, join, engine_rank):
-        return self.collective.join_receiver(join, engine_rank)
-
-
-GROUP = _Group()
+GROUP = SwappableGroup()
 SPEC = CollectiveSenderSpec(buffer_bytes=1024, num_buffers=2)
 
 

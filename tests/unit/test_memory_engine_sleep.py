@@ -19,20 +19,13 @@ from rollout_fleet.core.rollout_client import RolloutClient
 from rollout_fleet.core.sleep import WorkerSleep
 from rollout_fleet.ports.contracts.engine import EngineUnderTest
 from rollout_fleet.ports.contracts.sleeper import SleeperContract
+from tests.support.memory_group import SwappableGroup
 
 PROMPTS = [[3, 4, 5], [10, 11], [20, 21, 22, 23]]
 SPEC = CollectiveSenderSpec(buffer_bytes=1024, num_buffers=2)
 
 
-class _Group:
-    def __init__(self):
-        self.collective = MemoryCollective()
-
-    def join_receiver(self, join, rank):
-        return self.collective.join_receiver(join, rank)
-
-
-GROUP = _Group()
+GROUP = SwappableGroup()
 
 
 def refit_with(eut, state):
