@@ -7,7 +7,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from rollout_fleet.adapters.shared import free_port, stop_process_group
+from rollout_fleet.adapters.shared import free_port, release_ports, stop_process_group
 from rollout_fleet.adapters.shared.processes import (hand_over_secret, interrupts_held,
                                                     secret_stdin, signal_group)
 from rollout_fleet.adapters.shared.shm import SegmentWatch
@@ -41,13 +41,9 @@ class LocalPlacement(Placement):
         handles = []
         for launch in launches:
             index = len(self._processes)  # continues after the workers of earlier launches
-            ports = {}
-            for variable in launch.port_env:
-                port = free_port(self._bind_host)
-                while port in self._ports_given:  # given to a worker that may not bind it yet
-                    port = free_port(self._bind_host)
-                self._ports_given.add(port)
-                ports[variable] = port
+            # Claimed for this process: not handed out again while the worker comes up.
+            ports = {variable: free_port(self._bind_host) for variable in launch.port_env}
+            self._ports_given.update(ports.values())
             env = {**os.environ, **launch.env, **{k: str(v) for k, v in ports.items()}}
             if launch.host_env:
                 env[launch.host_env] = self._bind_host
@@ -90,6 +86,7 @@ class LocalPlacement(Placement):
             self._segments.release(name)
         self._segments.close()
         self._processes.clear()
+        release_ports(self._ports_given)  # its workers are gone: nothing will bind them now
         self._ports_given.clear()
 
     def _process(self, name: str) -> subprocess.Popen:

@@ -5,6 +5,8 @@ so adapters importing it stay independent of each other (tests/layering.py state
 """
 
 from rollout_fleet.adapters.shared.net import PORT_RANGE, free_port, is_loopback
+from rollout_fleet.adapters.shared.port_claims import release_ports
 from rollout_fleet.adapters.shared.processes import read_tail, stop_process_group
 
-__all__ = ["PORT_RANGE", "free_port", "is_loopback", "read_tail", "stop_process_group"]
+__all__ = ["PORT_RANGE", "free_port", "is_loopback", "read_tail", "release_ports",
+           "stop_process_group"]

@@ -8,24 +8,36 @@ import os
 import random
 import socket
 
+from rollout_fleet.adapters.shared.port_claims import PortClaims, host_claims
+
 # Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit int: ports above 32767 are refused.
 # Kernel-chosen ports (bind to 0) come from the ephemeral range (32768+), so pick below it:
 # then no client socket can take a port while its server restarts.
 PORT_RANGE = (20000, 32767)
 
 
-def free_port(host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE) -> int:
-    """A port in ``port_range`` that nothing listens on now (random probes)."""
+def free_port(host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE,
+              claims: PortClaims | None = None) -> int:
+    """A port in ``port_range`` that nothing listens on now and no other live process of this
+    user was handed by this function (random probes; ``claims``: the host's by default). The
+    claim keeps it from everyone else until this process exits."""
     low, high = port_range
+    claims = claims or host_claims()
     for _ in range(200):
         port = random.randint(low, high)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
+        if _bindable(host, port) and claims.claim(port):
             return port
     raise OSError(f"no free port in {low}-{high} on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def is_loopback(host: str) -> bool:

@@ -104,3 +104,23 @@ def hand_over_secret(process: subprocess.Popen, secret: str | None) -> None:
         process.stdin.close()
     except BrokenPipeError:
         pass  # the child is already gone; the fleet reports why from its log
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (an inode number): a pid names a process only inside it
+    (containers sharing /tmp or /dev/shm see other pids)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "unknown"  # no /proc: names still match each other on this host
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) exists; another user's counts as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive, and not ours to judge
+    return True

@@ -16,6 +16,7 @@ import mmap
 import os
 import secrets
 
+from rollout_fleet.adapters.shared.processes import pid_namespace, process_alive
 from rollout_fleet.core.colocated_refit import SEGMENT_PREFIX
 from rollout_fleet.core.errors import InvalidValue, RefitError
 
@@ -25,7 +26,7 @@ SHM_DIR = "/dev/shm"
 def new_segment_name(slot: int) -> str:
     """``<prefix><pid>.<pid namespace>-<slot>-<random>``: the sweep judges a creator only
     inside its own pid namespace (containers sharing /dev/shm see other pids)."""
-    return f"{SEGMENT_PREFIX}{os.getpid()}.{_pid_namespace()}-{slot}-{secrets.token_hex(6)}"
+    return f"{SEGMENT_PREFIX}{os.getpid()}.{pid_namespace()}-{slot}-{secrets.token_hex(6)}"
 
 
 class Segment:
@@ -101,7 +102,7 @@ def remove_orphans(shm_dir: str = SHM_DIR) -> list[str]:
     removed = []
     for entry in os.scandir(shm_dir) if os.path.isdir(shm_dir) else ():
         pid = _creator(entry.name)
-        if pid is None or _alive(pid):
+        if pid is None or process_alive(pid):
             continue
         try:
             if entry.stat(follow_symlinks=False).st_uid == os.getuid():
@@ -117,24 +118,7 @@ def _creator(name: str) -> int | None:
     if not name.startswith(SEGMENT_PREFIX):
         return None
     pid, _, namespace = name[len(SEGMENT_PREFIX):].split("-", 1)[0].partition(".")
-    return int(pid) if pid.isdigit() and namespace == _pid_namespace() else None
-
-
-def _pid_namespace() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "unknown"  # no /proc: names still match each other on this host
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive, and not ours to judge
-    return True
+    return int(pid) if pid.isdigit() and namespace == pid_namespace() else None
 
 
 def _path(name: str) -> str:

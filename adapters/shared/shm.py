@@ -2,32 +2,36 @@
 
 vLLM's message queues between its processes are Python ``SharedMemory`` segments
 (``/dev/shm/psm_*``). A killed engine core, and at times a clean exit, leaves its segment
-behind (~160 MiB). A tracker records the segments a worker's processes map or hold open while
-they live (from ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``) and removes those that remain
-once no process of the worker uses them. It never removes a file it did not see in the
-worker's processes, nor one that was replaced by another of the same name since (the inode
-must match).
+behind (~160 MiB); a killed worker leaves the named semaphores of Python's multiprocessing
+(``sem.mp-*``), which its resource tracker, killed with it, would have removed. A tracker
+records the files a worker's processes map or hold open while they live (by inode, from
+``/proc/<pid>/maps`` and ``/proc/<pid>/fd``: a semaphore's creator maps it under a temporary
+name) and removes those that remain once no process of the worker uses them. It never removes
+a file it did not see in the worker's processes, nor one that was replaced by another of the
+same name since (the inode must match).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "psm_"
+SEGMENT_PREFIX = "psm_"  # vLLM's queues
+SEMAPHORE_PREFIX = "sem.mp-"  # multiprocessing's named semaphores
+WORKER_FILE_PREFIXES = (SEGMENT_PREFIX, SEMAPHORE_PREFIX)
 
 
 class SharedMemoryTracker:
     """The segments of one worker: the process group it leads and every descendant."""
 
     def __init__(self, root_pid: int, *, remove_unused: bool = True, shm_dir: str = SHM_DIR,
-                 prefix: str = SEGMENT_PREFIX) -> None:
+                 prefix: str | tuple[str, ...] = SEGMENT_PREFIX) -> None:
         self.root_pid = root_pid
         self._remove_unused = remove_unused
         self._dir = shm_dir.rstrip("/") + "/"
-        self._prefix = prefix
+        self._prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
         self._seen: dict[str, int] = {}  # path -> inode, while the worker used it
         self._unused_once: set[str] = set()
         self._lock = threading.Lock()
@@ -41,9 +45,7 @@ class SharedMemoryTracker:
         """Record what the worker's processes use now, and (``remove_unused``) remove a recorded
         segment that no process of the worker has used in two scans in a row (its engine core
         died)."""
-        in_use = {}
-        for pid in worker_processes(self.root_pid):
-            in_use.update(self._segments_of(pid))
+        in_use = self.in_use()
         with self._lock:
             self._seen.update(in_use)
             if not self._remove_unused:
@@ -53,10 +55,21 @@ class SharedMemoryTracker:
                 self._remove(path)
             self._unused_once = unused - self._unused_once
 
-    def remove_all(self) -> list[str]:
-        """Once the worker has stopped: remove every recorded segment still there."""
+    def in_use(self) -> dict[str, int]:
+        """path -> inode of the tracked files that the worker's processes use now."""
+        named = self._named_files()
+        in_use = {}
+        for pid in worker_processes(self.root_pid):
+            in_use.update((named[inode], inode) for inode in _shm_inodes(pid, self._dir)
+                          if inode in named)
+        return in_use
+
+    def remove_all(self, keep: Collection[str] = ()) -> list[str]:
+        """Once the worker has stopped: remove every recorded segment still there (but
+        ``keep``)."""
         with self._lock:
-            removed = [path for path in list(self._seen) if self._remove(path)]
+            removed = [path for path in list(self._seen)
+                       if path not in keep and self._remove(path)]
             self._unused_once.clear()
         return removed
 
@@ -70,33 +83,45 @@ class SharedMemoryTracker:
             return False  # already gone (vLLM removes its own on a clean exit)
         return True
 
-    def _segments_of(self, pid: int) -> dict[str, int]:
-        found = {}
+    def _named_files(self) -> dict[int, str]:
+        """inode -> path of the tracked files in the folder now."""
+        named = {}
         try:
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and self._is_segment(fields[5].rstrip("\n")):
-                        found[fields[5].rstrip("\n")] = int(fields[4])
+            entries = list(os.scandir(self._dir))
         except OSError:
-            pass  # gone meanwhile
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            return found
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if self._is_segment(target):
-                    found[target] = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
-            except OSError:
-                continue
-        return found
+            return named
+        for entry in entries:
+            if entry.name.startswith(self._prefixes):
+                try:
+                    named[entry.inode()] = entry.path
+                except OSError:
+                    continue
+        return named
 
-    def _is_segment(self, path: str) -> bool:
-        # An unlinked segment reads "/dev/shm/psm_x (deleted)": nothing left to remove.
-        return path.startswith(self._dir + self._prefix) and "/" not in path[len(self._dir):] \
-            and not path.endswith(" (deleted)")
+
+def _shm_inodes(pid: int, shm_dir: str) -> set[int]:
+    """The inodes of the files under ``shm_dir`` that process ``pid`` maps or holds open, by
+    whatever name it got them (an unlinked temporary one included)."""
+    inodes = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(shm_dir):
+                    inodes.add(int(fields[4]))
+    except OSError:
+        pass  # gone meanwhile
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(shm_dir):
+                inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            continue
+    return inodes
 
 
 class SegmentWatch:
@@ -110,7 +135,7 @@ class SegmentWatch:
         self._thread: threading.Thread | None = None
 
     def track(self, name: str, root_pid: int) -> SharedMemoryTracker:
-        tracker = SharedMemoryTracker(root_pid)
+        tracker = SharedMemoryTracker(root_pid, prefix=WORKER_FILE_PREFIXES)
         with self._lock:
             self._trackers[name] = tracker
             if self._thread is None:

@@ -11,7 +11,8 @@ import sys
 
 import torch
 from rollout_fleet.adapters.collective.colocated import BufferPool
-from rollout_fleet.adapters.shared.segments import _pid_namespace, remove_orphans
+from rollout_fleet.adapters.shared.processes import pid_namespace
+from rollout_fleet.adapters.shared.segments import remove_orphans
 from rollout_fleet.core.colocated_refit import SEGMENT_PREFIX
 
 
@@ -22,7 +23,7 @@ def dead_pid() -> int:
 
 
 def test_segments_of_a_dead_trainer_go_and_a_live_ones_stay(tmp_path):
-    dead, alive, here = dead_pid(), os.getpid(), _pid_namespace()
+    dead, alive, here = dead_pid(), os.getpid(), pid_namespace()
     names = {"dead": f"{SEGMENT_PREFIX}{dead}.{here}-0-abc",
              "alive": f"{SEGMENT_PREFIX}{alive}.{here}-0-def",
              "elsewhere": f"{SEGMENT_PREFIX}{dead}.1-0-abc",  # another pid namespace's
@@ -35,7 +36,7 @@ def test_segments_of_a_dead_trainer_go_and_a_live_ones_stay(tmp_path):
 
 
 def test_a_new_shared_memory_pool_sweeps_first():
-    orphan = f"/dev/shm/{SEGMENT_PREFIX}{dead_pid()}.{_pid_namespace()}-0-0123456789ab"
+    orphan = f"/dev/shm/{SEGMENT_PREFIX}{dead_pid()}.{pid_namespace()}-0-0123456789ab"
     with open(orphan, "wb") as out:
         out.write(b"\0" * 16)
     pool = BufferPool(4096, 2, torch.device("cpu"))

@@ -1,0 +1,53 @@
+"""A worker killed with its whole process group leaves its /dev/shm files (its multiprocessing
+resource tracker dies with it); the placement's watch removes the ones the worker's processes
+used, matched by inode (a semaphore's creator maps it under a temporary name), and nothing
+else. Real processes, real POSIX semaphores and segments."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from rollout_fleet.adapters.shared.processes import signal_group
+from rollout_fleet.adapters.shared.shm import WORKER_FILE_PREFIXES, SharedMemoryTracker
+
+WORKER = """
+import multiprocessing, os, sys
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, kept until exit
+segment = open("/dev/shm/psm_" + sys.argv[1], "w+b")  # a queue-like segment, held open
+segment.truncate(4096)
+print(lock._semlock.name, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_semaphores_and_segments_of_a_killed_worker_group_are_removed_and_only_those():
+    tag = f"test{os.getpid()}"
+    stranger = f"/dev/shm/sem.mp-{tag}stranger"  # another program's: never seen in the worker
+    open(stranger, "wb").close()
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, tag], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, process_group=0)
+    try:
+        semaphore = "/dev/shm/sem." + worker.stdout.readline().strip().lstrip("/")
+        assert os.path.exists(semaphore)
+        tracker = SharedMemoryTracker(worker.pid, prefix=WORKER_FILE_PREFIXES)
+        tracker.scan()
+        assert set(tracker.seen) == {semaphore, f"/dev/shm/psm_{tag}"}
+        signal_group(worker.pid, signal.SIGKILL)  # its resource tracker goes with it
+        worker.wait()
+        time.sleep(0.2)
+        assert os.path.exists(semaphore), "nothing else removed it: the leak is real"
+        assert sorted(tracker.remove_all()) == sorted([semaphore, f"/dev/shm/psm_{tag}"])
+        assert not os.path.exists(semaphore) and os.path.exists(stranger)
+    finally:
+        if worker.poll() is None:
+            signal_group(worker.pid, signal.SIGKILL)
+            worker.wait()
+        worker.stdin.close()
+        worker.stdout.close()
+        for path in (stranger, f"/dev/shm/psm_{tag}"):
+            if os.path.exists(path):
+                os.unlink(path)
