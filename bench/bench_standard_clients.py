@@ -23,7 +23,10 @@ started as ``vllm.entrypoints.cli.main.main()`` with that one lookup answered fo
 
     unshare -n sh -c 'ip link set lo up && .venv/bin/python bench/bench_standard_clients.py \
         [--rounds 3] [--prompts 256] [--input-len 32] [--output-len 64] [--concurrency 64] \
-        [--fleet-nice 10]'
+        [--fleet-nice 10] [--stream-interval 1]'
+
+``--stream-interval N`` sets vLLM's ``stream_interval`` on both servers alike (the first token
+goes out at once, then a chunk per N tokens): fewer chunks through each hop.
 """
 
 from __future__ import annotations
@@ -109,11 +112,12 @@ def wait_for_model(url: str, processes: list[subprocess.Popen], log: Path) -> No
                      f"{log.read_text()[-3000:]}")
 
 
-def start_fleet(run_dir: Path, model: Path, nice: int | None):
+def start_fleet(run_dir: Path, model: Path, nice: int | None, stream_interval: int = 1):
     from rollout_fleet.adapters.dynamo import DynamoFrontend
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    engine = {"kind": "vllm", "model": str(model), "cpu_worker_nice": nice}
+    engine = {"kind": "vllm", "model": str(model), "cpu_worker_nice": nice,
+              "extra_engine_args": {"stream_interval": stream_interval}}
     config = {"engine": engine, "run_dir": str(run_dir),
               "namespace": f"bench-clients-{run_dir.name}", "served_model_name": SERVED_MODEL,
               "system_port": free_port(below=32768),  # Dynamo reads it as a signed 16-bit int
@@ -126,7 +130,7 @@ def start_fleet(run_dir: Path, model: Path, nice: int | None):
     return frontend.url, worker, frontend, log
 
 
-def vllm_server_flags(model: Path) -> list[str]:
+def vllm_server_flags(model: Path, stream_interval: int = 1) -> list[str]:
     """The fleet's engine arguments, as vLLM's server takes them."""
     from rollout_fleet.adapters.vllm import VllmEngineConfig
 
@@ -138,14 +142,14 @@ def vllm_server_flags(model: Path) -> list[str]:
     flags += ["--enforce-eager"] if kwargs["enforce_eager"] else []
     flags += ["--enable-prefix-caching"] if kwargs["enable_prefix_caching"] else []
     flags += ["--disable-log-stats"] if kwargs["disable_log_stats"] else []
-    return flags
+    return flags + ["--stream-interval", str(stream_interval)]
 
 
-def start_vllm(run_dir: Path, model: Path):
+def start_vllm(run_dir: Path, model: Path, stream_interval: int = 1):
     port = free_port()
     log = run_dir / "vllm-server.log"
     server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                    *vllm_server_flags(model), "--served-model-name", SERVED_MODEL,
+                    *vllm_server_flags(model, stream_interval), "--served-model-name", SERVED_MODEL,
                     "--host", "127.0.0.1", "--port", str(port)], log)
     return f"http://127.0.0.1:{port}", server, log
 
@@ -207,14 +211,18 @@ def main(argv=None) -> int:
     parser.add_argument("--fleet-nice", type=nice_values, default=[10],
                         help="comma-separated cpu_worker_nice values, one fleet each ('none':"
                              " the caller's priority)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="vLLM's stream_interval (tokens per streamed chunk after the first)"
+                             " for both servers; vLLM's default is 1")
     args = parser.parse_args(argv)
     from rollout_fleet.adapters.tiny_model import build_tiny_model
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-clients-"))
     model = build_tiny_model(run_dir / "model", seed=0)
-    fleets = {fleet_way(nice): start_fleet(run_dir / f"fleet-{index}", model, nice)
+    fleets = {fleet_way(nice): start_fleet(run_dir / f"fleet-{index}", model, nice,
+                                           args.stream_interval)
               for index, nice in enumerate(args.fleet_nice)}
-    vllm_url, server, vllm_log = start_vllm(run_dir, model)
+    vllm_url, server, vllm_log = start_vllm(run_dir, model, args.stream_interval)
     try:
         for url, worker, _, log in fleets.values():
             wait_for_model(url, [worker], log)

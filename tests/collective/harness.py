@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 import time
 from typing import Any, Callable
+
+from rollout_fleet.adapters.shared import free_port  # noqa: F401  (the tests import it here)
 
 _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["tests.collective.peers"])
@@ -21,12 +22,6 @@ def stop_forkserver() -> None:
     from multiprocessing import forkserver
 
     forkserver._forkserver._stop()  # joins the server process
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(slot: int, target: Callable, kwargs: dict, results: Any) -> None:

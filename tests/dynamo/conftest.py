@@ -64,7 +64,7 @@ def fleet(dynamo_run_dir: Path):
     except ImportError as exc:  # no skips: a missing component fails loudly
         pytest.fail(f"the dynamo tier needs ai-dynamo 1.6.1 installed (scripts/venv.sh): {exc}")
     run_dir = dynamo_run_dir
-    system_port = free_port(below=32768)
+    system_port = free_port()
     worker = start_worker_process(run_dir, worker_config(run_dir, system_port, SERVED_MODEL), "worker")
     frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
     try:

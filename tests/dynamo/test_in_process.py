@@ -84,7 +84,7 @@ def in_process(fleet):
         return start_dynamo_endpoint(
             adapter, model_path=str(fleet.model_path), served_model_name=SERVED,
             namespace="test-in-process",
-            engine_env=dynamo_env(fleet.run_dir, system_port=free_port(below=32768)))
+            engine_env=dynamo_env(fleet.run_dir, system_port=free_port()))
 
     task = loop.run(start())
     try:

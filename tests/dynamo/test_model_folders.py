@@ -34,7 +34,7 @@ def model_folder(path: Path, chat_template: str | None) -> Path:
 
 
 def worker_on_folder(fleet, name: str, folder: Path):
-    config = {**worker_config(fleet.run_dir, free_port(below=32768), name), "model_path": str(folder),
+    config = {**worker_config(fleet.run_dir, free_port(), name), "model_path": str(folder),
               "namespace": f"test-{name}"}
     return start_worker_process(fleet.run_dir, config, name)
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.dynamo
 
 def test_sigterm_reaches_dynamo_and_the_host_handler(fleet):
     served = "mem-sigterm"
-    config = worker_config(fleet.run_dir, free_port(below=32768), served)
+    config = worker_config(fleet.run_dir, free_port(), served)
     worker = start_worker_process(fleet.run_dir, config, "worker-sigterm")
     try:
         fleet.frontend.wait_for_model(served, timeout_s=60, workers=[worker])
@@ -38,7 +38,7 @@ def test_sigterm_reaches_dynamo_and_the_host_handler(fleet):
 def test_sigterm_while_starting_never_hangs(fleet):
     # A SIGTERM that lands before Dynamo installs its own handler (the worker is still importing
     # Dynamo) reaches only the worker's handler: the worker must still exit, after its grace.
-    config = {**worker_config(fleet.run_dir, free_port(below=32768), "mem-early-term"),
+    config = {**worker_config(fleet.run_dir, free_port(), "mem-early-term"),
               "sigterm_grace_s": 1}
     worker = start_worker_process(fleet.run_dir, config, "worker-early-term")
     log_path = fleet.run_dir / "worker-early-term.log"

@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import random
 import socket
 from collections.abc import Iterable
 
 import attrs
+from rollout_fleet.adapters.shared.net import free_port as shared_free_port
 from rollout_fleet.adapters.shared.net import socket_inodes
 
 _TCP_LISTEN = "0A"
 
 
-def free_port(below: int | None = None) -> int:
-    """A TCP port free on 127.0.0.1 right now: the OS picks it, or, with ``below``, a random free
-    one in [10000, below) (Dynamo's system port must fit a signed 16-bit int: below=32768)."""
-    if below is None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(10000, below)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port found on 127.0.0.1 below {below}")
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1, claimed for this run (the project's own pick, in
+    20000-32767: below the kernel's ephemeral range, so no client socket takes it before its
+    server binds it, and within the signed 16-bit range Dynamo's system port needs)."""
+    return shared_free_port("127.0.0.1")
 
 
 @attrs.frozen

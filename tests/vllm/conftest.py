@@ -137,7 +137,7 @@ def vllm_fleet(tmp_path_factory, tiny_models):
     run_dir = tmp_path_factory.mktemp("vllm-dynamo-run")
     config = {"engine": {"kind": "vllm", "model": str(tiny_models[MODEL_SEED])},
               "run_dir": str(run_dir), "namespace": "vllm-test", "served_model_name": SERVED_MODEL,
-              "system_port": free_port(below=32768), "insecure_controls": True}
+              "system_port": free_port(), "insecure_controls": True}
     (run_dir / "worker.json").write_text(json.dumps(config))
     worker = start_child([sys.executable, "-m", "rollout_fleet.wiring.worker",
                           "--config", str(run_dir / "worker.json")], log_path=run_dir / "worker.log")
