@@ -30,7 +30,7 @@ class PortClaims:
 
     def __init__(self, folder: str, ttl_s: float = CLAIM_TTL_S) -> None:
         self.folder, self.ttl_s = folder, ttl_s
-        self._mine: set[str] = set()
+        self._mine: dict[str, int] = {}  # claim file -> the pid that made it
         self._lock = threading.Lock()
         self._swept = False
 
@@ -52,7 +52,7 @@ class PortClaims:
                     continue
                 with os.fdopen(fd, "w") as claim_file:
                     claim_file.write(_claimer())
-                self._mine.add(path)
+                self._mine[path] = os.getpid()
                 return True
             return False
 
@@ -66,14 +66,15 @@ class PortClaims:
         """Drop this process's claim on ``port`` (its user is gone); another's stays."""
         with self._lock:
             path = self._path(port)
-            if path in self._mine:
-                self._mine.discard(path)
+            if self._mine.pop(path, None) == os.getpid():
                 _unlink(path)
 
     def release_mine(self) -> None:
+        """At exit: this process's claims go (a forked child's exit leaves its parent's)."""
         with self._lock:
-            for path in self._mine:
-                _unlink(path)
+            for path, pid in self._mine.items():
+                if pid == os.getpid():
+                    _unlink(path)
             self._mine.clear()
 
     def _stale(self, path: str) -> bool:

@@ -94,3 +94,18 @@ def test_a_claims_folder_others_can_write_is_refused_by_name(tmp_path):
     folder.chmod(0o777)
     with pytest.raises(OSError, match=f"'{folder}'.*0700.*{CLAIMS_DIR_ENV}"):
         PortClaims(str(folder)).claim(24100)
+
+
+def test_a_forked_child_leaving_does_not_release_its_parents_claims(tmp_path):
+    claims = PortClaims(str(tmp_path))
+    assert claims.claim(24100)
+    child = os.fork()
+    if child == 0:  # what the child's exit handlers would run
+        claims.release_mine()
+        claims.release(24100)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "24100").exists() and not claims.claim(24100)
+    claims.release_mine()
+    assert not (tmp_path / "24100").exists()
