@@ -25,6 +25,9 @@ started as ``vllm.entrypoints.cli.main.main()`` with that one lookup answered fo
         [--rounds 3] [--prompts 256] [--input-len 32] [--output-len 64] [--concurrency 64] \
         [--fleet-nice 10] [--stream-interval 1]'
 
+``--cpu-split`` also prints, per round, the CPU seconds of each server process (the fleet's
+worker host, engine core, model worker and frontend; vLLM's server and its engine processes).
+
 ``--stream-interval N`` sets vLLM's ``stream_interval`` on both servers alike (the first token
 goes out at once, then a chunk per N tokens): fewer chunks through each hop.
 """
@@ -174,6 +177,31 @@ def bench_round(url: str, model: Path, args, result: Path) -> dict:
     return outcome
 
 
+def group_cpu_s(leaders: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process in the process groups led by
+    ``leaders``, by process title ("VLLM::EngineCore", "python -m dynamo.frontend", ...)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+            fields = stat[stat.rindex(")") + 2:].split() if stat else []
+            if not fields or int(fields[2]) not in leaders:
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        title = " ".join(a.decode(errors="replace") for a in argv[:3] if a)
+        title = title.replace(sys.executable, "python")[:48]
+        seconds[title] = seconds.get(title, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return seconds
+
+
+def cpu_lines(before: dict[str, float], after: dict[str, float]) -> list[str]:
+    return [f"      {after[title] - before.get(title, 0.0):6.2f} s CPU  {title}"
+            for title in sorted(after) if after[title] - before.get(title, 0.0) >= 0.05]
+
+
 def fleet_way(nice: int | None) -> str:
     return f"fleet(nice {nice})"
 
@@ -211,6 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fleet-nice", type=nice_values, default=[10],
                         help="comma-separated cpu_worker_nice values, one fleet each ('none':"
                              " the caller's priority)")
+    parser.add_argument("--cpu-split", action="store_true",
+                        help="also print each round's CPU seconds per server process")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="vLLM's stream_interval (tokens per streamed chunk after the first)"
                              " for both servers; vLLM's default is 1")
@@ -228,6 +258,8 @@ def main(argv=None) -> int:
             wait_for_model(url, [worker], log)
         wait_for_model(vllm_url, [server], vllm_log)
         urls = {**{way: fleet[0] for way, fleet in fleets.items()}, "vllm": vllm_url}
+        leaders = {**{way: [fleet[1].pid, fleet[2].process.pid] for way, fleet in fleets.items()},
+                   "vllm": [server.pid]}
         ways = list(urls)
         warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency})
         for number, way in enumerate(ways):
@@ -237,10 +269,13 @@ def main(argv=None) -> int:
             order = ways if index % 2 == 0 else ways[::-1]
             for way in order:
                 number = ways.index(way)
+                before = group_cpu_s(leaders[way])
                 outcome = bench_round(urls[way], model, args, run_dir / f"{number}-{index}.json")
                 results[way].append(outcome)
                 print(f"round {index} {way:>14}: {outcome['output_throughput']:,.0f} output "
                       f"tokens/s, median TTFT {outcome['median_ttft_ms']:.0f} ms", flush=True)
+                if args.cpu_split:
+                    print("\n".join(cpu_lines(before, group_cpu_s(leaders[way]))), flush=True)
         print("\n".join(summary(results)))
     finally:
         for _, worker, frontend, _ in fleets.values():
