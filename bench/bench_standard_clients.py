@@ -84,7 +84,19 @@ def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the child's process group, SIGKILL what is left after 30 s."""
+    """SIGTERM the child's process group, SIGKILL what is left after 30 s; then remove the
+    /dev/shm files its processes used that are still there (vLLM's queues, semaphores)."""
+    from rollout_fleet.adapters.shared.shm import WORKER_FILE_PREFIXES, SharedMemoryTracker
+
+    files = SharedMemoryTracker(process.pid, remove_unused=False, prefix=WORKER_FILE_PREFIXES)
+    files.scan()
+    try:
+        _end_group(process)
+    finally:
+        files.remove_all()
+
+
+def _end_group(process: subprocess.Popen) -> None:
     try:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(30)
