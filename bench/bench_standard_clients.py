@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import time
 from pathlib import Path
 
 import httpx
+from rollout_fleet.adapters.shared import free_port, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -64,18 +64,6 @@ main()
 """
 
 
-def free_port(below: int = 65536) -> int:
-    import random
-    import socket
-
-    while True:
-        with socket.socket() as sock:
-            port = sock.bind(("127.0.0.1", 0 if below == 65536 else random.randrange(10000, below)))
-            port = sock.getsockname()[1]
-            if port < below:
-                return port
-
-
 def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
@@ -84,31 +72,16 @@ def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the child's process group, SIGKILL what is left after 30 s; then remove the
-    /dev/shm files its processes used that are still there (vLLM's queues, semaphores)."""
+    """Stop the child's process group (SIGTERM, SIGKILL after 30 s); then remove the /dev/shm
+    files its processes used that are still there (vLLM's queues, semaphores)."""
     from rollout_fleet.adapters.shared.shm import WORKER_FILE_PREFIXES, SharedMemoryTracker
 
     files = SharedMemoryTracker(process.pid, remove_unused=False, prefix=WORKER_FILE_PREFIXES)
     files.scan()
     try:
-        _end_group(process)
+        stop_process_group(process, timeout_s=30)
     finally:
         files.remove_all()
-
-
-def _end_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(30)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(10)
 
 
 def wait_for_model(url: str, processes: list[subprocess.Popen], log: Path) -> None:
@@ -135,7 +108,7 @@ def start_fleet(run_dir: Path, model: Path, nice: int | None, stream_interval: i
               "extra_engine_args": {"stream_interval": stream_interval}}
     config = {"engine": engine, "run_dir": str(run_dir),
               "namespace": f"bench-clients-{run_dir.name}", "served_model_name": SERVED_MODEL,
-              "system_port": free_port(below=32768),  # Dynamo reads it as a signed 16-bit int
+              "system_port": free_port(),  # in 20000-32767: Dynamo reads it as a signed 16-bit int
               "insecure_controls": True}
     (run_dir / "worker.json").write_text(json.dumps(config))
     log = run_dir / "worker.log"
@@ -192,20 +165,17 @@ def bench_round(url: str, model: Path, args, result: Path) -> dict:
 def group_cpu_s(leaders: list[int]) -> dict[str, float]:
     """CPU seconds (user + system) so far of every process in the process groups led by
     ``leaders``, by process title ("VLLM::EngineCore", "python -m dynamo.frontend", ...)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    import psutil
+
     seconds: dict[str, float] = {}
-    for entry in os.listdir("/proc"):
+    for process in psutil.process_iter():
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
-            fields = stat[stat.rindex(")") + 2:].split() if stat else []
-            if not fields or int(fields[2]) not in leaders:
+            if os.getpgid(process.pid) not in leaders:
                 continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
+            title = " ".join(process.cmdline()[:3]).replace(sys.executable, "python")[:48].strip()
+            seconds[title] = seconds.get(title, 0.0) + sum(process.cpu_times()[:2])
+        except (psutil.Error, ProcessLookupError):
             continue  # gone meanwhile
-        title = " ".join(a.decode(errors="replace") for a in argv[:3] if a)
-        title = title.replace(sys.executable, "python")[:48]
-        seconds[title] = seconds.get(title, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return seconds
 
 
