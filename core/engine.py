@@ -98,11 +98,16 @@ class EnginePort(ABC):
 
     async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                              max_new_tokens: int, sampling: SamplingSpec,
-                             stop_strings: Sequence[str] = (), **keywords: Any
-                             ) -> AsyncIterator[RolloutPiece]:
+                             stop_strings: Sequence[str] = (), with_logprobs: bool = True,
+                             **keywords: Any) -> AsyncIterator[RolloutPiece]:
         """``serve_rollout`` as it generates: pieces whose tokens, joined, are what it returns
         (same keywords, same errors). By default one piece, the whole answer; an engine that
-        can hand out tokens as they come overrides it."""
+        can hand out tokens as they come overrides it.
+
+        ``with_logprobs=False``: the caller reads no logprobs (an OpenAI request that did not
+        ask for them), so an engine may skip computing them and leave every piece's
+        ``logprobs`` empty; the tokens stay the same. An override that omits the keyword is
+        never passed it (``streams_without_logprobs``)."""
         served = await self.serve_rollout(prompt_token_ids, request_id=request_id,
                                           max_new_tokens=max_new_tokens, sampling=sampling,
                                           stop_strings=stop_strings, **keywords)
@@ -139,6 +144,11 @@ class EnginePort(ABC):
 
 OPTIONAL_ROLLOUT_KEYWORDS = ("top_logprobs", "stop_token_ids")
 SAMPLING_OPTIONS = tuple(NEUTRAL_SAMPLING)
+
+
+def streams_without_logprobs(engine: EnginePort) -> bool:
+    """Whether this engine's ``stream_rollout`` takes ``with_logprobs``."""
+    return "with_logprobs" in inspect.signature(engine.stream_rollout).parameters
 
 
 def offered_keywords(engine: EnginePort) -> frozenset[str]:

@@ -14,13 +14,14 @@ from rollout_fleet.core.engine import (
     KvEventSource,
     RolloutPiece,
     offered_keywords,
+    streams_without_logprobs,
 )
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 
 __all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "EngineFacts", "EnginePort",
            "KvEventSource", "RefitTarget", "RolloutPiece", "Sleeper", "SleepState",
-           "offered_keywords"]
+           "offered_keywords", "streams_without_logprobs"]
 
 
 class RefitTarget(ABC):

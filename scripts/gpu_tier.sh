@@ -4,6 +4,10 @@
 #   scripts/gpu_tier.sh install      install the bundle and the project's wheel into /root/site
 #   scripts/gpu_tier.sh tests        pytest tests/gpu (serve / generate / refit on the GPU)
 #   scripts/gpu_tier.sh bench [ARGS] bench/bench_gpu_fleet.py (fleet vs bare vLLM)
+#   scripts/gpu_tier.sh standard-clients [ARGS]
+#                                    bench/bench_standard_clients.py --gpu (vllm bench serve
+#                                    against the fleet and vLLM's own server, in a private
+#                                    network namespace)
 # Output and figures go to $OUT (or ./gpu-out). The project's wheel is built beforehand where
 # pip works (`pip wheel --no-deps -w wheel .`) and found in ./wheel: vLLM finds the project's
 # plugin through the wheel's entry point.
@@ -50,10 +54,16 @@ case "${1:-}" in
     shift
     python3 bench/bench_gpu_fleet.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench-gpu-fleet.log"
     ;;
+  standard-clients)
+    shift
+    ip_shim
+    unshare -n sh -c 'ip link set lo up && exec python3 bench/bench_standard_clients.py --gpu "$@"' \
+      sh --out "$OUT/standard-clients" "$@" 2>&1 | tee "$OUT/bench-standard-clients.log"
+    ;;
   colocated)
     shift
     python3 -m rollout_fleet.wiring.cli demo --colocated --device gpu --quiet --out "$OUT/colocated" "$@" 2>&1 | tee "$OUT/colocated-demo.log"
     ;;
-  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
-  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
+  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
+  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
 esac

@@ -55,6 +55,7 @@ from rollout_fleet.ports.engine import (
     EnginePort,
     KvEventSource,
     offered_keywords,
+    streams_without_logprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
         self._in_flight: dict[str, str] = {}
         self._offered = offered_keywords(engine)
         self._offered_sampling = engine.sampling_offered()
+        self._bare_streams = streams_without_logprobs(engine)
         self._token_texts: _TokenTexts | None = None
         self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS_KEPT)
         self._counts = collections.Counter()
@@ -306,11 +308,14 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
         self._in_flight[context_id] = context_id
         hidden = _hidden_stop_ids(request)
         texts = self._texts() if plain.logprobs is not None else None
+        keywords = dict(plain.engine_keywords)
+        if plain.logprobs is None and self._bare_streams:
+            keywords["with_logprobs"] = False  # not asked: the engine need not compute them
         generated = 0
         pieces = self.engine.stream_rollout(
             prompt, request_id=context_id,
             max_new_tokens=self._plain_budget(len(prompt), plain.max_tokens),
-            sampling=plain.sampling, stop_strings=plain.stop_strings, **plain.engine_keywords)
+            sampling=plain.sampling, stop_strings=plain.stop_strings, **keywords)
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 generated += len(piece.token_ids)

@@ -154,17 +154,19 @@ def _piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = Fal
     """The chunk of a piece: its visible tokens (one engine step's, or several when the engine
     ran ahead of this loop), with their logprobs (and the top alternatives) when asked. Hidden
     stop tokens (EOS) are left out: the frontend ends a stream at one."""
+    if not logprobs:  # the piece may carry no logprobs then (``with_logprobs=False``)
+        shown_ids = [t for t in piece.token_ids if t not in hidden]
+        return [{"token_ids": shown_ids, "index": 0}] if shown_ids else []
     steps = zip(piece.token_ids, piece.logprobs, piece.top_logprobs or ((),) * len(piece.token_ids))
     shown = [(t, lp, top) for t, lp, top in steps if t not in hidden]
     if not shown:
         return []
     chunk: GenerateChunk = {"token_ids": [t for t, _, _ in shown], "index": 0}
-    if logprobs:
-        chunk["log_probs"] = [lp for _, lp, _ in shown]
-        chunk["top_logprobs"] = [[
-            {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
-             "logprob": alt_logprob}
-            for rank, (alt, alt_logprob) in enumerate(top, start=1)] for _, _, top in shown]
+    chunk["log_probs"] = [lp for _, lp, _ in shown]
+    chunk["top_logprobs"] = [[
+        {"rank": rank, "token_id": alt, "token": texts(alt) if texts else None,
+         "logprob": alt_logprob}
+        for rank, (alt, alt_logprob) in enumerate(top, start=1)] for _, _, top in shown]
     return [chunk]
 
 

@@ -126,9 +126,11 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
         return _Steering.OFFERED
 
     async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
-                             **keywords: Any) -> AsyncIterator[RolloutPiece]:
+                             with_logprobs: bool = True, **keywords: Any
+                             ) -> AsyncIterator[RolloutPiece]:
         """Each token as it is picked (the alternatives, when asked, come with the last piece
-        only: they are not streamed here), then the finish."""
+        only: they are not streamed here), then the finish; without its logprob when none are
+        wanted."""
         picked: asyncio.Queue = asyncio.Queue()
         self._token_sinks[request_id] = picked.put_nowait
         serving = asyncio.ensure_future(self.serve_rollout(prompt_token_ids, request_id=request_id,
@@ -139,7 +141,7 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
                 yield RolloutPiece.whole(await serving)
                 return
             while (step := await picked.get()) is not None:
-                yield RolloutPiece((step[0],), (step[1],))
+                yield RolloutPiece((step[0],), (step[1],) if with_logprobs else ())
             yield RolloutPiece((), (), (await serving).finish_reason)
         finally:
             self._token_sinks.pop(request_id, None)

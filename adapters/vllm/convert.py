@@ -33,11 +33,12 @@ def _engine_dtype(engine: Any) -> str:
 
 def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str],
                      top_logprobs: int = 0, stop_token_ids: Sequence[int] = (),
-                     extra: Mapping[str, Any] | None = None, stream: bool = False) -> Any:
+                     extra: Mapping[str, Any] | None = None, stream: bool = False,
+                     logprobs: bool = True) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    common = dict(max_tokens=max_new_tokens, logprobs=top_logprobs, stop=list(stop_strings) or None,
+    common = dict(max_tokens=max_new_tokens, logprobs=top_logprobs if logprobs else None, stop=list(stop_strings) or None,
                   stop_token_ids=list(stop_token_ids) or None,
                   detokenize=bool(stop_strings),  # text is only needed to find stop strings
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
@@ -51,12 +52,13 @@ def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: 
                           seed=sampling.seed, **common)
 
 
-def _piece_of(output: Any, top_n: int = 0) -> RolloutPiece:
-    """One DELTA output: the step's new tokens with their logprobs (and alternatives)."""
+def _piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> RolloutPiece:
+    """One DELTA output: the step's new tokens with their logprobs (and alternatives), or
+    without logprobs when none were asked of vLLM."""
     completion = output.outputs[0]
     token_ids = tuple(completion.token_ids)
     steps = completion.logprobs or []
-    if len(steps) != len(token_ids):
+    if with_logprobs and len(steps) != len(token_ids):
         raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(steps)} logprobs "
                           f"for request {output.request_id!r}")
     reason = None

@@ -140,25 +140,28 @@ class VllmEngine(EnginePort, VllmRefit, VllmSleep, VllmColocated):
 
     async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                              max_new_tokens: int, sampling: SamplingSpec,
-                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
-                             stop_token_ids: Sequence[int] = (),
+                             stop_strings: Sequence[str] = (), with_logprobs: bool = True,
+                             top_logprobs: int = 0, stop_token_ids: Sequence[int] = (),
                              extra_sampling: Mapping[str, Any] | None = None
                              ) -> AsyncIterator[RolloutPiece]:
         """A piece per engine step, as vLLM hands out each step's new tokens (its DELTA
-        outputs)."""
+        outputs). Without logprobs, vLLM's sampler computes none and its front builds none per
+        token, as for a request to vLLM's own server that asks for none."""
         engine = self._require_engine()
         prompt = self._admissible(prompt_token_ids, max_new_tokens, stop_token_ids, extra_sampling)
         if self._early_aborts.pop(request_id, "absent") is None:
             yield RolloutPiece((), (), FinishReason.ABORT)
             return
+        with_logprobs = with_logprobs or top_logprobs > 0
         params = _sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs,
-                                  stop_token_ids, extra_sampling, stream=True)
+                                  stop_token_ids, extra_sampling, stream=True,
+                                  logprobs=with_logprobs)
         live = self._live[request_id] = _Live()
         try:
             async with contextlib.aclosing(self._outputs(engine, prompt, params, request_id,
                                                          live)) as outputs:
                 async for output in outputs:  # closed at once if our consumer stops early
-                    yield _piece_of(output, top_logprobs)
+                    yield _piece_of(output, top_logprobs, with_logprobs)
         except Exception as error:
             reason = self.dead_reason()
             if reason is not None:

@@ -35,6 +35,7 @@ from rollout_fleet.ports.engine import (
     EnginePort,
     KvEventSource,
     offered_keywords,
+    streams_without_logprobs,
 )
 
 GREEDY = SamplingSpec()
@@ -220,6 +221,24 @@ class EngineContract:
             assert tuple(t for p in streamed for t in p.token_ids) == whole.token_ids
             assert [lp for p in streamed for lp in p.logprobs] == pytest.approx(
                 list(whole.logprobs), abs=1e-5)
+
+    def test_a_stream_without_logprobs_keeps_its_tokens(self, engine_under_test: EngineUnderTest):
+        """``with_logprobs=False`` may drop the logprobs, never change a token or the finish."""
+        engine = engine_under_test.engine
+        assert streams_without_logprobs(engine), "stream_rollout must take with_logprobs"
+        for prompt in engine_under_test.prompts[:2]:
+            whole = engine_under_test.serve(prompt, 12)
+
+            async def pieces():
+                return [piece async for piece in engine.stream_rollout(
+                    list(prompt), request_id=engine_under_test.next_id(), max_new_tokens=12,
+                    sampling=GREEDY, with_logprobs=False)]
+
+            streamed = engine_under_test.loop.run(pieces())
+            assert tuple(t for p in streamed for t in p.token_ids) == whole.token_ids
+            assert streamed[-1].finish_reason is whole.finish_reason
+            for piece in streamed:
+                assert len(piece.logprobs) in (0, len(piece.token_ids)), piece
 
     def test_declared_sampling_options_are_honoured(self, engine_under_test: EngineUnderTest):
         """Each option the engine declares changes what it generates as the option says."""

@@ -16,7 +16,7 @@ from rollout_fleet.adapters.memory.engine import MemoryEngine
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import FinishReason, RolloutRequest, SamplingSpec
 from rollout_fleet.core.wire import encode_rollout_annotation
-from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource
+from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource, RolloutPiece
 
 pytestmark = pytest.mark.dynamo
 
@@ -178,6 +178,45 @@ def test_plain_chunks_carry_each_tokens_logprob_and_top_alternatives():
 def test_plain_chunks_without_logprobs_asked_carry_none():
     chunks = collect(DynamoEngineAdapter(MemoryEngine(seed=0), model_path="/m"), plain_request())
     assert chunks and all("log_probs" not in c and "top_logprobs" not in c for c in chunks)
+
+
+class LogprobsRecordingEngine(MemoryEngine):
+    """Records whether each stream was asked for logprobs."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.asked: list[bool] = []
+
+    async def stream_rollout(self, prompt_token_ids, *, with_logprobs=True, **keywords):
+        self.asked.append(with_logprobs)
+        async for piece in super().stream_rollout(prompt_token_ids, with_logprobs=with_logprobs,
+                                                  **keywords):
+            yield piece
+
+
+def test_an_engine_is_asked_for_logprobs_only_when_the_client_asked():
+    engine = LogprobsRecordingEngine()
+    adapter = DynamoEngineAdapter(engine, model_path="/m")
+    bare = collect(adapter, plain_request())
+    with_chosen = collect(adapter, plain_request(output_options={"logprobs": 0}))
+    assert engine.asked == [False, True]
+    assert flat(bare, "token_ids") == flat(with_chosen, "token_ids")  # the same tokens either way
+
+
+class NarrowStreamEngine(MemoryEngine):
+    """An older backend: its stream_rollout names no with_logprobs (and takes nothing else)."""
+
+    async def stream_rollout(self, prompt_token_ids, *, request_id, max_new_tokens, sampling,
+                             stop_strings=()):
+        served = await self.serve_rollout(prompt_token_ids, request_id=request_id,
+                                          max_new_tokens=max_new_tokens, sampling=sampling)
+        yield RolloutPiece.whole(served)
+
+
+def test_an_engine_whose_stream_takes_no_with_logprobs_is_never_passed_it():
+    engine = NarrowStreamEngine(seed=0)
+    chunks = collect(DynamoEngineAdapter(engine, model_path="/m"), plain_request())
+    assert flat(chunks, "token_ids") == [t for t in served_directly(engine).token_ids if t != 0]
 
 
 def test_logprobs_zero_gives_the_chosen_tokens_logprob_only():

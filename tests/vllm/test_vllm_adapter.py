@@ -34,6 +34,21 @@ def test_an_abort_ends_the_request_inside_vllm(vllm_engine):
     assert unfinished == 0, "vLLM still holds the aborted request"
 
 
+def test_a_stream_without_logprobs_asks_vllm_for_none(vllm_engine):
+    """vLLM computes and hands out no logprobs then (each piece's are empty), as its own server
+    does for a request that asks for none; the tokens are the greedy answer's."""
+    prompt = list(vllm_engine.prompts[1])
+
+    async def stream():
+        return [piece async for piece in vllm_engine.engine.stream_rollout(
+            prompt, request_id="bare-stream", max_new_tokens=10, sampling=SamplingSpec(),
+            with_logprobs=False)]
+
+    pieces = vllm_engine.loop.run(stream())
+    assert all(piece.logprobs == () for piece in pieces)
+    assert tuple(t for p in pieces for t in p.token_ids) == vllm_engine.serve(prompt, 10).token_ids
+
+
 @pytest.mark.parametrize("prompt, budget, words", [
     ([5, 10**6], 4, r"prompt_token_ids\[1\]=1000000 is outside the model.s vocabulary of \d+ tokens"),
     ([5, 6], 0, "max_new_tokens"),
