@@ -142,7 +142,11 @@ class Bare:
             from rollout_fleet.wiring.vllm_plugin import register
 
             register()  # as the fleet's worker has it; no weights move in this bench
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        from rollout_fleet.adapters.vllm.engine import serving_usage_context
+
+        # built as the fleet's worker builds its engine (the same batch limits)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                usage_context=serving_usage_context())
 
     async def one(self, prompt, request_id, tokens):
         from vllm import SamplingParams

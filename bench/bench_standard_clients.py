@@ -319,8 +319,11 @@ def main(argv=None) -> int:
             level = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
             results = run_rounds(urls, leaders, model, level, run_dir / f"c{concurrency}")
             label = f"{concurrency} concurrent:" if len(args.concurrency) > 1 else ""
-            lines += summary(results, "gpu" if args.gpu else "cpu", label)
-        print("\n".join(lines))
+            level_lines = summary(results, "gpu" if args.gpu else "cpu", label)
+            print("\n".join(level_lines), flush=True)  # at once: a later level may be cut short
+            lines += level_lines
+        if len(args.concurrency) > 1:
+            print("\n".join(lines))
     finally:
         for _, worker, frontend, _ in fleets.values():
             stop(worker)

@@ -93,7 +93,11 @@ class BareVllm:
             kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
         if "weight_transfer_config" in kwargs:
             kwargs["weight_transfer_config"] = WeightTransferConfig(**kwargs["weight_transfer_config"])
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        from rollout_fleet.adapters.vllm.engine import serving_usage_context
+
+        # built as the fleet's worker builds its engine (the same batch limits)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                usage_context=serving_usage_context())
 
     async def one(self, prompt: list[int], request_id: str, new_tokens: int, seed: int):
         from vllm import SamplingParams, TokensPrompt

@@ -109,6 +109,23 @@ def test_the_worker_serves_the_checkpoints_float32_with_tf32_off(fleet):
     assert "triton_f32_default=ieee" in line
 
 
+def test_the_engine_takes_the_batch_limits_of_vllms_own_server(fleet, models):
+    """The same arguments given to vLLM's OpenAI server would get these limits on this GPU (a
+    bare AsyncLLM would get 128 sequences and 2,048 tokens a step)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    text = fleet["worker_log"].read_text()
+    line = next((l for l in text.splitlines() if "vLLM engine up for worker" in l), None)
+    assert line is not None, text[-3000:]
+    server = AsyncEngineArgs(model=str(models[0]), max_model_len=512,
+                             gpu_memory_utilization=0.15).create_engine_config(
+        UsageContext.OPENAI_API_SERVER).scheduler_config
+    FIGURES["engine_facts_line"] = line
+    assert f"max_num_seqs={server.max_num_seqs}," in line
+    assert f"max_num_batched_tokens={server.max_num_batched_tokens})" in line
+
+
 def test_greedy_equals_a_float32_transformers_decode(fleet, models, prompts):
     answers = greedy(fleet, prompts, "seed-0")
     result = agreement(answers, reference_decode(str(models[0]), prompts, NEW_TOKENS,
