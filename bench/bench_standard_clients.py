@@ -34,8 +34,10 @@ goes out at once, then a chunk per N tokens): fewer chunks through each hop.
 ``--gpu``: the same on one GPU with a Llama-3.2-1B-shaped bf16 model built here
 (``bench/gpu_models.py``): both servers up at once, each given the same share of the GPU and a
 KV cache of ``--kv-cache-gib``; targets there: tokens/s >= 0.95, median TTFT <= 1.3x. Run it
-through ``scripts/gpu_tier.sh standard-clients`` with, e.g., ``--prompts 1024 --input-len 128
---output-len 256 --concurrency 256``.
+through ``scripts/gpu_tier.sh standard-clients``, e.g. ``--rounds 3 --prompts 384 --input-len 128
+--output-len 256 --concurrency 64,256 --cpu-split`` (``--concurrency``: one set of rounds per
+level, in turn). ``--out DIR`` keeps every round's figures and the servers' log tails there;
+the run's own folder (model, logs) is removed at the end.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -206,8 +209,8 @@ def start_vllm(run_dir: Path, model: Path, args):
 def bench_round(url: str, model: Path, args, result: Path) -> dict:
     """One run of the client; its outcome, with the client's own CPU seconds added."""
     cpu_record = result.with_suffix(".client-cpu")
-    command = [sys.executable, "-c", _CLIENT, str(cpu_record), "bench", "serve", "--backend", "openai",
-               "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
+    command = [sys.executable, "-c", _CLIENT, str(cpu_record), "bench", "serve",
+               "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
                "--tokenizer", str(model), "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len",
                str(args.output_len), "--num-prompts", str(args.prompts),
@@ -331,6 +334,7 @@ def main(argv=None) -> int:
         stop(server)
         if args.out is not None:
             keep_records(run_dir, args.out)
+        shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 

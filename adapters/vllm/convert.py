@@ -38,7 +38,8 @@ def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    common = dict(max_tokens=max_new_tokens, logprobs=top_logprobs if logprobs else None, stop=list(stop_strings) or None,
+    common = dict(max_tokens=max_new_tokens, stop=list(stop_strings) or None,
+                  logprobs=top_logprobs if logprobs else None,  # None: vLLM computes none
                   stop_token_ids=list(stop_token_ids) or None,
                   detokenize=bool(stop_strings),  # text is only needed to find stop strings
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
