@@ -15,6 +15,8 @@ from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 
 _SCAN_EVERY_S = 2.0
 
+pytest_plugins = ["tests.support.startup_counts"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_shared_memory_left_behind():

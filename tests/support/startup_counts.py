@@ -1,0 +1,128 @@
+"""Counts the heavy start-ups each test causes: vLLM engine cores, Ray clusters, Dynamo
+frontends and fleet workers, seen as new processes in /proc (whoever started them: the test
+process, a CLI child, a Ray actor). Enabled with ``--startup-counts=FILE``; the table of
+per-test counts and times is written there as JSON at the end of the run, and a summary is
+printed. It only observes: nothing the tests run changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter, defaultdict
+
+import pytest
+
+_POLL_S = 0.25
+
+# kind -> how its process is recognised: a substring of its command line (or name).
+_KINDS = {
+    "vllm_engine": ("EngineCore",),
+    "ray_cluster": ("gcs_server",),
+    "dynamo_frontend": ("dynamo.frontend",),
+    "fleet_worker": ("rollout_fleet.wiring.worker",),
+}
+
+
+def _process_line(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            line = handle.read().replace(b"\0", b" ").decode(errors="replace")
+        with open(f"/proc/{pid}/comm") as handle:
+            return line + " " + handle.read()
+    except OSError:
+        return ""
+
+
+def _kind_of(line: str) -> str | None:
+    for kind, marks in _KINDS.items():
+        if any(mark in line for mark in marks):
+            return kind
+    return None
+
+
+class StartupCounter:
+    """Polls /proc and charges each new process of a known kind to the test running then."""
+
+    def __init__(self) -> None:
+        self.current = "<collection>"
+        self.per_test: dict[str, Counter] = defaultdict(Counter)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._seen = set(self._pids())
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="startup-counts", daemon=True)
+
+    @staticmethod
+    def _pids() -> list[str]:
+        return [name for name in os.listdir("/proc") if name.isdigit()]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(_POLL_S):
+            for pid in self._pids():
+                if pid in self._seen:
+                    continue
+                line = _process_line(pid)
+                if not line:  # gone already, or not readable yet: look again next time
+                    continue
+                self._seen.add(pid)
+                kind = _kind_of(line)
+                if kind:
+                    self.per_test[self.current][kind] += 1
+
+    def table(self) -> dict:
+        tests = sorted(set(self.per_test) | set(self.seconds))
+        rows = {test: {"seconds": round(self.seconds.get(test, 0.0), 1),
+                       **dict(self.per_test.get(test, {}))} for test in tests}
+        totals = Counter()
+        for counts in self.per_test.values():
+            totals.update(counts)
+        return {"totals": dict(totals), "tests": rows}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--startup-counts", default=None, metavar="FILE",
+                     help="write per-test start-up counts (vLLM engines, Ray clusters, "
+                          "Dynamo frontends, fleet workers) and times to FILE as JSON")
+
+
+def pytest_configure(config):
+    if config.getoption("--startup-counts"):
+        counter = StartupCounter()
+        counter.start()
+        config._startup_counter = counter
+
+
+def _counter(config) -> StartupCounter | None:
+    return getattr(config, "_startup_counter", None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    counter = _counter(item.config)
+    if counter is None:
+        yield
+        return
+    counter.current = item.nodeid
+    started = time.monotonic()
+    yield
+    counter.seconds[item.nodeid] += time.monotonic() - started
+    counter.current = "<between tests>"
+
+
+def pytest_unconfigure(config):
+    counter = _counter(config)
+    if counter is None:
+        return
+    counter.stop()
+    table = counter.table()
+    with open(config.getoption("--startup-counts"), "w") as handle:
+        json.dump(table, handle, indent=1, sort_keys=True)
+    print(f"\nstart-ups in this run: {table['totals']}")
