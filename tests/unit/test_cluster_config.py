@@ -69,3 +69,15 @@ def test_replace_lost_workers_takes_true_or_false_only(value):
     with pytest.raises(ConfigError) as info:
         config(replace_lost_workers=value)
     assert "replace_lost_workers" in str(info.value)
+
+
+def test_vllms_cache_stays_the_users_while_home_moves_into_the_run(tmp_path, monkeypatch):
+    """A worker's HOME is the run's own folder, but vLLM's cache is where vLLM would keep it,
+    so its model inspection runs once per machine rather than once per worker start."""
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    env = dynamo_env(tmp_path / "run")
+    assert env["HOME"] == str(tmp_path / "run" / "home")
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "user-cache" / "vllm")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "chosen"))
+    assert dynamo_env(tmp_path / "run")["VLLM_CACHE_ROOT"] == str(tmp_path / "chosen")
