@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -80,6 +81,12 @@ class CompletionsTransport(ABC):
         """Release connections; safe to call twice."""
 
 
+def _cause(error: BaseException) -> str:
+    """A retried attempt's cause, coarse enough to count: the HTTP status, else the error's type."""
+    status = getattr(error, "status", None)
+    return f"http {status}" if isinstance(status, int) else type(error).__name__
+
+
 class RolloutClient:
     """Sends rollouts through a CompletionsTransport, retrying transient failures.
 
@@ -94,6 +101,9 @@ class RolloutClient:
         self._retry = retry or RetryPolicy()
         self._clock = clock or SystemClock()
         self._rng = rng or random.Random()
+        # Attempts sent again, by the cause of the one that failed: a retry re-runs work a
+        # worker may have done (its answer was lost), so a trainer can see what it costs.
+        self.retried: collections.Counter[str] = collections.Counter()
 
     async def rollout(self, request: RolloutRequest) -> RolloutResult:
         if request.max_new_tokens == 0:  # the "empty" context-limit policy: nothing to generate
@@ -112,6 +122,7 @@ class RolloutClient:
                 return RolloutResult.from_served(request.request_id, served, attempts=attempt)
             except RolloutFleetError as error:
                 if self._retry.should_retry(attempt, error):
+                    self.retried[_cause(error)] += 1
                     await self._clock.sleep(self._retry.delay_s(attempt, self._rng.random(), retry_after))
                     continue
                 if attempt == 1 and not is_transient(error):

@@ -277,6 +277,10 @@ class FleetGeneration(ColocatedGeneration):
         return self.config.sender_spec
 
     # -- metrics ------------------------------------------------------------------------------
+    def retried_attempts(self) -> dict[str, int]:
+        """Attempts sent again, by cause (HTTP status or error type): each may re-run work."""
+        return dict(self._client.retried)
+
     def get_logger_metrics(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
         """Per-worker timelines ``{quantity: {worker_id: [(seconds since start, value), ...]}}``."""
         return {key: {w: list(points) for w, points in per_worker.items()}

@@ -62,6 +62,8 @@ def test_transient_failures_are_retried_with_backoff_and_one_request_id():
     assert result.attempts == 4
     assert clock.slept == pytest.approx([0.1, 0.2, 0.4])
     assert transport.seen_request_ids == ["same-id"] * 4
+    # Each attempt sent again is counted under the cause of the one that failed.
+    assert client.retried == {"http 503": 1, "TransportError": 1, "http 429": 1}
 
 
 def test_a_corrupted_body_is_retried():
@@ -74,6 +76,7 @@ def test_a_4xx_is_not_retried():
     with pytest.raises(HttpStatusError) as info:
         run(client, LIMITS.request("bad", [3], sampling=SamplingSpec()))
     assert info.value.status == 400 and transport.seen_request_ids == ["bad"] and clock.slept == []
+    assert client.retried == {}
 
 
 def test_a_semantic_failure_is_not_retried():
