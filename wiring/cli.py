@@ -12,6 +12,9 @@ from rollout_fleet.core.errors import RolloutFleetError
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.then_async and (args.asynchronous or args.colocated or args.in_memory):
+        raise RolloutFleetError("demo: --then-async follows the synchronous loop of the fleet "
+                                "demo; it does not combine with --async, --colocated or --in-memory")
     if args.in_memory:
         from rollout_fleet.wiring.memory_demo import run_memory_demo
 
@@ -27,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     from rollout_fleet.wiring.demo.run import DemoSettings, run_demo
     settings = DemoSettings(workers=args.workers, out_dir=args.out,
                             progress=not args.quiet and sys.stderr.isatty(),  # quiet in CI logs
-                            asynchronous=args.asynchronous)
+                            asynchronous=args.asynchronous, then_async=args.then_async)
     if args.ci:
         settings = attrs.evolve(settings, steps=2, prompts=4, group_size=4)
     if args.steps is not None:
@@ -56,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--async", dest="asynchronous", action="store_true",
                       help="one-step off-policy GRPO: the fleet generates the next batch while "
                            "the trainer trains, and refits swap weights under rollouts in flight")
+    demo.add_argument("--then-async", action="store_true",
+                      help="after the synchronous loop, as many steps one step off-policy on "
+                           "the same fleet, continuing from its weights (figures in OUT/async)")
     demo.add_argument("--colocated", action="store_true",
                       help="the trainer and one vLLM worker on one device, taking turns: the "
                            "engine sleeps while the trainer trains (GPUs), refits come from the "

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.support.net import in_private_netns
-from tests.cli.conftest import run_cli
+from tests.cli.conftest import assert_one_line_error, run_cli
 
 
 def test_the_in_memory_demo_refits_every_worker_and_serves_the_new_weights(tmp_path):
@@ -27,13 +27,16 @@ def test_the_in_memory_demo_refits_every_worker_and_serves_the_new_weights(tmp_p
 @pytest.mark.vllm
 @pytest.mark.ray
 @pytest.mark.dynamo
-def test_the_ci_demo_refits_every_worker_each_step_within_the_mismatch_bound(tmp_path):
+def test_the_ci_demo_refits_every_worker_each_step_then_runs_one_step_off_policy(tmp_path):
+    """The short form CI runs, then (--then-async) two steps one step off-policy with keep
+    refits on the same fleet, continuing from its weights: one fleet start for both loops."""
     if not in_private_netns():
         pytest.fail("the demo starts a local Ray cluster: run it inside `unshare -n`")
-    result = run_cli("demo", "--ci", "--quiet", "--out", tmp_path, timeout_s=900)
+    result = run_cli("demo", "--ci", "--then-async", "--quiet", "--out", tmp_path, timeout_s=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     figures = json.loads((tmp_path / "demo.json").read_text())
     meta, steps = figures["meta"], figures["steps"]
+    assert meta["asynchronous"] is False
     assert [s["step"] for s in steps] == [1, 2]
     assert [s["weight_versions"] for s in steps] == [[1, 1], [2, 2]]
     for step in steps:
@@ -42,28 +45,27 @@ def test_the_ci_demo_refits_every_worker_each_step_within_the_mismatch_bound(tmp
         assert step["rollouts_per_s"] > 0 and step["tokens_per_s"] > 0 and step["refit_s"] > 0
     assert (tmp_path / "demo.png").stat().st_size > 0
 
-
-@pytest.mark.vllm
-@pytest.mark.ray
-@pytest.mark.dynamo
-def test_the_async_ci_demo_refits_in_keep_mode_one_step_off_policy(tmp_path):
-    if not in_private_netns():
-        pytest.fail("the demo starts a local Ray cluster: run it inside `unshare -n`")
-    result = run_cli("demo", "--ci", "--async", "--quiet", "--out", tmp_path, timeout_s=900)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "async (one step off-policy, keep refits)" in result.stdout
-    figures = json.loads((tmp_path / "demo.json").read_text())
+    figures = json.loads((tmp_path / "async" / "demo.json").read_text())
     meta, steps = figures["meta"], figures["steps"]
     assert meta["asynchronous"] is True
     assert [s["step"] for s in steps] == [1, 2]
-    assert [s["weight_versions"] for s in steps] == [[1, 1], [2, 2]]
-    # Step 1's batch ran before any refit: all of it on the trainer's weights.
+    assert [s["weight_versions"] for s in steps] == [[3, 3], [4, 4]]
+    # Its step 1's batch ran before any refit of this loop: all of it on the trainer's weights.
     assert steps[0]["off_policy_tokens"] == 0.0
     assert steps[0]["mismatch_max"] <= meta["mismatch_bound"]
     for step in steps:
         assert 0.0 <= step["off_policy_tokens"] <= 1.0 and 0.0 <= step["mean_reward"] <= 1.0
         assert step["rollouts_per_s"] > 0 and step["refit_s"] > 0
     assert steps[-1]["loop_rollouts_per_s"] > 0
+    assert (tmp_path / "async" / "demo.png").stat().st_size > 0
+
+
+def test_then_async_is_refused_beside_the_modes_it_does_not_follow(tmp_path):
+    for mode in ("--async", "--colocated", "--in-memory"):
+        assert_one_line_error(run_cli("demo", "--then-async", mode, "--out", tmp_path),
+                              "--then-async", mode)
+        assert not (tmp_path / "demo.json").exists()  # refused before anything started
 
 
 @pytest.mark.vllm

@@ -29,6 +29,9 @@ class DemoSettings:
     # One-step off-policy: the fleet generates batch k+1 while the trainer trains on batch k,
     # and each refit swaps weights under the rollouts in flight (keep mode).
     asynchronous: bool = False
+    # After the synchronous loop, as many steps one step off-policy on the same fleet,
+    # continuing from its weights (their figures in ``out_dir/async``).
+    then_async: bool = False
 
 
 class DemoFailed(RolloutFleetError):
@@ -40,7 +43,6 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     import torch
     from rollout_fleet.adapters.collective import TrainerRefitSession
     from rollout_fleet.adapters.shared import free_port
-    from rollout_fleet.wiring.demo.report import header
     from rollout_fleet.wiring.demo.trainer import (
         PolicyTrainer,
         TargetTokenReward,
@@ -52,14 +54,16 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
     print(f"starting a fleet of {settings.workers} {settings.engine} workers on Ray ...", flush=True)
     started = time.perf_counter()
     fleet = Fleet.start(config)
-    steps: list[dict[str, Any]] = []
+    steps: list[list[dict[str, Any]]] = []  # each loop's
+    loops: list[DemoSettings] = []
     session = None
     generation = None
     try:
         print(f"fleet up in {time.perf_counter() - started:.1f} s: frontend {fleet.frontend_url}",
               flush=True)
         # Off-policy by at most one step: a refit waits for rollouts two versions old.
-        generation = fleet.generation(max_staleness=1 if settings.asynchronous else None)
+        off_policy = settings.asynchronous or settings.then_async
+        generation = fleet.generation(max_staleness=1 if off_policy else None)
         trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
                                 seed=settings.seed)
         reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
@@ -73,16 +77,31 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
         ray.get(joining, timeout=300)
         info = generation.prepare_refit_info(trainer.state_dict_info())
 
-        print(header(), flush=True)
-        loop_started = time.perf_counter()
-        if settings.asynchronous:
-            steps = _async_steps(generation, trainer, session, info, prompts, settings, reward)
-        else:
-            steps = _sync_steps(generation, trainer, session, info, prompts, settings, reward)
-        _summary(steps, time.perf_counter() - loop_started, settings)
+        loops = [settings]
+        if settings.then_async and not settings.asynchronous:
+            loops.append(attrs.evolve(settings, asynchronous=True,
+                                      out_dir=str(Path(settings.out_dir) / "async")))
+        for loop in loops:
+            steps.append(_run_loop(generation, trainer, session, info, prompts, loop, reward,
+                                   first_version=sum(len(done) for done in steps)))
     finally:
         shut_down(fleet, generation, session)
-    return write_figures(steps, settings)
+    for loop, loop_steps in zip(loops, steps):
+        write_figures(loop_steps, loop)
+    return steps[0]
+
+
+def _run_loop(generation, trainer, session, info, prompts, settings: DemoSettings, reward, *,
+              first_version: int) -> list[dict[str, Any]]:
+    """One loop's steps, from the fleet at weight version ``first_version`` (the trainer's)."""
+    from rollout_fleet.wiring.demo.report import header
+
+    print(header(), flush=True)
+    started = time.perf_counter()
+    run = _async_steps if settings.asynchronous else _sync_steps
+    steps = run(generation, trainer, session, info, prompts, settings, reward, first_version)
+    _summary(steps, time.perf_counter() - started, settings)
+    return steps
 
 
 def shut_down(fleet, generation, weights_channel) -> None:
@@ -113,7 +132,8 @@ def _demo_config(settings: DemoSettings):
         "timeouts": {"start_s": 600, "refit_s": 300}})
 
 
-def _sync_steps(generation, trainer, session, info, prompts, settings: DemoSettings, reward):
+def _sync_steps(generation, trainer, session, info, prompts, settings: DemoSettings, reward,
+                first_version: int = 0):
     """On-policy GRPO: generate a batch, train on it, refit the fleet, and again."""
     from rollout_fleet.wiring.demo.report import row
 
@@ -125,11 +145,12 @@ def _sync_steps(generation, trainer, session, info, prompts, settings: DemoSetti
         figures.update(_refit(generation, trainer, session, info, mode=None))
         steps.append(figures)
         print(row(figures), flush=True)
-        _check_step(figures, step, settings)
+        _check_step(figures, step, settings, first_version)
     return steps
 
 
-def _async_steps(generation, trainer, session, info, prompts, settings: DemoSettings, reward):
+def _async_steps(generation, trainer, session, info, prompts, settings: DemoSettings, reward,
+                 first_version: int = 0):
     """One-step off-policy GRPO: while the fleet generates the next batch (on the weights of
     the last refit), the trainer trains on the batch just finished, then refits in keep mode:
     the next batch's rollouts in flight go on under the new weights, and their per-token
@@ -144,7 +165,7 @@ def _async_steps(generation, trainer, session, info, prompts, settings: DemoSett
         pending = fleet_side.submit(_rollouts, generation, prompts, quiet, reward)
         for step in range(1, settings.steps + 1):
             scored, seconds = pending.result()
-            trainer_version = step - 1  # the weights the trainer holds before this step
+            trainer_version = first_version + step - 1  # the trainer's weights before this step
             if step < settings.steps:  # the next batch runs while this one trains
                 pending = fleet_side.submit(_rollouts, generation, prompts, quiet, reward)
             figures = _batch_figures(step, scored, seconds, trainer)
@@ -153,7 +174,7 @@ def _async_steps(generation, trainer, session, info, prompts, settings: DemoSett
             figures.update(_refit(generation, trainer, session, info, mode="keep"))
             steps.append(figures)
             print(row(figures), flush=True)
-            _check_step(figures, step, settings)
+            _check_step(figures, step, settings, first_version)
     return steps
 
 
@@ -241,10 +262,12 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="rollouts", leave=False, disable=not enabled, mininterval=0.5)
 
 
-def _check_step(figures: dict[str, Any], step: int, settings: DemoSettings) -> None:
-    if figures["weight_versions"] != [step] * settings.workers:
+def _check_step(figures: dict[str, Any], step: int, settings: DemoSettings,
+                first_version: int = 0) -> None:
+    version = first_version + step
+    if figures["weight_versions"] != [version] * settings.workers:
         raise DemoFailed(f"step {step}: the refit did not reach every worker "
-                         f"(weight versions {figures['weight_versions']}, expected {step} each)")
+                         f"(weight versions {figures['weight_versions']}, expected {version} each)")
     # Off-policy tokens differ from the trainer's weights by design: checked when synchronous.
     if not settings.asynchronous and figures["mismatch_max"] > settings.mismatch_bound:
         raise DemoFailed(f"step {step}: train/inference logprob mismatch "
