@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs (.venv, idempotent), then runs every tier.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x). Two pytest-xdist workers
+# (TEST_WORKERS): whatever starts vLLM engines or Ray clusters runs one test at a time on one of
+# them (tests/conftest.py), every other module beside it; `-n 0` runs everything in one process.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -9,4 +11,5 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 if [ "$#" -eq 0 ]; then set -- tests; fi
 # Inside a private network namespace (loopback only): Ray's daemons bind every interface.
 exec unshare -n -- sh -c 'ip link set lo up && exec "$@"' sh \
-  "$python" -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 -ra "$@"
+  "$python" -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 -ra \
+  -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -1,4 +1,4 @@
-"""Soak: about two minutes of steady load from one driver on one event loop (bounded in count),
+"""Soak: about a minute of steady load from one driver on one event loop (bounded in count),
 with no growth in the driver's memory or open sockets, and every rollout served exactly once."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from tests.support.processes import own_open_sockets, own_rss_bytes
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
 MAX_NEW, MAX_LEN = 16, 64
-SOAK_S = 120.0
-MAX_BATCHES = 400
+SOAK_S = 60.0
+MAX_BATCHES = 240
 BATCH = 128
 CONCURRENCY = 64
 RSS_GROWTH_LIMIT = 20 * 2**20  # generous: allocator noise, never a per-rollout leak
 
 
-def test_two_minutes_of_steady_load_grow_neither_memory_nor_sockets(start_fleet):
+def test_a_minute_of_steady_load_grows_neither_memory_nor_sockets(start_fleet):
     fleet = start_fleet(workers=4, token_delay_s=0.002)
     prompts, data = mixed_batch(BATCH, seed=41, max_len=20)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
@@ -62,7 +62,11 @@ def test_two_minutes_of_steady_load_grow_neither_memory_nor_sockets(start_fleet)
     assert max(s for _, _, s in second) <= max(s for _, _, s in first), samples
     # The pool holds at most one connection per allowed rollout (plus the control extras).
     assert max(s for _, _, s in samples) - sockets_before <= CONCURRENCY + 16
-    # Each worker's engine served exactly what was sent: no rollout ran twice.
+    # Each worker's engine served what was sent and no more: no rollout ran twice, except
+    # where the driver itself sent an attempt again (counted, with its cause; the failed
+    # attempt may or may not have reached an engine).
     served = sum(post_control(url, "engine_stats", {"control_secret": fleet.secret})
                  ["served_count"] for url in fleet.control_urls.values())
-    assert served == batches * BATCH
+    retried = generation.retried_attempts()
+    print(f"attempts sent again, by cause: {retried}")
+    assert batches * BATCH <= served <= batches * BATCH + sum(retried.values()), (served, retried)

@@ -79,21 +79,25 @@ def reference(models):
     return prompts, answers
 
 
-@pytest.fixture(scope="module")
-def fleet(models, tmp_path_factory):
+def start_refit_fleet(models, run_dir, *, num_workers: int = 2, **timeouts):
+    """A fleet of vLLM workers serving model A, refit buffers of 1 MiB x 2 (``timeouts``: more
+    of the config's timeouts section)."""
     if not in_private_netns():
         pytest.fail("the refit tier starts a local Ray cluster (it binds 0.0.0.0): run it "
                     "through scripts/test.sh, which runs pytest inside `unshare -n`")
     from rollout_fleet.wiring.config import parse_config
     from rollout_fleet.wiring.fleet import Fleet
 
-    config = parse_config({
+    return Fleet.start(parse_config({
         "engine": {"kind": "vllm"}, "model": str(models[0]), "served_model_name": "tiny",
-        "num_workers": 2, "max_model_len": 512, "max_new_tokens": STEPS,
-        "run_dir": str(tmp_path_factory.mktemp("refit-fleet")),
-        "refit": {"buffer_bytes": 1 << 20, "num_buffers": 2},
-        "timeouts": {"start_s": 600, "refit_s": 60}})
-    fleet = Fleet.start(config)
+        "num_workers": num_workers, "max_model_len": 512, "max_new_tokens": STEPS,
+        "run_dir": str(run_dir), "refit": {"buffer_bytes": 1 << 20, "num_buffers": 2},
+        "timeouts": {"start_s": 600, "refit_s": 60, **timeouts}}))
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    fleet = start_refit_fleet(models, tmp_path_factory.mktemp("refit-fleet"))
     yield fleet
     fleet.shutdown()
 

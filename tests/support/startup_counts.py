@@ -1,8 +1,9 @@
 """Counts the heavy start-ups each test causes: vLLM engine cores, Ray clusters, Dynamo
-frontends and fleet workers, seen as new processes in /proc (whoever started them: the test
-process, a CLI child, a Ray actor). Enabled with ``--startup-counts=FILE``; the table of
-per-test counts and times is written there as JSON at the end of the run, and a summary is
-printed. It only observes: nothing the tests run changes."""
+frontends and fleet workers, seen as new processes in /proc that descend from this pytest
+process (whoever started them: the test process, a CLI child, a Ray actor). Enabled with
+``--startup-counts=FILE``; the table of per-test counts and times is written there as JSON at
+the end of the run (under pytest-xdist, one file per worker: ``FILE.gw0`` ...), and a summary
+is printed. It only observes: nothing the tests run changes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import Counter, defaultdict
 import pytest
 
 _POLL_S = 0.25
+_NAMED_WITHIN_S = 60.0  # a spawned child takes its process title (VLLM::EngineCore) late
 
 # kind -> how its process is recognised: a substring of its command line (or name).
 _KINDS = {
@@ -42,6 +44,25 @@ def _kind_of(line: str) -> str | None:
     return None
 
 
+def _parent_of(pid: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def _descends_from(pid: str, root: str) -> bool:
+    for _ in range(64):  # deeper than any tree a test starts
+        if pid == root:
+            return True
+        parent = _parent_of(pid)
+        if parent is None or parent == "0":
+            return False
+        pid = parent
+    return False
+
+
 class StartupCounter:
     """Polls /proc and charges each new process of a known kind to the test running then."""
 
@@ -49,7 +70,9 @@ class StartupCounter:
         self.current = "<collection>"
         self.per_test: dict[str, Counter] = defaultdict(Counter)
         self.seconds: dict[str, float] = defaultdict(float)
-        self._seen = set(self._pids())
+        self._root = str(os.getpid())
+        self._done_with = set(self._pids())  # counted, or not ours, or never named a known kind
+        self._first_seen: dict[str, float] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="startup-counts", daemon=True)
 
@@ -66,16 +89,23 @@ class StartupCounter:
 
     def _watch(self) -> None:
         while not self._done.wait(_POLL_S):
+            now = time.monotonic()
             for pid in self._pids():
-                if pid in self._seen:
-                    continue
-                line = _process_line(pid)
-                if not line:  # gone already, or not readable yet: look again next time
-                    continue
-                self._seen.add(pid)
-                kind = _kind_of(line)
-                if kind:
-                    self.per_test[self.current][kind] += 1
+                if pid not in self._done_with:
+                    self._look_at(pid, now)
+
+    def _look_at(self, pid: str, now: float) -> None:
+        if pid not in self._first_seen:
+            self._first_seen[pid] = now
+            if not _descends_from(pid, self._root):
+                self._done_with.add(pid)
+                return
+        line = _process_line(pid)
+        kind = _kind_of(line) if line else None
+        if kind:
+            self.per_test[self.current][kind] += 1
+        if kind or not line or now - self._first_seen[pid] > _NAMED_WITHIN_S:
+            self._done_with.add(pid)
 
     def table(self) -> dict:
         tests = sorted(set(self.per_test) | set(self.seconds))
@@ -93,8 +123,15 @@ def pytest_addoption(parser):
                           "Dynamo frontends, fleet workers) and times to FILE as JSON")
 
 
+def _output_path(config) -> str:
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    path = config.getoption("--startup-counts")
+    return f"{path}.{worker}" if worker else path
+
+
 def pytest_configure(config):
-    if config.getoption("--startup-counts"):
+    xdist_controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if config.getoption("--startup-counts") and not xdist_controller:  # its workers count
         counter = StartupCounter()
         counter.start()
         config._startup_counter = counter
@@ -123,6 +160,6 @@ def pytest_unconfigure(config):
         return
     counter.stop()
     table = counter.table()
-    with open(config.getoption("--startup-counts"), "w") as handle:
+    with open(_output_path(config), "w") as handle:
         json.dump(table, handle, indent=1, sort_keys=True)
     print(f"\nstart-ups in this run: {table['totals']}")

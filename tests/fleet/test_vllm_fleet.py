@@ -1,0 +1,141 @@
+"""A fleet of two real vLLM workers on Ray behind the real frontend, with ``router = "kv"``,
+started once for this module, as a user runs it: prompts that share a long prefix go to the
+worker that holds it (the workers publish their KV-cache events); every process of the fleet
+(Ray's, each worker, vLLM's engine core and model worker, the frontend) listens on loopback
+only, but for the KV-event publishers Dynamo 1.6.1 binds to every interface in each worker's
+host process (documented; a memory fleet on the default router is checked strict in
+tests/fleet/test_fleet_memory.py), and shows the control secret nowhere; and the shared-memory queues vLLM keeps in /dev/shm
+are gone once the fleet stops, those of an engine core killed by SIGKILL included, while a
+segment that is not the fleet's stays. The last test kills an engine core and stops the fleet."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+
+from rollout_fleet.wiring.config import parse_config
+from rollout_fleet.wiring.fleet import Fleet, call_control
+from tests.fleet.helpers import _cmdline, assert_nothing_left, fleet_ports, own_children_before
+from tests.support.engine_core import engine_core_of
+from tests.support.net import listening_sockets
+from tests.support.trust import descendants, open_to_others, secret_leaks, shm_segments_of
+
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.dynamo]
+PREFIX_TOKENS = 300  # two full KV blocks of 128 (vLLM's CPU block size)
+FOLLOW_UPS = 3  # per prefix; at random all six land right 1 time in 64, round-robin never
+SETTLE_ATTEMPTS = 40  # the events reach the router within moments; bounded all the same
+
+
+@attrs.frozen
+class Started:
+    fleet: Fleet
+    children_before: set[int]  # this process's children before the fleet started
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    before = own_children_before()
+    fleet = Fleet.start(parse_config({
+        "engine": {"kind": "vllm"}, "router": "kv", "num_workers": 2, "max_model_len": 512,
+        "run_dir": str(tmp_path_factory.mktemp("vllm-fleet") / "run"),
+        "timeouts": {"start_s": 400}}))
+    try:
+        pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
+        ports = fleet_ports(fleet)
+        yield Started(fleet, before)
+    finally:
+        fleet.shutdown()  # the last test stops it itself; stopping again is safe
+    assert_nothing_left(pgids, ports, before)  # whichever of the tests ran
+
+
+@pytest.fixture
+def fleet(started):  # by this name, a failed test reports each worker's log tail
+    return started.fleet
+
+
+def stats(fleet) -> dict[str, dict]:
+    return {name: call_control(url, "stats", fleet.secret) for name, url in fleet.control_urls.items()}
+
+
+def complete(fleet, prompt: list[int], pin: int | None = None) -> int:
+    """One completion; returns the Dynamo instance that served it."""
+    nvext = {"extra_fields": ["worker_id"]}
+    if pin is not None:
+        nvext["backend_instance_id"] = pin  # Dynamo's own pin: this worker, no routing
+    answer = httpx.post(f"{fleet.frontend_url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "nvext": nvext})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["nvext"]["worker_id"]["decode_worker_id"]
+
+
+def test_prompts_sharing_a_long_prefix_go_to_the_worker_that_holds_it(fleet):
+    instance = {name: s["instance_id"] for name, s in stats(fleet).items()}
+    first, second = sorted(instance)
+    prefixes = {first: [(7 * i + 11) % 500 + 3 for i in range(PREFIX_TOKENS)],
+                second: [(13 * i + 5) % 500 + 3 for i in range(PREFIX_TOKENS)]}
+    for name, prefix in prefixes.items():  # each worker caches one prefix
+        assert complete(fleet, prefix, pin=instance[name]) == instance[name]
+    # The router learns of the cached blocks from the workers' events: wait until a
+    # follow-up of each prefix goes to its holder (or give up after SETTLE_ATTEMPTS).
+    for attempt in range(SETTLE_ATTEMPTS):
+        served = {name: complete(fleet, prefix + [400, attempt]) for name, prefix in prefixes.items()}
+        if served == {name: instance[name] for name in prefixes}:
+            break
+    before_follow_ups = {name: s["served"] for name, s in stats(fleet).items()}
+    routed = {name: [complete(fleet, prefix + [300 + k, 200 + k]) for k in range(FOLLOW_UPS)]
+              for name, prefix in prefixes.items()}
+    after = {name: s["served"] for name, s in stats(fleet).items()}
+    print(f"settled after {attempt + 1} round(s); follow-ups: {routed}")
+    for name in prefixes:
+        assert routed[name] == [instance[name]] * FOLLOW_UPS, (name, instance, routed)
+        assert after[name] - before_follow_ups[name] == FOLLOW_UPS  # the workers' own counters
+
+
+def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_the_fleet_keeps_its_secret_listens_on_loopback_but_for_kv_events_and_leaves_no_shm_queues(started, fleet):
+    import ray
+
+    not_theirs = None
+    try:
+        pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
+        ports = fleet_ports(fleet)
+        pids = descendants(os.getpid())
+        cores = {w.name: engine_core_of(w.pid).pid for w in fleet.workers}
+        listeners = listening_sockets(pids)
+        print("\n".join(f"{s.address}:{s.port} {_cmdline(s.pid)[:100]}" for s in listeners))
+        wide = [s for s in listeners if not s.is_loopback]
+        # Dynamo 1.6.1's KV-event publishers (router = "kv") bind 0.0.0.0 whatever they are
+        # told, in each worker's host process (docs/running-a-fleet.md); nothing else may.
+        hosts = {w.pid for w in fleet.workers}
+        assert all(s.address == "0.0.0.0" and s.pid in hosts for s in wide), wide
+        ray_session = ray._private.worker._global_node.get_session_dir_path()
+        assert secret_leaks(fleet.secret, [os.getpid(), *pids], [fleet.run_dir, ray_session]) == []
+        assert open_to_others(fleet.run_dir) == []
+
+        segments = {w.name: shm_segments_of([w.pid, *descendants(w.pid)]) for w in fleet.workers}
+        assert all(segments.values()), f"no vLLM queue in /dev/shm: {segments}"
+        os.kill(cores["worker-0"], signal.SIGKILL)  # its queue has no one left to remove it
+        wait_gone(cores["worker-0"])
+        not_theirs = Path("/dev/shm", f"psm_{os.urandom(4).hex()}")  # another program's segment
+        not_theirs.write_bytes(b"not the fleet's")
+    finally:
+        fleet.shutdown()
+    try:
+        left = sorted(path for found in segments.values() for path in found if Path(path).exists())
+        assert left == [], f"vLLM queues left in /dev/shm: {left}"
+        assert not_theirs.read_bytes() == b"not the fleet's"
+    finally:
+        if not_theirs is not None:
+            not_theirs.unlink(missing_ok=True)
+    assert_nothing_left(pgids, ports, started.children_before)
