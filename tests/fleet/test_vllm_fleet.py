@@ -4,9 +4,10 @@ worker that holds it (the workers publish their KV-cache events); every process 
 (Ray's, each worker, vLLM's engine core and model worker, the frontend) listens on loopback
 only, but for the KV-event publishers Dynamo 1.6.1 binds to every interface in each worker's
 host process (documented; a memory fleet on the default router is checked strict in
-tests/fleet/test_fleet_memory.py), and shows the control secret nowhere; and the shared-memory queues vLLM keeps in /dev/shm
-are gone once the fleet stops, those of an engine core killed by SIGKILL included, while a
-segment that is not the fleet's stays. The last test kills an engine core and stops the fleet."""
+tests/fleet/test_fleet_memory.py), and shows the control secret nowhere; and the shared-memory
+queues vLLM keeps in /dev/shm are gone once the fleet stops, those of an engine core killed by
+SIGKILL included, while a segment that is not the fleet's stays. The last test kills an engine
+core and stops the fleet."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def test_the_fleet_keeps_its_secret_listens_on_loopback_but_for_kv_events_and_leaves_no_shm_queues(started, fleet):
+def test_the_fleet_keeps_its_secret_listens_on_loopback_but_for_kv_events_and_leaves_no_shm_queues(
+        started, fleet):
     import ray
 
     not_theirs = None

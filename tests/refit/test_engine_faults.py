@@ -99,7 +99,7 @@ def batch_with_a_fault(fleet, generation, batch, name, fault: signal.Signals, pr
         facts["lost"] = await asyncio.to_thread(wait_until_lost, *wait)
         facts["lost_after_s"] = time.monotonic() - facts["at"]
 
-    async def batch():
+    async def run_batch():
         faulting = asyncio.ensure_future(fault_when_busy())
         try:
             return await collect(generation, batch_of(batch), greedy=True)
@@ -108,7 +108,7 @@ def batch_with_a_fault(fleet, generation, batch, name, fault: signal.Signals, pr
 
     with probe:
         started = time.monotonic()
-        pairs = asyncio.run(batch())
+        pairs = asyncio.run(run_batch())
         facts["batch_s"] = time.monotonic() - started
         time.sleep(0.5)  # probes after the worker left
     return pairs
@@ -186,7 +186,8 @@ def test_a_stopped_engine_core_is_found_hung_its_rollouts_finish_elsewhere_and_r
             time.sleep(0.1)
         assert not core.is_running() or core.status() == "zombie", "the stopped core was left"
         print(f"\n{len(batch)} rollouts in {stopped['batch_s']:.1f} s; {name} held "
-              f"{stopped['in_flight']} at the SIGSTOP; reported lost {stopped['lost_after_s']:.2f} s after it "
+              f"{stopped['in_flight']} at the SIGSTOP; reported lost "
+              f"{stopped['lost_after_s']:.2f} s after it "
               f"(hang_timeout_s={HANG_TIMEOUT_S:g})")
 
         refit_with_the_survivors(generation, models, reference, survivors, start_versions,
