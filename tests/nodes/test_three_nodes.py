@@ -8,7 +8,9 @@ in the middle of a batch."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,43 +25,48 @@ MAX_MODEL_LEN, MAX_NEW = 128, 12
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run():
     """The layout, one driver run on its head, and what the driver reported; then every
     process of every node is stopped, and nothing may be left."""
-    root = tmp_path_factory.mktemp("nodes")
-    # Two worker slots per worker node, spread: after node 3 is lost, Ray places its worker's
-    # bundle anew on node 2, where the replacement starts.
-    layout = NodeLayout(root, count=3, worker_cpus=2, worker_slots=2).start()
-    inodes = {node.name: node.inode for node in layout.nodes}
+    # A short root of its own: Ray's sockets live under each node's temp dir, and a Unix
+    # socket's path may not pass 107 bytes (pytest-xdist's temp folders are one level deeper).
+    root = Path(tempfile.mkdtemp(prefix="rf-nodes-"))
     try:
-        config = {
-            # a token takes 10 ms: rollouts are still in flight when the node is lost
-            "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN,
-                       "token_delay_s": 0.01},
-            # the frontend tries a lost worker until the fleet sees it lost and takes it out of
-            # etcd (about a second here): retries outlast that
-            "retry": {"max_attempts": 10, "base_delay_s": 0.2},
-            "served_model_name": "mem", "num_workers": 2, "max_model_len": MAX_MODEL_LEN,
-            "max_new_tokens": MAX_NEW, "ray_address": layout.ray_address,
-            "bind_host": layout.head.address, "discovery": "etcd",
-            "resources_per_worker": {WORKER_RESOURCE: 1}, "run_dir": str(root / "run"),
-            "placement_strategy": "SPREAD",
-            "refit": {"buffer_bytes": 65536}, "timeouts": {"start_s": 120}}
-        (root / "fleet.json").write_text(json.dumps(config))
-        out, log = root / "report.json", root / "driver.log"
-        lost = layout.nodes[2]  # 10.77.0.3
-        code = layout.run_on(1, [sys.executable, str(HERE / "head_driver.py"),
-                                 str(root / "fleet.json"), str(out), str(lost.inode)],
-                             timeout_s=420, log_path=log)
-        assert code == 0, f"the head's driver failed:\n{log.read_text()[-4000:]}"
-        report = json.loads(out.read_text())
-        after_driver = layout.listeners()
+        # Two worker slots per worker node, spread: after node 3 is lost, Ray places its worker's
+        # bundle anew on node 2, where the replacement starts.
+        layout = NodeLayout(root, count=3, worker_cpus=2, worker_slots=2).start()
+        inodes = {node.name: node.inode for node in layout.nodes}
+        try:
+            config = {
+                # a token takes 10 ms: rollouts are still in flight when the node is lost
+                "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN,
+                           "token_delay_s": 0.01},
+                # the frontend tries a lost worker until the fleet sees it lost and takes it out of
+                # etcd (about a second here): retries outlast that
+                "retry": {"max_attempts": 10, "base_delay_s": 0.2},
+                "served_model_name": "mem", "num_workers": 2, "max_model_len": MAX_MODEL_LEN,
+                "max_new_tokens": MAX_NEW, "ray_address": layout.ray_address,
+                "bind_host": layout.head.address, "discovery": "etcd",
+                "resources_per_worker": {WORKER_RESOURCE: 1}, "run_dir": str(root / "run"),
+                "placement_strategy": "SPREAD",
+                "refit": {"buffer_bytes": 65536}, "timeouts": {"start_s": 120}}
+            (root / "fleet.json").write_text(json.dumps(config))
+            out, log = root / "report.json", root / "driver.log"
+            lost = layout.nodes[2]  # 10.77.0.3
+            code = layout.run_on(1, [sys.executable, str(HERE / "head_driver.py"),
+                                     str(root / "fleet.json"), str(out), str(lost.inode)],
+                                 timeout_s=420, log_path=log)
+            assert code == 0, f"the head's driver failed:\n{log.read_text()[-4000:]}"
+            report = json.loads(out.read_text())
+            after_driver = layout.listeners()
+        finally:
+            stuck = layout.stop()
+        assert stuck == [], f"processes of the layout would not stop: {stuck}"
+        left = [pid for pid in _all_pids() if _netns(pid) in set(inodes.values())]
+        assert left == [], f"processes left in the nodes' namespaces: {left}"
+        yield report, layout, inodes, after_driver
     finally:
-        stuck = layout.stop()
-    assert stuck == [], f"processes of the layout would not stop: {stuck}"
-    left = [pid for pid in _all_pids() if _netns(pid) in set(inodes.values())]
-    assert left == [], f"processes left in the nodes' namespaces: {left}"
-    yield report, layout, inodes, after_driver
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_each_worker_runs_on_its_own_node_and_binds_only_that_nodes_address(run):
