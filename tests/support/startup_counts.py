@@ -7,6 +7,7 @@ is printed. It only observes: nothing the tests run changes."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import threading
@@ -131,7 +132,11 @@ def _output_path(config) -> str:
 
 def pytest_configure(config):
     xdist_controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
-    if config.getoption("--startup-counts") and not xdist_controller:  # its workers count
+    path = config.getoption("--startup-counts")
+    if path and xdist_controller:  # its workers count; an earlier run's files are not theirs
+        for stale in glob.glob(glob.escape(path) + ".gw*"):
+            os.remove(stale)
+    if path and not xdist_controller:
         counter = StartupCounter()
         counter.start()
         config._startup_counter = counter
@@ -154,12 +159,31 @@ def pytest_runtest_protocol(item, nextitem):
     counter.current = "<between tests>"
 
 
+def _write(path: str, table: dict) -> None:
+    with open(path, "w") as handle:
+        json.dump(table, handle, indent=1, sort_keys=True)
+
+
+def _merged(paths: list[str]) -> dict:
+    """The xdist workers' tables as one (their tests are disjoint)."""
+    totals, tests = Counter(), {}
+    for path in paths:
+        with open(path) as handle:
+            table = json.load(handle)
+        totals.update(table["totals"])
+        tests.update(table["tests"])
+    return {"totals": dict(totals), "tests": tests}
+
+
 def pytest_unconfigure(config):
     counter = _counter(config)
-    if counter is None:
-        return
-    counter.stop()
-    table = counter.table()
-    with open(_output_path(config), "w") as handle:
-        json.dump(table, handle, indent=1, sort_keys=True)
-    print(f"\nstart-ups in this run: {table['totals']}")
+    path = config.getoption("--startup-counts")
+    if counter is not None:
+        counter.stop()
+        _write(_output_path(config), counter.table())
+    if path and not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        workers = sorted(glob.glob(glob.escape(path) + ".gw*"))
+        empty = {"totals": {}, "tests": {}}
+        table = _merged(workers) if workers else counter.table() if counter else empty
+        _write(path, table)
+        print(f"\nstart-ups in this run: {table['totals']} (per test: {path})")
