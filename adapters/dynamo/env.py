@@ -2,8 +2,9 @@
 every host setting named): on loopback with file discovery on one machine, or on one node's
 cluster address (etcd discovery) across nodes.
 
-Builds a dict (reading only where vLLM's cache lives from this process's environment); the frontend launcher gives it to its child, the worker entry point puts it
-into its own ``os.environ`` before the Dynamo runtime starts (the runtime reads it once).
+Builds a dict (reading only where vLLM's cache lives from this process's environment); the
+frontend launcher gives it to its child, the worker entry point puts it into its own
+``os.environ`` before the Dynamo runtime starts (the runtime reads it once).
 """
 
 from __future__ import annotations
