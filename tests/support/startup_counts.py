@@ -45,23 +45,13 @@ def _kind_of(line: str) -> str | None:
     return None
 
 
-def _parent_of(pid: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[1]
-    except (OSError, IndexError):
-        return None
-
-
 def _descends_from(pid: str, root: str) -> bool:
-    for _ in range(64):  # deeper than any tree a test starts
-        if pid == root:
-            return True
-        parent = _parent_of(pid)
-        if parent is None or parent == "0":
-            return False
-        pid = parent
-    return False
+    import psutil
+
+    try:
+        return int(root) in {parent.pid for parent in psutil.Process(int(pid)).parents()}
+    except psutil.Error:  # gone already
+        return False
 
 
 class StartupCounter:
