@@ -142,7 +142,7 @@ class Bare:
             from rollout_fleet.wiring.vllm_plugin import register
 
             register()  # as the fleet's worker has it; no weights move in this bench
-        from rollout_fleet.adapters.vllm.engine import serving_usage_context
+        from rollout_fleet.adapters.vllm.runtime import serving_usage_context
 
         # built as the fleet's worker builds its engine (the same batch limits)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),

@@ -93,7 +93,7 @@ class BareVllm:
             kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
         if "weight_transfer_config" in kwargs:
             kwargs["weight_transfer_config"] = WeightTransferConfig(**kwargs["weight_transfer_config"])
-        from rollout_fleet.adapters.vllm.engine import serving_usage_context
+        from rollout_fleet.adapters.vllm.runtime import serving_usage_context
 
         # built as the fleet's worker builds its engine (the same batch limits)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),

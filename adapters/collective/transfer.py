@@ -53,13 +53,13 @@ GLOO_DIRECT_MIN_BYTES = 1 << 20  # a tensor this large is sent from its own memo
 SENDER, RECEIVER = 1, 2
 
 
-def _hash63(text: str) -> int:
+def hash63(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 @functools.lru_cache(maxsize=8)
 def info_digest(info: RefitInfo) -> int:
-    return _hash63(json.dumps(info.to_wire(), sort_keys=True, separators=(",", ":")))
+    return hash63(json.dumps(info.to_wire(), sort_keys=True, separators=(",", ":")))
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,7 +125,7 @@ def wire_pieces(bucket: Bucket, backend: str) -> tuple[Piece, ...]:
 
 def header_row(spec: CollectiveSenderSpec, info: RefitInfo, role: int,
                chunk_bytes: int = 0) -> list[int]:
-    return [HEADER_FORMAT, _hash63(spec.protocol), spec.buffer_bytes, spec.num_buffers,
+    return [HEADER_FORMAT, hash63(spec.protocol), spec.buffer_bytes, spec.num_buffers,
             info_digest(info), info.total_bytes, chunk_bytes, role]
 
 

@@ -36,8 +36,8 @@ from rollout_fleet.adapters.dynamo.controls import (
     CONTROL_SECRET_FIELD, ControlHandler, WorkerControls,
 )
 from rollout_fleet.adapters.dynamo.plain import (
-    _chunks_of, _hidden_stop_ids, _openai_finish, _piece_chunks, _PlainOptions, _prompt_of,
-    _TokenTexts, _usage,
+    chunks_of, hidden_stop_ids, openai_finish, piece_chunks, PlainOptions, prompt_of,
+    TokenTexts, usage_of,
 )
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
@@ -93,7 +93,7 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
         self._offered = offered_keywords(engine)
         self._offered_sampling = engine.sampling_offered()
         self._bare_streams = streams_without_logprobs(engine)
-        self._token_texts: _TokenTexts | None = None
+        self._token_texts: TokenTexts | None = None
         self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS_KEPT)
         self._counts = collections.Counter()
         self._controls_running = 0  # a refit may pause the engine: no progress is no hang then
@@ -197,7 +197,7 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
             # A plain request's chunks go out as the engine makes them; a rollout's one chunk
             # when it is done.
             # Closed at once if the client leaves mid-stream: the engine's generation ends too.
-            async with contextlib.aclosing(_chunks_of(serve(request, context_id, annotation))) as chunks:
+            async with contextlib.aclosing(chunks_of(serve(request, context_id, annotation))) as chunks:
                 async for chunk in chunks:
                     last = chunk
                     yield chunk
@@ -280,22 +280,22 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
             raise InvalidValue("stop_token_ids", list(spec.stop_token_ids),
                                "this worker's engine does not offer it")
         self._in_flight[context_id] = spec.request_id
-        engine_data = await serve_annotated_rollout(self.engine, _prompt_of(request), annotation,
+        engine_data = await serve_annotated_rollout(self.engine, prompt_of(request), annotation,
                                                     worker=self.worker_name)
         if "refused" in engine_data:  # asleep: the refusal rides where the result would
             self._counts["asleep"] += 1
             return [{"token_ids": [], "index": 0, "finish_reason": "stop",
-                     "completion_usage": _usage(len(_prompt_of(request)), 0),
+                     "completion_usage": usage_of(len(prompt_of(request)), 0),
                      "engine_data": engine_data}]
         tokens = engine_data["token_ids"]
         # Whole result in the final chunk. Its token_ids leave out the hidden stop tokens (EOS):
         # the frontend ends a stream at one, and must not cut this chunk short.
-        hidden = _hidden_stop_ids(request)
+        hidden = hidden_stop_ids(request)
         return [{
             "token_ids": [t for t in tokens if t not in hidden],
             "index": 0,
-            "finish_reason": _openai_finish(FinishReason(engine_data["finish_reason"])),
-            "completion_usage": _usage(engine_data["prompt_tokens"], len(tokens)),
+            "finish_reason": openai_finish(FinishReason(engine_data["finish_reason"])),
+            "completion_usage": usage_of(engine_data["prompt_tokens"], len(tokens)),
             "engine_data": engine_data,
         }]
 
@@ -303,10 +303,10 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
                              _annotation: None) -> AsyncIterator[GenerateChunk]:
         """Token chunks as the engine streams them (the worker cannot tell whether the client
         asked ``stream``: the frontend gathers the chunks for one that did not)."""
-        prompt = _prompt_of(request)
-        plain = _PlainOptions.of(request, self._offered, self._offered_sampling)
+        prompt = prompt_of(request)
+        plain = PlainOptions.of(request, self._offered, self._offered_sampling)
         self._in_flight[context_id] = context_id
-        hidden = _hidden_stop_ids(request)
+        hidden = hidden_stop_ids(request)
         texts = self._texts() if plain.logprobs is not None else None
         keywords = dict(plain.engine_keywords)
         if plain.logprobs is None and self._bare_streams:
@@ -319,19 +319,19 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 generated += len(piece.token_ids)
-                chunks = _piece_chunks(piece, hidden, logprobs=plain.logprobs is not None,
+                chunks = piece_chunks(piece, hidden, logprobs=plain.logprobs is not None,
                                        texts=texts)
                 if piece.finish_reason is not None:
                     if not chunks:
                         chunks = [{"token_ids": [], "index": 0}]
-                    chunks[-1]["finish_reason"] = _openai_finish(piece.finish_reason)
-                    chunks[-1]["completion_usage"] = _usage(len(prompt), generated)
+                    chunks[-1]["finish_reason"] = openai_finish(piece.finish_reason)
+                    chunks[-1]["completion_usage"] = usage_of(len(prompt), generated)
                 for chunk in chunks:
                     yield chunk
 
-    def _texts(self) -> "_TokenTexts":
+    def _texts(self) -> "TokenTexts":
         if self._token_texts is None:
-            self._token_texts = _TokenTexts(self.model_path)
+            self._token_texts = TokenTexts(self.model_path)
         return self._token_texts
 
     def _plain_budget(self, prompt_len: int, max_tokens: Any) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.ports.engine import RefitTarget
 
-logger = logging.getLogger("rollout_fleet.adapters.dynamo.adapter")
+logger = logging.getLogger(__name__)
 
 ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 CONTROL_SECRET_FIELD = "control_secret"

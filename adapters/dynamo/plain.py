@@ -19,27 +19,27 @@ from rollout_fleet.core.sampling import NEUTRAL_SAMPLING, extra_sampling
 from rollout_fleet.core.validate import check_int_at_least
 from rollout_fleet.ports.engine import RolloutPiece
 
-logger = logging.getLogger("rollout_fleet.adapters.dynamo.adapter")
+logger = logging.getLogger(__name__)
 
 # Options of a plain request that the engine port has no way to honour: a non-null value is
 # refused by name (a 400), so a client never gets an answer computed without them.
 _UNOFFERED_SAMPLING = ("length_penalty", "guided_decoding")
 
 
-def _prompt_of(request: Mapping[str, Any]) -> Sequence[int]:
+def prompt_of(request: Mapping[str, Any]) -> Sequence[int]:
     prompt = request.get("token_ids")
     if not isinstance(prompt, list) or not prompt:
         raise InvalidValue("token_ids", prompt, "a prompt needs at least one token ID")
     return prompt
 
 
-def _hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
+def hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
     stop = request.get("stop_conditions") or {}
     return set(stop.get("stop_token_ids_hidden") or ()) | set(request.get("eos_token_ids") or ())
 
 
 @attrs.frozen
-class _PlainOptions:
+class PlainOptions:
     """What an ordinary OpenAI request asks of the engine, checked against what it offers."""
 
     max_tokens: Any
@@ -50,7 +50,7 @@ class _PlainOptions:
 
     @classmethod
     def of(cls, request: Mapping[str, Any], offered: frozenset[str],
-           offered_sampling: frozenset[str] = frozenset()) -> "_PlainOptions":
+           offered_sampling: frozenset[str] = frozenset()) -> "PlainOptions":
         options = request.get("sampling_options") or {}
         stop = request.get("stop_conditions") or {}
         output = request.get("output_options") or {}
@@ -130,7 +130,7 @@ def _plain_sampling(options: Mapping[str, Any]) -> SamplingSpec:
     )
 
 
-class _TokenTexts:
+class TokenTexts:
     """Token ID -> its text, for the alternatives in ``top_logprobs`` (the model folder's
     ``tokenizer.json``; None where there is none to read)."""
 
@@ -149,7 +149,7 @@ class _TokenTexts:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = False,
+def piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = False,
                   texts: Callable[[int], str | None] | None = None) -> list[GenerateChunk]:
     """The chunk of a piece: its visible tokens (one engine step's, or several when the engine
     ran ahead of this loop), with their logprobs (and the top alternatives) when asked. Hidden
@@ -170,7 +170,7 @@ def _piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = Fal
     return [chunk]
 
 
-async def _chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
+async def chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
     """The chunks of a request kind's answer: an async iterator of chunks, or a coroutine
     that returns them all."""
     if hasattr(served, "__aiter__"):
@@ -182,10 +182,10 @@ async def _chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
         yield chunk
 
 
-def _openai_finish(reason: FinishReason) -> str:
+def openai_finish(reason: FinishReason) -> str:
     return "cancelled" if reason is FinishReason.ABORT else reason.value
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -4,13 +4,17 @@ and commits them with the same swap as a collective refit (cache reset, version)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rollout_fleet.adapters.memory.model import as_matrix
 from rollout_fleet.adapters.shared.segments import Segment
 from rollout_fleet.core.colocated_refit import SHM_TRANSPORT, BufferHandle, ColocatedManifest
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import Bucket, BucketEntry
 from rollout_fleet.ports.colocated import ColocatedTarget
+
+if TYPE_CHECKING:
+    from rollout_fleet.adapters.memory.engine import MemoryEngine
 
 COLOCATED_TP_RULE = ("a colocated refit hands the trainer's buffers to the one engine rank on"
                      " the trainer's device; with more ranks each lives on its own device and"
@@ -18,49 +22,54 @@ COLOCATED_TP_RULE = ("a colocated refit hands the trainer's buffers to the one e
 
 
 class MemoryColocated(ColocatedTarget):
-    """Mixed into ``MemoryEngine``: stages each bucket, swaps at the end (as its collective
-    refit does), so a session given up half way changes nothing."""
+    """The colocated part of ``MemoryEngine``: stages each bucket, and swaps at the end through
+    the engine's own refit swap, so a session given up half way changes nothing."""
 
-    _colocated: dict[str, Any] | None = None
+    def __init__(self, engine: MemoryEngine) -> None:
+        self.engine = engine
+        self._session: dict[str, Any] | None = None
+        self._last: dict[str, Any] = {}
 
     def colocated_transports(self) -> tuple[str, ...]:
         return (SHM_TRANSPORT,)
 
     async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
-        if self.refit_ranks() != 1:
-            raise InvalidValue("refit_ranks", self.refit_ranks(), COLOCATED_TP_RULE)
-        self._check_refit_allowed([t.name for t in manifest.info.tensors])  # as any refit, asleep
-        self._colocated = {"mode": mode, "staged": {}, "bytes": 0, "peak_open": 0}
+        ranks = self.engine.refit_ranks()
+        if ranks != 1:
+            raise InvalidValue("refit_ranks", ranks, COLOCATED_TP_RULE)
+        # as any refit: refused while the weights are asleep
+        self.engine.sleeper.check_refit_allowed([t.name for t in manifest.info.tensors])
+        self._session = {"mode": mode, "staged": {}, "bytes": 0, "peak_open": 0}
 
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
         state = self._session_state()
-        metas = self.weight_metas()
+        metas = self.engine.weight_metas()
         segment = Segment.open(handle.name, handle.nbytes)
         state["peak_open"] = max(state["peak_open"], handle.nbytes)
         try:
             for entry in bucket.entries:
-                rows = _rows(segment, entry)
-                state["staged"][entry.meta.name] = self._matrix(entry.meta.name, rows, metas)
+                name = entry.meta.name
+                state["staged"][name] = as_matrix(name, _rows(segment, entry), metas[name])
                 state["bytes"] += entry.meta.nbytes
         finally:
             segment.close()
 
     async def end_colocated(self, *, version: int | None) -> int:
         state = self._session_state()
-        self._colocated = None
-        self.colocated_last = {"bytes": state["bytes"], "open_bytes_peak": state["peak_open"]}
-        return await self._swap_weights(state["staged"], state["mode"], version)
+        self._session = None
+        self._last = {"bytes": state["bytes"], "open_bytes_peak": state["peak_open"]}
+        return await self.engine.swap_weights(state["staged"], state["mode"], version)
 
     async def abandon_colocated(self, reason: str) -> None:
-        self._colocated = None
+        self._session = None
 
     def colocated_stats(self) -> dict[str, Any]:
-        return dict(getattr(self, "colocated_last", {}))
+        return dict(self._last)
 
     def _session_state(self) -> dict[str, Any]:
-        if self._colocated is None:
+        if self._session is None:
             raise RefitError("no colocated refit begun on this engine")
-        return self._colocated
+        return self._session
 
 
 def _rows(segment: Segment, entry: BucketEntry) -> list[list[float]]:

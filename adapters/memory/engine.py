@@ -16,15 +16,18 @@ import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from rollout_fleet.adapters.memory.colocated import MemoryColocated
 from rollout_fleet.adapters.memory.model import (
-    EOS_TOKEN_ID, HIDDEN, VOCAB, WEIGHT_NAMES, TinyBigramModel, _as_matrix, _pick, _Steering, decode,
+    EOS_TOKEN_ID, HIDDEN, VOCAB, WEIGHT_NAMES, Steering, TinyBigramModel, as_matrix, decode,
+    pick_token,
 )
-from rollout_fleet.core.errors import (
-    EngineDead, EngineRejected, InvalidValue, RefitError,
-)
+from rollout_fleet.adapters.memory.sleep import MemorySleep
+from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest
+from rollout_fleet.core.errors import EngineDead, EngineRejected, InvalidValue, RefitError
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
     PACKED_PROTOCOL,
+    Bucket,
     GroupJoin,
     RefitInfo,
     TensorMeta,
@@ -32,25 +35,27 @@ from rollout_fleet.core.refit import (
     refit_mode,
 )
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
+from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.core.validate import is_int
+from rollout_fleet.ports.collective import WeightReceiver
+from rollout_fleet.ports.colocated import ColocatedTarget
 from rollout_fleet.ports.engine import (
-    RolloutPiece,
     EngineFacts,
     EnginePort,
     KvEventSource,
     RefitTarget,
+    RolloutPiece,
+    Sleeper,
 )
-from rollout_fleet.adapters.memory.colocated import MemoryColocated
-from rollout_fleet.ports.collective import WeightReceiver
-from rollout_fleet.adapters.memory.sleep import MemorySleep
 
 # The model's names are imported from here too (tests, the memory demo, the model folder).
 __all__ = ["EOS_TOKEN_ID", "VOCAB", "MemoryEngine", "TinyBigramModel", "decode"]
 
 
-class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
-    """The in-memory engine: implements the engine port, the refit port, the sleep port
-    (``sleep.py``) and the colocated refit port (``colocated.py``).
+class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedTarget):
+    """The in-memory engine: implements the engine port and the refit port itself, and the
+    sleep port and the colocated refit port through its parts (``sleeper``: ``sleep.py``;
+    ``colocated``: ``colocated.py``).
 
     For refits it holds ``refit_ranks`` ranks of the group (as a tensor-parallel engine would),
     each joined through ``join_receiver`` (the composition root's transfer backend: the
@@ -90,7 +95,8 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
         self._steps = 0  # tokens generated, all requests together (``progress``)
         # request id -> where each token goes as it is picked (a streamed rollout's queue)
         self._token_sinks: dict[str, Callable[[tuple], None]] = {}
-        self._init_sleep()
+        self.sleeper = MemorySleep(self)
+        self.colocated = MemoryColocated(self)
 
     # -- engine port --------------------------------------------------------------------------
     async def start(self, worker_id: int | str) -> EngineFacts:
@@ -103,7 +109,7 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
                             stop_token_ids: Sequence[int] = (),
                             extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
         self._check_alive()
-        self._check_serving()  # asleep: refused, retryable (EngineAsleep)
+        self.sleeper.check_serving()  # asleep: refused, retryable (EngineAsleep)
         self._check_input(prompt_token_ids, max_new_tokens)
         if not is_int(top_logprobs) or not 0 <= top_logprobs <= len(VOCAB):
             raise EngineRejected(f"top_logprobs={top_logprobs!r}: must be an int in 0..{len(VOCAB)}")
@@ -113,7 +119,7 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
         try:
             served = await self._generate(prompt_token_ids, request_id, max_new_tokens, sampling,
                                           tuple(stop_strings), rng, top_logprobs,
-                                          _Steering.of(extra_sampling or {}, stop_token_ids))
+                                          Steering.of(extra_sampling or {}, stop_token_ids))
             self.generated_tokens += len(served.token_ids)
             return served
         finally:
@@ -123,7 +129,7 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
             self.served_count += 1
 
     def sampling_offered(self) -> frozenset[str]:
-        return _Steering.OFFERED
+        return Steering.OFFERED
 
     async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                              with_logprobs: bool = True, **keywords: Any
@@ -214,15 +220,15 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
             raise RefitError("update_weights before init_collective")
         metas = self.weight_metas()
         info.check_against(metas)
-        self._check_refit_allowed([t.name for t in info.tensors])
+        self.sleeper.check_refit_allowed([t.name for t in info.tensors])
         received = await _all_ranks([lambda r=r: list(r.receive(info)) for r in self._receivers])
-        staged = {name: _as_matrix(name, tensor, metas[name]) for name, tensor in received[0]}
+        staged = {name: as_matrix(name, tensor, metas[name]) for name, tensor in received[0]}
         for rank, tensors in enumerate(received[1:], start=1):
-            if {name: _as_matrix(name, t, metas[name]) for name, t in tensors} != staged:
+            if {name: as_matrix(name, t, metas[name]) for name, t in tensors} != staged:
                 raise RefitError(f"engine rank {rank} received other bytes than rank 0")
-        return await self._swap_weights(staged, mode, version)
+        return await self.swap_weights(staged, mode, version)
 
-    async def _swap_weights(self, staged: Mapping[str, list[list[float]]], mode: str,
+    async def swap_weights(self, staged: Mapping[str, list[list[float]]], mode: str,
                             version: int | None) -> int:
         """Every refit, collective or colocated, ends here: swap, reset the cache, version."""
         async with self._drained() if mode == "drain" else contextlib.nullcontext():
@@ -230,11 +236,8 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
             self.model.lm_head = staged.get("lm_head.weight", self.model.lm_head)
             await self.reset_cache()
             self._version = next_version(self._version, version)
-            self._loaded_by_refit()
+            self.sleeper.loaded_by_refit()
         return self._version
-
-    def _matrix(self, name: str, tensor: Any, metas: Mapping[str, TensorMeta]) -> list[list[float]]:
-        return _as_matrix(name, tensor, metas[name])
 
     @contextlib.asynccontextmanager
     async def _drained(self):
@@ -259,6 +262,41 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
         self.model.clear_cache()
         self.cache_resets += 1
 
+    # -- sleep port: ``sleep.py`` -------------------------------------------------------------
+    async def sleep(self, level: int = 1, *, mode: str = DEFAULT_SLEEP_MODE) -> SleepState:
+        return await self.sleeper.sleep(level, mode=mode)
+
+    async def wake_up(self, tags: Sequence[str] = WAKE_TAGS) -> SleepState:
+        return await self.sleeper.wake_up(tags)
+
+    def sleep_state(self) -> SleepState:
+        return self.sleeper.sleep_state()
+
+    def resident(self) -> dict[str, bool]:
+        return self.sleeper.resident()
+
+    def sleep_stats(self) -> Mapping[str, Any]:
+        return self.sleeper.sleep_stats()
+
+    # -- colocated refit port: ``colocated.py`` -----------------------------------------------
+    def colocated_transports(self) -> tuple[str, ...]:
+        return self.colocated.colocated_transports()
+
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
+        await self.colocated.begin_colocated(manifest, mode=mode)
+
+    async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
+        await self.colocated.load_colocated_bucket(bucket, handle)
+
+    async def end_colocated(self, *, version: int | None) -> int:
+        return await self.colocated.end_colocated(version=version)
+
+    async def abandon_colocated(self, reason: str) -> None:
+        await self.colocated.abandon_colocated(reason)
+
+    def colocated_stats(self) -> dict[str, Any]:
+        return self.colocated.colocated_stats()
+
     # -- internals ----------------------------------------------------------------------------
     def _check_input(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if not prompt:
@@ -274,7 +312,7 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
                 f"context_length={self.context_length}")
 
     async def _generate(self, prompt, request_id, max_new_tokens, sampling, stop_strings, rng,
-                        top_n, steering: "_Steering"):
+                        top_n, steering: "Steering"):
         tokens: list[int] = []
         logprobs: list[float] = []
         tops: list[tuple[tuple[int, float], ...]] = []
@@ -289,13 +327,13 @@ class MemoryEngine(EnginePort, RefitTarget, MemorySleep, MemoryColocated):
                 await asyncio.sleep(0)  # let aborts and other requests in
             if not self._running.is_set():
                 await self._running.wait()  # frozen: never set again
-            await self._wait_while_asleep()  # kept by a sleep: continues after the wake
+            await self.sleeper.wait_while_asleep()  # kept by a sleep: continues after the wake
             self._check_alive()
             if request_id in self._aborted:
                 finish = FinishReason.ABORT
                 break
             row = self.model.logprobs_after(prev)
-            token = _pick(steering.steered(row, step), sampling, rng)
+            token = pick_token(steering.steered(row, step), sampling, rng)
             tokens.append(token)
             logprobs.append(row[token])
             sink = self._token_sinks.get(request_id)

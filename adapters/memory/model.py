@@ -75,7 +75,7 @@ def decode(token_ids: Iterable[int]) -> str:
     return "".join(VOCAB[t] for t in token_ids if t != EOS_TOKEN_ID)
 
 
-def _pick(logprobs: list[float], sampling: SamplingSpec, rng: random.Random) -> int:
+def pick_token(logprobs: list[float], sampling: SamplingSpec, rng: random.Random) -> int:
     if sampling.greedy:
         return max(range(len(logprobs)), key=logprobs.__getitem__)
     scaled = [lp / sampling.temperature for lp in logprobs]
@@ -95,7 +95,7 @@ def _pick(logprobs: list[float], sampling: SamplingSpec, rng: random.Random) -> 
     return rng.choices(kept, weights=kept_weights)[0]
 
 
-def _as_matrix(name: str, tensor: Any, expected: TensorMeta) -> list[list[float]]:
+def as_matrix(name: str, tensor: Any, expected: TensorMeta) -> list[list[float]]:
     dtype = getattr(tensor, "dtype", None)
     if dtype is not None:
         try:
@@ -128,7 +128,7 @@ def _shape_of(value: Any) -> list[int]:
 
 
 @attrs.frozen
-class _Steering:
+class Steering:
     """What the offered sampling options change: which tokens may be picked at a step (the
     logprobs reported stay the model's own, as vLLM's raw logprobs do) and where it stops."""
 
@@ -139,7 +139,7 @@ class _Steering:
     allowed: frozenset[int] | None = None
 
     @classmethod
-    def of(cls, extra: Mapping[str, Any], stop_token_ids: Sequence[int]) -> "_Steering":
+    def of(cls, extra: Mapping[str, Any], stop_token_ids: Sequence[int]) -> "Steering":
         unknown = sorted(set(extra) - cls.OFFERED)
         if unknown:
             raise EngineRejected(f"{unknown[0]}={extra[unknown[0]]!r}: not offered by the memory engine")

@@ -1,4 +1,5 @@
-"""The memory engine's sleep and wake (``ports.engine.Sleeper``), a part of ``MemoryEngine``.
+"""The memory engine's sleep and wake (``ports.engine.Sleeper``): ``MemorySleep``, a part of
+``MemoryEngine``.
 
 Its "KV cache" is the model's cache of logprob rows; its weights are the two matrices. Level 1
 frees the cache and keeps the weights; level 2 forgets the weights too (both matrices become
@@ -10,77 +11,85 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState, SleepTracker
 from rollout_fleet.ports.engine import Sleeper
 
+if TYPE_CHECKING:
+    from rollout_fleet.adapters.memory.engine import MemoryEngine
+
 _DRAIN_POLL_S = 0.001
 
 
 class MemorySleep(Sleeper):
-    """Mixed into ``MemoryEngine``: it uses the engine's ``model``, ``in_flight`` and ``abort``."""
+    """The sleep part of ``MemoryEngine``: it owns the sleep state and the gate kept rollouts
+    wait at, and acts on the engine through its public parts (``model``, ``in_flight``,
+    ``abort``)."""
 
-    def _init_sleep(self) -> None:
-        self._sleep = SleepTracker()
+    def __init__(self, engine: MemoryEngine) -> None:
+        self.engine = engine
+        self.tracker = SleepTracker()
         self._serving_gate = asyncio.Event()  # cleared while asleep: kept rollouts wait at it
         self._serving_gate.set()
 
     async def sleep(self, level: int = 1, *, mode: str = DEFAULT_SLEEP_MODE) -> SleepState:
-        wanted = self._sleep.wants_sleep(level, mode)
+        wanted = self.tracker.wants_sleep(level, mode)
         if wanted is None:
-            return self._sleep.state
+            return self.tracker.state
         level, mode = wanted
-        self._sleep.fell_asleep(level)  # new rollouts are refused from here on
+        engine = self.engine
+        self.tracker.fell_asleep(level)  # new rollouts are refused from here on
         self._serving_gate.clear()  # kept ones stop at their next token
         if mode == "abort":
-            for request_id in list(self.in_flight):
-                await self.abort(request_id)
+            for request_id in list(engine.in_flight):
+                await engine.abort(request_id)
         if mode in ("wait", "abort"):
-            while self.in_flight:  # bounded by the control's timeout
+            while engine.in_flight:  # bounded by the control's timeout
                 await asyncio.sleep(_DRAIN_POLL_S)
-        self.model.clear_cache()  # the KV cache is freed (kept rollouts recompute)
+        engine.model.clear_cache()  # the KV cache is freed (kept rollouts recompute)
         if level >= 2:
-            self.model.embed = self.model.lm_head = None  # the weights are forgotten
-        return self._sleep.state
+            engine.model.embed = engine.model.lm_head = None  # the weights are forgotten
+        return self.tracker.state
 
     async def wake_up(self, tags: Sequence[str] = WAKE_TAGS) -> SleepState:
-        waking = self._sleep.wants_wake(tags)
+        waking = self.tracker.wants_wake(tags)
         if waking:
-            self._sleep.woke(waking)
+            self.tracker.woke(waking)
         self._open_if_serving()
-        return self._sleep.state
+        return self.tracker.state
 
     def sleep_state(self) -> SleepState:
-        return self._sleep.state
+        return self.tracker.state
 
     def resident(self) -> dict[str, bool]:
         """What the engine holds now: its weights, and its KV cache (tests read it)."""
-        return {"weights": self.model.embed is not None and self.model.lm_head is not None,
-                "kv_cache": "kv_cache" not in self._sleep.state.asleep}
+        model = self.engine.model
+        return {"weights": model.embed is not None and model.lm_head is not None,
+                "kv_cache": "kv_cache" not in self.tracker.state.asleep}
 
-    # -- hooks of the engine --------------------------------------------------------------------
-    def _check_serving(self) -> None:
-        self._sleep.check_serving()
+    # -- what serving and refit ask of it -------------------------------------------------------
+    def check_serving(self) -> None:
+        self.tracker.check_serving()
 
-    async def _wait_while_asleep(self) -> None:
+    async def wait_while_asleep(self) -> None:
         if not self._serving_gate.is_set():
             await self._serving_gate.wait()
 
-    def _check_refit_allowed(self, names: Sequence[str]) -> None:
-        self._sleep.check_refit_allowed()
-        if self._sleep.state.weights_lost and set(names) != {"embed.weight", "lm_head.weight"}:
+    def check_refit_allowed(self, names: Sequence[str]) -> None:
+        self.tracker.check_refit_allowed()
+        if self.tracker.state.weights_lost and set(names) != {"embed.weight", "lm_head.weight"}:
             raise RefitError("this engine's weights were dropped by a level-2 sleep: a refit"
                              " must carry every weight (embed.weight, lm_head.weight)")
 
-    def _loaded_by_refit(self) -> None:
-        self._sleep.refit_loaded()
+    def loaded_by_refit(self) -> None:
+        self.tracker.refit_loaded()
         self._open_if_serving()
 
     def _open_if_serving(self) -> None:
-        if self._sleep.state.serving:
+        if self.tracker.state.serving:
             self._serving_gate.set()
 
     def sleep_stats(self) -> Mapping[str, Any]:
-        return {**self._sleep.state.to_wire(), "resident": self.resident()}
+        return {**self.tracker.state.to_wire(), "resident": self.resident()}

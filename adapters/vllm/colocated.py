@@ -4,7 +4,7 @@ The session spans several control calls: ``begin_colocated`` takes the engine's 
 pauses generation as the mode says and starts vLLM's weight update; each bucket is one
 ``update_weights`` request, which the worker's transfer engine (``colocated_engine.py``) loads
 straight out of the trainer's buffer; ``end_colocated`` finishes the update and commits it
-with the same code as every refit (``_commit_new_weights``: prefix cache, version), then
+with the same code as every refit (``VllmRefit.commit_new_weights``: prefix cache, version), then
 resumes. ``abandon_colocated`` has the transfer engine recover (the last good weights, or torn)
 and resumes. This host process only passes requests on; it never maps a buffer.
 
@@ -19,8 +19,9 @@ import contextlib
 import time
 from typing import Any
 
-from rollout_fleet.adapters.vllm.process import _refit_priority
-from rollout_fleet.adapters.vllm.refit import _check_complete, _first_line, _paused
+from rollout_fleet.adapters.vllm.process import refit_priority
+from rollout_fleet.adapters.vllm.refit import VllmRefit, check_complete, first_line, paused_for_refit
+from rollout_fleet.adapters.vllm.runtime import VllmRuntime
 from rollout_fleet.core.colocated_refit import (
     CUDA_TRANSPORT,
     SHM_TRANSPORT,
@@ -38,52 +39,58 @@ COLOCATED_TP_RULE = ("a colocated refit hands the trainer's buffers to the one e
 
 
 class VllmColocated(ColocatedTarget):
-    """Mixed into ``VllmEngine`` (its lock, pause, commit and failure notes are reused)."""
+    """The colocated refit of the engine of ``runtime``: a session spans several calls (its
+    stack: weight lock, pause, refit priority), and it commits through ``refit``."""
 
-    _colocated_stack: contextlib.AsyncExitStack | None = None
-    _colocated_mode: str = "drain"
-    _colocated_stats: dict[str, Any] = {}
-    _colocated_rank_failed = False  # a step raised inside vLLM: the rank ended the update
+    def __init__(self, runtime: VllmRuntime, refit: VllmRefit) -> None:
+        self.runtime = runtime
+        self.config = runtime.config
+        self.refit = refit
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._mode = "drain"
+        self._stats: dict[str, Any] = {}
+        self._started = 0.0
+        self._rank_failed = False  # a step raised inside vLLM: the rank ended the update
 
     def colocated_transports(self) -> tuple[str, ...]:
         return (CUDA_TRANSPORT,) if self.config.device == "cuda" else (SHM_TRANSPORT,)
 
     async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
-        engine = self._require_engine()
-        if self.refit_ranks() != 1:
-            raise InvalidValue("tensor_parallel_size x pipeline_parallel_size", self.refit_ranks(),
+        engine = self.runtime.require_engine()
+        if self.refit.refit_ranks() != 1:
+            raise InvalidValue("tensor_parallel_size x pipeline_parallel_size", self.refit.refit_ranks(),
                                COLOCATED_TP_RULE)
         if self.config.refit_protocol != PACKED_PROTOCOL:
             raise InvalidValue("refit_protocol", self.config.refit_protocol,
                                f"vLLM's own transfer engine takes no colocated refit; workers"
                                f" with {PACKED_PROTOCOL!r} (the default) do")
-        if mode not in self._features.refit_modes:
+        if mode not in self.runtime.features.refit_modes:
             raise InvalidValue("mode", mode, f"this vLLM keeps labels exact only in"
-                               f" {', '.join(self._features.refit_modes)}")
-        _check_complete(manifest.info, self._metas, self._ignored)
+                               f" {', '.join(self.runtime.features.refit_modes)}")
+        check_complete(manifest.info, self.runtime.metas, self.runtime.ignored)
         sent = {t.name for t in manifest.info.tensors}
         stack = contextlib.AsyncExitStack()
-        await stack.enter_async_context(self._weight_lock)
+        await stack.enter_async_context(self.runtime.weight_lock)
         started = False
         try:
-            await stack.enter_async_context(_paused(engine, mode))
-            await stack.enter_async_context(_refit_priority(self.config, self._engine_processes))
+            await stack.enter_async_context(paused_for_refit(engine, mode))
+            await stack.enter_async_context(refit_priority(self.config, self.runtime.processes))
             await engine.start_weight_update()
             started = True
-            await self._colocated_request({"begin": {
-                "refit_info": manifest.info.to_wire(), "skip": sorted(sent & set(self._ignored)),
+            await self._request({"begin": {
+                "refit_info": manifest.info.to_wire(), "skip": sorted(sent & set(self.runtime.ignored)),
                 "rollback": self.config.rollback}})
         except BaseException:
             if started:
                 await _quietly(engine.finish_weight_update)
             await stack.aclose()
             raise
-        self._colocated_stack, self._colocated_mode = stack, mode
-        self._colocated_started = time.perf_counter()
-        self._colocated_rank_failed = False
+        self._stack, self._mode = stack, mode
+        self._started = time.perf_counter()
+        self._rank_failed = False
 
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
-        await self._colocated_request({"bucket": {
+        await self._request({"bucket": {
             "tensors": [[e.meta.name, e.offset] for e in bucket.entries], "nbytes": bucket.nbytes,
             "handle": handle.to_wire()}})
 
@@ -91,48 +98,48 @@ class VllmColocated(ColocatedTarget):
         """Finish vLLM's update and commit (cache, version) still paused, then resume. A
         failure here reaches ``abandon_colocated`` with the stack still open."""
         stack = self._open_stack()
-        await self._colocated_request({"end": {}})
-        await self._require_engine().finish_weight_update()
-        self._torn = None
-        version = await self._commit_new_weights(self._colocated_mode, version)
-        self._colocated_stack = None
+        await self._request({"end": {}})
+        await self.runtime.require_engine().finish_weight_update()
+        self.runtime.torn = None
+        version = await self.refit.commit_new_weights(self._mode, version)
+        self._stack = None
         try:
-            ranks = await self._engine.collective_rpc("rollout_fleet_refit_stats")
-            self._colocated_stats = {**ranks[0],
-                                     "host_seconds": time.perf_counter() - self._colocated_started}
+            ranks = await self.runtime.engine.collective_rpc("rollout_fleet_refit_stats")
+            self._stats = {**ranks[0],
+                                     "host_seconds": time.perf_counter() - self._started}
         finally:
             await stack.aclose()
         return version
 
     async def abandon_colocated(self, reason: str) -> None:
-        stack, self._colocated_stack = self._colocated_stack, None
+        stack, self._stack = self._stack, None
         if stack is None:
             return
-        if not self._colocated_rank_failed:  # else the rank recovered already and vLLM ended
+        if not self._rank_failed:  # else the rank recovered already and vLLM ended
             with contextlib.suppress(RefitError):  # the update when the step failed there
-                await self._colocated_request({"abort": reason})
-            await _quietly(self._require_engine().finish_weight_update)
-        await self._note_failed_refit()
+                await self._request({"abort": reason})
+            await _quietly(self.runtime.require_engine().finish_weight_update)
+        await self.refit.note_failed_refit()
         await stack.aclose()  # resume generation, release the weight lock
 
     def colocated_stats(self) -> dict[str, Any]:
-        return dict(self._colocated_stats)
+        return dict(self._stats)
 
-    async def _colocated_request(self, step: dict[str, Any]) -> None:
+    async def _request(self, step: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         try:
-            await self._require_engine().update_weights(
+            await self.runtime.require_engine().update_weights(
                 WeightTransferUpdateRequest(update_info={"colocated": step}))
         except Exception as error:
-            self._colocated_rank_failed = True
+            self._rank_failed = True
             raise RefitError(f"colocated {next(iter(step))} failed inside vLLM:"
-                             f" {_first_line(error)}") from error
+                             f" {first_line(error)}") from error
 
     def _open_stack(self) -> contextlib.AsyncExitStack:
-        if self._colocated_stack is None:
+        if self._stack is None:
             raise RefitError("no colocated refit begun on this engine")
-        return self._colocated_stack
+        return self._stack
 
 
 async def _quietly(step: Any) -> None:

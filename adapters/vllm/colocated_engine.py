@@ -166,7 +166,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
         self._colocated = None
         self._close_buffers(session)
         if session.loaded != len(session.info.tensors):
-            self._recover(RefitError("incomplete"), loaded=session.loaded)
+            self.recover(RefitError("incomplete"), loaded=session.loaded)
             raise RefitError(f"colocated refit ended after {session.loaded} of"
                              f" {len(session.info.tensors)} tensors")
         if session.kept is not None:
@@ -185,7 +185,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
             self._close_buffers(session)
         except RefitError:
             pass  # a view still held: the mapping stays (nothing dangles); the reload recovers
-        self._recover(error or RefitError(reason), loaded=session.loaded)
+        self.recover(error or RefitError(reason), loaded=session.loaded)
 
     # -- buffers --------------------------------------------------------------------------------
     def _opened(self, session: _Session, handle: BufferHandle) -> Any:

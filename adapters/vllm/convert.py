@@ -16,7 +16,7 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
                    "abort": FinishReason.ABORT}
 
 
-def _read_facts(engine: Any) -> EngineFacts:
+def read_facts(engine: Any) -> EngineFacts:
     config = engine.vllm_config
     return EngineFacts(
         context_length=config.model_config.max_model_len,
@@ -27,11 +27,11 @@ def _read_facts(engine: Any) -> EngineFacts:
     )
 
 
-def _engine_dtype(engine: Any) -> str:
+def engine_dtype(engine: Any) -> str:
     return str(engine.model_config.dtype).removeprefix("torch.")
 
 
-def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str],
+def to_sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: Sequence[str],
                      top_logprobs: int = 0, stop_token_ids: Sequence[int] = (),
                      extra: Mapping[str, Any] | None = None, stream: bool = False,
                      logprobs: bool = True) -> Any:
@@ -53,7 +53,7 @@ def _sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings: 
                           seed=sampling.seed, **common)
 
 
-def _piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> RolloutPiece:
+def piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> RolloutPiece:
     """One DELTA output: the step's new tokens with their logprobs (and alternatives), or
     without logprobs when none were asked of vLLM."""
     completion = output.outputs[0]
@@ -72,7 +72,7 @@ def _piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> Rollou
                         reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None)
 
 
-def _to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:
+def to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:
     completion = output.outputs[0]
     reason = _FINISH_REASONS.get(completion.finish_reason)
     if reason is None:
@@ -89,7 +89,7 @@ def _to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> Se
     tops = tuple(_top_of(step, top_n) for step in logprobs) if top_n else None
     # An older vLLM has no per-token versions: every token is tagged with ``version``, exact
     # because such an engine accepts drain refits only (features.py).
-    return _served(token_ids, chosen, reason, prompt_len, version, tops,
+    return served_rollout(token_ids, chosen, reason, prompt_len, version, tops,
                    _version_runs(getattr(completion, "weight_versions", None), len(token_ids), version))
 
 
@@ -110,13 +110,13 @@ def _version_runs(spans: Any, n_tokens: int, version: int) -> list[tuple[int, in
     return runs
 
 
-def _served(token_ids, logprobs, reason, prompt_len, version, tops=None, runs=None) -> ServedRollout:
+def served_rollout(token_ids, logprobs, reason, prompt_len, version, tops=None, runs=None) -> ServedRollout:
     return ServedRollout(token_ids, logprobs, reason, Usage(prompt_len, len(token_ids)),
                          weight_version=version, top_logprobs=tops,
                          **({} if runs is None else {"weight_versions": runs}))
 
 
-def _check_vocabulary(field: str, token_ids: Sequence[Any], vocab: int) -> None:
+def check_vocabulary(field: str, token_ids: Sequence[Any], vocab: int) -> None:
     """EngineRejected naming the first token ID outside the model's vocabulary, and its size."""
     for index, token in enumerate(token_ids):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:

@@ -18,12 +18,12 @@ from typing import Any
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 
-log = logging.getLogger("rollout_fleet.adapters.vllm.engine")
+log = logging.getLogger(__name__)
 
 _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-async def _in_thread(function: Any, *args: Any) -> Any:
+async def in_thread(function: Any, *args: Any) -> Any:
     """Run a blocking call in a thread of its own, keeping no reference to its result or its
     function afterwards: anything left holding the vLLM engine keeps it alive past ``close``,
     and its late ``__del__`` then runs a second shutdown while the interpreter exits."""
@@ -56,7 +56,7 @@ def _settle(future: asyncio.Future, outcome: list) -> None:
 
 
 @contextlib.contextmanager
-def _cpu_binding(config: VllmEngineConfig):
+def pinned_to_cpus(config: VllmEngineConfig):
     """While the engine starts, tell vLLM which cores to bind its model threads to: its
     engine-core process reads the variable from the environment it inherits."""
     binding = config.cpu_binding(sorted(os.sched_getaffinity(0))) if config.device == "cpu" else None
@@ -75,7 +75,7 @@ def _cpu_binding(config: VllmEngineConfig):
 
 
 @contextlib.contextmanager
-def _environment(values: Mapping[str, str]):
+def scoped_environment(values: Mapping[str, str]):
     """Set ``values`` in this process's environment while vLLM starts: its engine core and
     workers inherit them."""
     before = {name: os.environ.get(name) for name in values}
@@ -90,7 +90,7 @@ def _environment(values: Mapping[str, str]):
                 os.environ[name] = value
 
 
-def _child_pids() -> set[int]:
+def child_pids() -> set[int]:
     """This process's children; those that appear while the engine starts are vLLM's engine
     core(s). Found by place, not by their ``VLLM::*`` titles (a title was missing in some
     runs); multiprocessing's resource tracker, started on first use, is not vLLM's."""
@@ -108,7 +108,7 @@ def _resource_tracker(process: Any) -> bool:
         return False
 
 
-def _set_worker_priority(nice: int, engine_processes: Collection[int]) -> int:
+def set_worker_priority(nice: int, engine_processes: Collection[int]) -> int:
     """Set ``nice`` on every thread of vLLM's engine-core processes and of every process under
     them (the model workers); threads they start later inherit it. Both busy-poll their
     shared-memory queues: lowering only one lets the other's polling take its core. Raising a
@@ -134,7 +134,7 @@ def _set_worker_priority(nice: int, engine_processes: Collection[int]) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _refit_priority(config: VllmEngineConfig, engine_processes: Collection[int]):
+async def refit_priority(config: VllmEngineConfig, engine_processes: Collection[int]):
     """On the CPU vLLM's processes run niced (they busy-poll between steps), but a refit is
     received inside them now: at nice 10 on a busy host the receive waited for cores (a
     200 MiB refit took 1-8 s against 0.2 s for the flat broadcast). Normal priority while
@@ -143,14 +143,14 @@ async def _refit_priority(config: VllmEngineConfig, engine_processes: Collection
     if not nice:
         yield
         return
-    _set_worker_priority(0, engine_processes)
+    set_worker_priority(0, engine_processes)
     try:
         yield
     finally:
-        _set_worker_priority(nice, engine_processes)
+        set_worker_priority(nice, engine_processes)
 
 
-def _track_segments(engine_processes: set[int]) -> list[SharedMemoryTracker]:
+def track_segments(engine_processes: set[int]) -> list[SharedMemoryTracker]:
     """Record the /dev/shm queues of the engine core(s) just started and their workers."""
     segments = [SharedMemoryTracker(pid, remove_unused=False) for pid in sorted(engine_processes)]
     for tracker in segments:
@@ -158,7 +158,7 @@ def _track_segments(engine_processes: set[int]) -> list[SharedMemoryTracker]:
     return segments
 
 
-def _freeze_startup_objects() -> None:
+def freeze_startup_objects() -> None:
     """As vLLM's own server does after init: the millions of objects that importing and
     building the engine left behind go to the permanent generation, else every full
     collection scans them (0.2-0.5 s with the loop and GIL held, here)."""
@@ -166,6 +166,6 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _unfreeze_and_collect() -> None:
+def unfreeze_and_collect() -> None:
     gc.unfreeze()  # start() froze the engine's objects; a frozen cycle is never collected
     gc.collect()  # collect it now: a late __del__ at interpreter exit would shut down twice

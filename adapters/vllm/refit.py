@@ -1,4 +1,4 @@
-"""The vLLM engine adapter's refit port (``VllmRefit``, a part of ``VllmEngine``) and what it
+"""The vLLM engine's refit part (``VllmRefit``, the refit port of ``VllmEngine``) and what it
 sends vLLM for a refit and checks before: vLLM's pause around the load, the requests of vLLM's
 own ``nccl`` weight-transfer engine, the check that a refit carries every parameter, and the
 text of what each engine rank reports."""
@@ -11,7 +11,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_fleet.adapters.vllm.process import _refit_priority
+from rollout_fleet.adapters.vllm.process import refit_priority
+from rollout_fleet.adapters.vllm.runtime import VllmRuntime
 from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
@@ -25,18 +26,23 @@ from rollout_fleet.core.refit import (
 )
 from rollout_fleet.ports.engine import RefitTarget
 
-log = logging.getLogger("rollout_fleet.adapters.vllm.engine")
+log = logging.getLogger(__name__)
 PROJECT_PROTOCOLS = (PACKED_PROTOCOL, SHARDED_PROTOCOL)  # received by the project's engines
 
 
 class VllmRefit(RefitTarget):
-    """The refit port of ``VllmEngine`` (adapters/vllm/engine.py), which owns the state it
-    uses: the engine, its parameters, the weight lock, the version, the KV salt, whether the
-    group is joined and whether the weights are torn."""
+    """The refit port of ``VllmEngine``: joins the trainer's group (it keeps whether it is
+    joined) and loads refits into the engine of ``runtime``, whose weights' standing (version,
+    cache salt, torn) it updates under the runtime's weight lock."""
+
+    def __init__(self, runtime: VllmRuntime) -> None:
+        self.runtime = runtime
+        self.config = runtime.config
+        self._joined = False
 
     def weight_metas(self) -> Mapping[str, TensorMeta]:
-        self._require_engine()
-        return {**self._ignored, **self._metas}
+        self.runtime.require_engine()
+        return {**self.runtime.ignored, **self.runtime.metas}
 
     def refit_ranks(self) -> int:
         return self.config.refit_ranks
@@ -44,7 +50,7 @@ class VllmRefit(RefitTarget):
     async def init_collective(self, join: GroupJoin) -> None:
         """Every engine rank's weight-transfer engine joins the group (vLLM runs the call in
         each of its workers; the engine core waits for them, bounded by the join's timeout)."""
-        engine = self._require_engine()
+        engine = self.runtime.require_engine()
         if join.ranks_per_worker != self.refit_ranks():
             raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
                                f"this engine has tensor_parallel_size x pipeline_parallel_size ="
@@ -56,14 +62,14 @@ class VllmRefit(RefitTarget):
                                " the engine starts)")
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        async with self._weight_lock:
+        async with self.runtime.weight_lock:
             self._joined = False
             try:
                 await engine.init_weight_transfer_engine(
                     WeightTransferInitRequest(init_info=self._init_info(join)))
             except Exception as error:
                 raise RefitError(f"joining the refit group at {join.host}:{join.port} failed:"
-                                 f" {_first_line(error)}") from error
+                                 f" {first_line(error)}") from error
             self._joined = True
 
     async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
@@ -71,18 +77,18 @@ class VllmRefit(RefitTarget):
         """Pause (``mode``: drain, keep or recompute), receive and load inside vLLM's workers,
         reset the prefix cache as the mode says, resume."""
         mode = refit_mode(mode)
-        engine = self._require_engine()
-        if mode not in self._features.refit_modes:
+        engine = self.runtime.require_engine()
+        if mode not in self.runtime.features.refit_modes:
             raise InvalidValue("mode", mode, "this vLLM labels no token with the weights it was"
                                " sampled under (CompletionOutput.weight_versions): only"
-                               f" {', '.join(self._features.refit_modes)} keeps labels exact")
+                               f" {', '.join(self.runtime.features.refit_modes)} keeps labels exact")
         if not self._joined:
             raise RefitError("update_weights before init_collective")
-        _check_complete(info, self._metas, self._ignored)
-        self._sleep.check_refit_allowed()  # the weights' memory must be back (wake_up weights)
+        check_complete(info, self.runtime.metas, self.runtime.ignored)
+        self.runtime.sleep.check_refit_allowed()  # the weights' memory must be back (wake_up weights)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        async with self._weight_lock, _paused(engine, mode), _refit_priority(self.config, self._engine_processes):
+        async with self.runtime.weight_lock, paused_for_refit(engine, mode), refit_priority(self.config, self.runtime.processes):
             started = time.perf_counter()
             try:
                 await engine.start_weight_update()
@@ -91,16 +97,16 @@ class VllmRefit(RefitTarget):
                 await engine.finish_weight_update()
             except Exception as error:
                 self._joined = False  # the group broke: the next refit forms a new one
-                await self._note_failed_refit()
-                raise RefitError(f"the refit failed inside vLLM: {_first_line(error)}"
+                await self.note_failed_refit()
+                raise RefitError(f"the refit failed inside vLLM: {first_line(error)}"
                                  + ("; weights torn, rollouts refused until a refit succeeds"
-                                    if self._torn else "; the previous weights serve")) from error
+                                    if self.runtime.torn else "; the previous weights serve")) from error
             loaded = time.perf_counter()
-            self._torn = None
-            self._sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
-            version = await self._commit_new_weights(mode, version)
+            self.runtime.torn = None
+            self.runtime.sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
+            version = await self.commit_new_weights(mode, version)
         reset = time.perf_counter()
-        ranks = await self._engine.collective_rpc("rollout_fleet_refit_stats")
+        ranks = await self.runtime.engine.collective_rpc("rollout_fleet_refit_stats")
         log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s (per rank: %s),"
                  " cache reset %.3f s", version, len(info.tensors), info.total_bytes / 2**20,
                  loaded - started, ", ".join(
@@ -109,17 +115,17 @@ class VllmRefit(RefitTarget):
         return version
 
     def weight_version(self) -> int:
-        return self._version
+        return self.runtime.version
 
     async def reset_cache(self) -> None:
-        engine = self._require_engine()
+        engine = self.runtime.require_engine()
         if await engine.reset_prefix_cache():
-            self._kv_salt = None  # nothing cached is left from older weights
+            self.runtime.kv_salt = None  # nothing cached is left from older weights
             return
         # Running requests still hold blocks: preempt them (they recompute), then reset.
         if not await engine.reset_prefix_cache(reset_running_requests=True):
             raise EngineError("vLLM refused to reset its prefix cache")
-        self._kv_salt = None
+        self.runtime.kv_salt = None
 
     def _init_info(self, join: GroupJoin) -> dict[str, Any]:
         if self.config.refit_protocol in PROJECT_PROTOCOLS:
@@ -129,20 +135,20 @@ class VllmRefit(RefitTarget):
     def _update_info(self, info: RefitInfo) -> dict[str, Any]:
         if self.config.refit_protocol in PROJECT_PROTOCOLS:
             sent = {t.name for t in info.tensors}
-            return {"refit_info": info.to_wire(), "skip": sorted(sent & set(self._ignored))}
+            return {"refit_info": info.to_wire(), "skip": sorted(sent & set(self.runtime.ignored))}
         return native_update_info(info)
 
-    async def _note_failed_refit(self) -> None:
+    async def note_failed_refit(self) -> None:
         """Ask every engine rank how its failed refit ended: rolled back, or torn."""
         try:
-            stats = await self._engine.collective_rpc("rollout_fleet_refit_stats")
+            stats = await self.runtime.engine.collective_rpc("rollout_fleet_refit_stats")
         except Exception as error:  # the engine is in trouble; refuse rollouts to be safe
-            self._torn = f"its refit state is unknown: {_first_line(error)}"
+            self.runtime.torn = f"its refit state is unknown: {first_line(error)}"
             return
         if any(rank.get("torn", True) for rank in stats):
-            self._torn = "a refit failed half way and no copy of the previous weights was kept"
+            self.runtime.torn = "a refit failed half way and no copy of the previous weights was kept"
 
-    async def _commit_new_weights(self, mode: str = DEFAULT_REFIT_MODE,
+    async def commit_new_weights(self, mode: str = DEFAULT_REFIT_MODE,
                                   version: int | None = None) -> int:
         """Still paused: drop the cache as ``mode`` says, and label every token from now on
         with the new version."""
@@ -150,24 +156,18 @@ class VllmRefit(RefitTarget):
             await self._keep_running_kv()
         else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
             await self.reset_cache()
-        self._version = next_version(self._version, version)
-        await self._label_weight_version()
-        return self._version
-
-    async def _label_weight_version(self) -> None:
-        """Tell vLLM the version to label tokens with, where it has per-engine versions; an
-        older vLLM has none and the adapter's count alone is the version (features.py)."""
-        if self._features.per_engine_versions:
-            await self._engine.update_weight_version(str(self._version))
+        self.runtime.version = next_version(self.runtime.version, version)
+        await self.runtime.label_weight_version()
+        return self.runtime.version
 
     async def _keep_running_kv(self) -> None:
         """Keep mode: the rollouts in flight keep the KV they hold. vLLM resets its prefix cache
         only when no block is in use; when some are, new rollouts get a cache salt of the new
         version instead, so none of them reuses a block computed by older weights."""
-        if await self._engine.reset_prefix_cache():
-            self._kv_salt = None
+        if await self.runtime.engine.reset_prefix_cache():
+            self.runtime.kv_salt = None
         else:
-            self._kv_salt = f"rollout-fleet-weights-v{self._version + 1}"
+            self.runtime.kv_salt = f"rollout-fleet-weights-v{self.runtime.version + 1}"
 
 
 
@@ -177,7 +177,7 @@ _VLLM_PAUSE = {"drain": "wait", "keep": "keep", "recompute": "keep"}
 
 
 @contextlib.asynccontextmanager
-async def _paused(engine: Any, mode: str = DEFAULT_REFIT_MODE):
+async def paused_for_refit(engine: Any, mode: str = DEFAULT_REFIT_MODE):
     """Hold new requests, drain or freeze those in flight (``mode``), and always resume (even
     on a failed load)."""
     await _pause(engine, _VLLM_PAUSE[mode])
@@ -226,12 +226,12 @@ def _cuda_memory_text(rank: Mapping[str, Any]) -> str:
             f" after {mib['cuda_after']:.1f} MiB")
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _check_complete(info: RefitInfo, metas: Mapping[str, TensorMeta],
+def check_complete(info: RefitInfo, metas: Mapping[str, TensorMeta],
                     ignored: Mapping[str, TensorMeta] = {}) -> None:  # noqa: B006 - read only
     """Every name, shape and dtype is the engine's, and every parameter is there: vLLM rebuilds
     each fused layer (q, k and v into ``qkv_proj``) from all its parts, and a layer refit in

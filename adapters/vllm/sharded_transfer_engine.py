@@ -117,10 +117,10 @@ class ShardedTransferEngine(PackedTransferEngine):
                  plan.info.total_bytes / 2**20, fallback / 2**20,
                  ", ".join(self._targets.whole) if self._targets else "none")
 
-    def _checkpoint(self) -> list[tuple[str, Any]]:
+    def checkpoint_weights(self) -> list[tuple[str, Any]]:
         """The model folder's weights, cut as the last plan cuts them for this rank."""
         plan = getattr(self.receiver, "last_plan", None)
-        tensors = super()._checkpoint()
+        tensors = super().checkpoint_weights()
         if plan is None:
             raise RefitError("cannot roll back a sharded refit that never planned")
         index = {m.name: t for t, m in enumerate(plan.info.tensors)}

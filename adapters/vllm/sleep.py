@@ -1,4 +1,5 @@
-"""The vLLM engine's sleep and wake (``ports.engine.Sleeper``), a part of ``VllmEngine``.
+"""The vLLM engine's sleep and wake (``ports.engine.Sleeper``): ``VllmSleep``, a part of
+``VllmEngine``.
 
 On a GPU, vLLM sleeps when its engine was started with ``enable_sleep_mode`` (a colocated
 fleet sets it, or the engine option ``enable_sleep_mode = true``): ``AsyncLLM.sleep(level,
@@ -19,7 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_fleet.core.errors import EngineRejected
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState, SleepTracker
+from rollout_fleet.adapters.vllm.runtime import VllmRuntime
+from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.engine import Sleeper
 
 
@@ -50,42 +52,43 @@ def sleep_takes_mode(engine: Any) -> bool:
 
 
 class VllmSleep(Sleeper):
-    """Mixed into ``VllmEngine``: it uses the engine's ``_engine`` (AsyncLLM) and its
-    ``_weight_lock`` (no refit runs while the engine falls asleep or wakes)."""
+    """Sleep and wake of the engine of ``runtime``, under its weight lock (no refit runs while
+    the engine falls asleep or wakes); the sleep state lives in the runtime, where serving and
+    refit read it."""
 
-    def _init_sleep(self) -> None:
-        self._sleep = SleepTracker()
-        self._platform: Any = None  # vLLM's current platform unless a test gives one
+    def __init__(self, runtime: VllmRuntime, platform: Any = None) -> None:
+        self.runtime = runtime
+        self.platform = platform  # vLLM's current platform unless a test gives one
 
     async def sleep(self, level: int = 1, *, mode: str = DEFAULT_SLEEP_MODE) -> SleepState:
-        wanted = self._sleep.wants_sleep(level, mode)
+        wanted = self.runtime.sleep.wants_sleep(level, mode)
         if wanted is None:
-            return self._sleep.state
+            return self.runtime.sleep.state
         level, mode = wanted
-        engine = self._require_engine()
-        refusal = sleep_refusal(engine, self._platform)
+        engine = self.runtime.require_engine()
+        refusal = sleep_refusal(engine, self.platform)
         if refusal is not None:
             raise EngineRejected(f"sleep(level={level}) refused: {refusal}")
-        async with self._weight_lock:
+        async with self.runtime.weight_lock:
             if sleep_takes_mode(engine):
                 await engine.sleep(level=level, mode=mode)
             else:  # an older vLLM: pause as asked first, then sleep
                 await engine.pause_generation(mode=mode, clear_cache=True)
                 await engine.sleep(level=level)
-            self._kv_salt = None  # the prefix cache is gone with the KV cache
-            return self._sleep.fell_asleep(level)
+            self.runtime.kv_salt = None  # the prefix cache is gone with the KV cache
+            return self.runtime.sleep.fell_asleep(level)
 
     async def wake_up(self, tags: Sequence[str] = WAKE_TAGS) -> SleepState:
-        waking = self._sleep.wants_wake(tags)
+        waking = self.runtime.sleep.wants_wake(tags)
         if not waking:
-            return self._sleep.state
-        engine = self._require_engine()
-        async with self._weight_lock:
+            return self.runtime.sleep.state
+        engine = self.runtime.require_engine()
+        async with self.runtime.weight_lock:
             await engine.wake_up(tags=list(waking))
-            state = self._sleep.woke(waking)
+            state = self.runtime.sleep.woke(waking)
             if not state.sleeping and not sleep_takes_mode(engine):
                 await engine.resume_generation()  # newer vLLMs resume once fully awake
         return state
 
     def sleep_state(self) -> SleepState:
-        return self._sleep.state
+        return self.runtime.sleep.state

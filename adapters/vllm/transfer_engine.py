@@ -235,7 +235,7 @@ class PackedTransferEngine:
                 raise RefitError(f"the model's load_weights stopped after {progress.tensors} of"
                                  f" {len(info.tensors)} tensors")
         except BaseException as error:
-            self._recover(error, loaded=progress.tensors)
+            self.recover(error, loaded=progress.tensors)
             raise
         self.stats = RefitStats(progress.tensors, info.total_bytes, time.perf_counter() - started,
                                 progress.waiting_s, **cuda_memory_end(self.device, memory_before))
@@ -292,8 +292,8 @@ class PackedTransferEngine:
     def drain_pending(self) -> None:
         pass
 
-    # -- failure ------------------------------------------------------------------------------
-    def _recover(self, error: BaseException, *, loaded: int) -> None:
+    # -- failure (hooks its subclasses call and extend) -----------------------------------
+    def recover(self, error: BaseException, *, loaded: int) -> None:
         self.finish_weight_update()  # leave the reload: every layer back on its kernel tensors
         if loaded == 0:  # failed before the first tensor (a header mismatch): nothing changed
             self.stats = RefitStats()
@@ -304,7 +304,7 @@ class PackedTransferEngine:
                       " succeeds", loaded, error)
             return
         try:
-            source = self._last_good if self._last_good is not None else self._checkpoint()
+            source = self._last_good if self._last_good is not None else self.checkpoint_weights()
             self.start_weight_update()
             self.model.load_weights(iter(source))
             self.finish_weight_update()
@@ -316,7 +316,7 @@ class PackedTransferEngine:
         log.warning("refit failed after %d tensors (%s); the last complete weights are back",
                     loaded, error)
 
-    def _checkpoint(self) -> list[tuple[str, Any]]:
+    def checkpoint_weights(self) -> list[tuple[str, Any]]:
         """The weights the engine started with, read from its model folder."""
         from safetensors.torch import load_file
 

@@ -112,7 +112,7 @@ def test_two_trainer_ranks_refit_a_tp2_vllm_engine_with_slices_and_it_serves_the
     finally:
         for trainer in trainers:
             stop_child(trainer)
-    ranks = harness.loop.run(engine._engine.collective_rpc("rollout_fleet_refit_stats"))
+    ranks = harness.loop.run(engine.runtime.engine.collective_rpc("rollout_fleet_refit_stats"))
     for g, rank in enumerate(ranks):
         assert rank["received_bytes"] == rank["planned_bytes"] == plan.receiver_bytes[g], rank
         assert rank["fallback_bytes"] == sum(m.nbytes for m in info.tensors

@@ -83,9 +83,9 @@ def test_a_refit_into_sleeping_weights_is_refused_until_they_are_woken():
     engine = MemoryEngine(seed=0)
     asyncio.run(engine.sleep(1))
     with pytest.raises(EngineAsleep):
-        engine._check_refit_allowed(["embed.weight", "lm_head.weight"])
+        engine.sleeper.check_refit_allowed(["embed.weight", "lm_head.weight"])
     asyncio.run(engine.wake_up(["weights"]))
-    engine._check_refit_allowed(["embed.weight"])  # level 1: the weights are still there
+    engine.sleeper.check_refit_allowed(["embed.weight"])  # level 1: the weights are still there
 
 
 def test_after_level_2_a_refit_must_carry_every_weight():
@@ -93,7 +93,7 @@ def test_after_level_2_a_refit_must_carry_every_weight():
     asyncio.run(engine.sleep(2))
     asyncio.run(engine.wake_up(["weights"]))
     with pytest.raises(RefitError, match="every weight"):
-        engine._check_refit_allowed(["embed.weight"])
+        engine.sleeper.check_refit_allowed(["embed.weight"])
 
 
 def test_keep_mode_holds_the_rollouts_in_flight_until_the_wake():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rollout_fleet.adapters.vllm.refit import _paused
+from rollout_fleet.adapters.vllm.refit import paused_for_refit
 
 
 class OutputProcessor:
@@ -44,7 +44,7 @@ class AsyncLLM:
 
 def paused_calls(engine: AsyncLLM, mode: str = "drain") -> list:
     async def run():
-        async with _paused(engine, mode):
+        async with paused_for_refit(engine, mode):
             engine.calls.append(("refit",))
 
     asyncio.run(run())
@@ -68,7 +68,7 @@ def test_a_failed_refit_still_resumes():
     engine = AsyncLLM(unfinished=0)
 
     async def run():
-        async with _paused(engine):
+        async with paused_for_refit(engine):
             raise RuntimeError("load failed")
 
     with pytest.raises(RuntimeError, match="load failed"):

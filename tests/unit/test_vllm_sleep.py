@@ -61,8 +61,8 @@ class AsyncLLMSleepWithoutMode(AsyncLLMWithSleep):
 
 def engine_over(fake, platform=None) -> VllmEngine:
     engine = VllmEngine(VllmEngineConfig(model="m", device="cuda", enable_sleep_mode=True))
-    engine._engine = fake
-    engine._platform = platform or CudaPlatform()
+    engine.runtime.engine = fake
+    engine.sleeper.platform = platform or CudaPlatform()
     return engine
 
 
@@ -95,7 +95,7 @@ def test_after_level_2_rollouts_wait_for_a_refit():
     with pytest.raises(EngineAsleep) as refused:
         engine._admissible([1, 2], 4)
     assert refused.value.weights_lost and "refit" in str(refused.value)
-    engine._sleep.refit_loaded()  # what a successful update_weights does
+    engine.runtime.sleep.refit_loaded()  # what a successful update_weights does
     assert engine.sleep_state().serving
 
 

@@ -15,7 +15,7 @@ import types
 import pytest
 
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
-from rollout_fleet.adapters.vllm.convert import _to_served
+from rollout_fleet.adapters.vllm.convert import to_served
 from rollout_fleet.adapters.vllm.engine import VllmEngine
 from rollout_fleet.adapters.vllm.features import detect_features
 from rollout_fleet.adapters.vllm.transfer_engine import (
@@ -116,14 +116,14 @@ def output(completion_cls, **extra):
 
 
 def test_without_per_token_versions_every_token_is_tagged_with_the_version_at_completion():
-    served = _to_served(output(Completion025), prompt_len=3, version=7)
+    served = to_served(output(Completion025), prompt_len=3, version=7)
     assert served.token_ids == (5, 6) and served.logprobs == (-0.5, -0.25)
     assert served.weight_versions == ((7, 2),)
 
 
 def test_with_per_token_versions_vllms_spans_are_kept():
     span = types.SimpleNamespace
-    served = _to_served(output(Completion032, weight_versions=[span(version="3", start=0, end=1),
+    served = to_served(output(Completion032, weight_versions=[span(version="3", start=0, end=1),
                                                                span(version="4", start=1, end=2)]),
                         prompt_len=3, version=4)
     assert served.weight_versions == ((3, 1), (4, 1))
@@ -132,16 +132,17 @@ def test_with_per_token_versions_vllms_spans_are_kept():
 # -- per-engine versions and refit modes --------------------------------------------------------
 def engine_over(fake, completion_cls) -> VllmEngine:
     engine = VllmEngine(VllmEngineConfig(model="m"))
-    engine._engine, engine._features = fake, detect_features(fake, completion_cls)
+    engine.runtime.engine = fake
+    engine.runtime.features = detect_features(fake, completion_cls)
     return engine
 
 
 def test_without_per_engine_versions_nothing_is_sent_to_vllm():
     fake = AsyncLLM025()
-    asyncio.run(engine_over(fake, Completion025)._label_weight_version())
+    asyncio.run(engine_over(fake, Completion025).runtime.label_weight_version())
     assert fake.calls == []
     fake = AsyncLLM032()
-    asyncio.run(engine_over(fake, Completion032)._label_weight_version())
+    asyncio.run(engine_over(fake, Completion032).runtime.label_weight_version())
     assert fake.calls == ["update_weight_version 0"]
 
 
@@ -158,8 +159,8 @@ def test_without_per_token_versions_a_keep_refit_is_refused_before_anything_paus
 
 def test_without_kv_event_sources_the_configured_endpoint_is_the_source():
     engine = VllmEngine(VllmEngineConfig(model="m", kv_events_port=4321))
-    engine._engine = fake = AsyncLLM025()
-    engine._features = detect_features(fake, Completion025)
+    engine.runtime.engine = fake = AsyncLLM025()
+    engine.runtime.features = detect_features(fake, Completion025)
     (source,) = engine.kv_event_sources()
     assert source.endpoint == engine.config.kv_events_endpoint and source.topic == "kv-events"
 

@@ -26,7 +26,7 @@ def test_an_abort_ends_the_request_inside_vllm(vllm_engine):
             await asyncio.sleep(0.01)  # until vLLM has the request
         await engine.abort("abort-inside")
         served = await asyncio.wait_for(task, 120)
-        return served, engine._engine.get_num_unfinished_requests()
+        return served, engine.runtime.engine.get_num_unfinished_requests()
 
     served, unfinished = vllm_engine.loop.run(serve_then_abort())
     assert served.finish_reason is FinishReason.ABORT
@@ -150,12 +150,12 @@ def test_bad_config_is_refused_by_field(config, field):
 
 
 def test_cpu_cores_reach_vllm_only_while_its_engine_starts(monkeypatch):
-    from rollout_fleet.adapters.vllm.process import _cpu_binding
+    from rollout_fleet.adapters.vllm.process import pinned_to_cpus
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    with _cpu_binding(VllmEngineConfig(model="/m", cpu_cores=[2, 3])):
+    with pinned_to_cpus(VllmEngineConfig(model="/m", cpu_cores=[2, 3])):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    with _cpu_binding(VllmEngineConfig(model="/m", device="cuda", cpu_cores=[2])):
+    with pinned_to_cpus(VllmEngineConfig(model="/m", device="cuda", cpu_cores=[2])):
         assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # only the CPU backend binds

@@ -40,7 +40,7 @@ def vllms_own(vllm_engine, prompt, **params) -> tuple[list[int], str]:
     async def run():
         final = None
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY)
-        async for output in vllm_engine.engine._engine.generate(
+        async for output in vllm_engine.engine.runtime.engine.generate(
                 {"prompt_token_ids": list(prompt)}, sampling, request_id=vllm_engine.next_id()):
             final = output
         return list(final.outputs[0].token_ids), final.outputs[0].finish_reason
@@ -130,7 +130,7 @@ def test_errors_name_what_was_wrong(vllm_fleet, vllm_engine):
     import openai
 
     client = openai_client(vllm_fleet)
-    vocab = vllm_engine.engine._engine.model_config.get_vocab_size()
+    vocab = vllm_engine.engine.runtime.engine.model_config.get_vocab_size()
     prompt = list(vllm_engine.prompts[0])
     cases = [
         ({"allowed_token_ids": [5, vocab + 7]},

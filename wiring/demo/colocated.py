@@ -19,10 +19,10 @@ from typing import Any
 from rollout_fleet.wiring.demo.run import (
     DemoFailed,
     DemoSettings,
-    _batch_figures,
-    _prompts,
-    _rollouts,
-    _summary,
+    batch_figures,
+    demo_prompts,
+    scored_rollouts,
+    print_summary,
     shut_down,
     write_figures,
 )
@@ -49,7 +49,7 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
         trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
                                 seed=settings.seed, device="cuda" if on_gpu else "cpu")
         reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
-        prompts = _prompts(settings, trainer.model.config.vocab_size)
+        prompts = demo_prompts(settings, trainer.model.config.vocab_size)
         sender = fleet_sender(fleet, "cuda" if on_gpu else "cpu")
         slept = sleep_check(generation, prompts, settings, fleet.run_dir) if on_gpu else None
         if slept:
@@ -60,7 +60,7 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
             steps.append(figures)
             print(_row(figures), flush=True)
             _check(figures, step, settings)
-        _summary(steps, time.perf_counter() - loop_started, settings)
+        print_summary(steps, time.perf_counter() - loop_started, settings)
         if slept:  # checked after the loop, so one run gives every figure
             _check_sleep(slept)
             steps[0]["sleep_check"] = slept
@@ -158,8 +158,8 @@ def _step(step: int, generation, trainer, sender, prompts, settings: DemoSetting
           ) -> dict[str, Any]:
     """One colocated step; the phases' seconds beside the batch's figures."""
     wake_s = _timed(generation.prepare_for_generation)
-    scored, seconds = _rollouts(generation, prompts, settings, reward)
-    figures = _batch_figures(step, scored, seconds, trainer)
+    scored, seconds = scored_rollouts(generation, prompts, settings, reward)
+    figures = batch_figures(step, scored, seconds, trainer)
     sleep_s = _timed(generation.finish_generation)
     figures["loss"] = trainer.step(scored, settings.group_size)
     wake_s += _timed(lambda: generation.prepare_for_generation(tags=["weights"]))

@@ -67,7 +67,7 @@ def run_demo(settings: DemoSettings) -> list[dict[str, Any]]:
         trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
                                 seed=settings.seed)
         reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
-        prompts = _prompts(settings, trainer.model.config.vocab_size)
+        prompts = demo_prompts(settings, trainer.model.config.vocab_size)
 
         port = free_port("127.0.0.1")
         world_size = 1 + settings.workers
@@ -100,7 +100,7 @@ def _run_loop(generation, trainer, session, info, prompts, settings: DemoSetting
     started = time.perf_counter()
     run = _async_steps if settings.asynchronous else _sync_steps
     steps = run(generation, trainer, session, info, prompts, settings, reward, first_version)
-    _summary(steps, time.perf_counter() - started, settings)
+    print_summary(steps, time.perf_counter() - started, settings)
     return steps
 
 
@@ -139,8 +139,8 @@ def _sync_steps(generation, trainer, session, info, prompts, settings: DemoSetti
 
     steps: list[dict[str, Any]] = []
     for step in range(1, settings.steps + 1):
-        scored, seconds = _rollouts(generation, prompts, settings, reward)
-        figures = _batch_figures(step, scored, seconds, trainer)
+        scored, seconds = scored_rollouts(generation, prompts, settings, reward)
+        figures = batch_figures(step, scored, seconds, trainer)
         figures["loss"] = trainer.step(scored, settings.group_size)
         figures.update(_refit(generation, trainer, session, info, mode=None))
         steps.append(figures)
@@ -162,13 +162,13 @@ def _async_steps(generation, trainer, session, info, prompts, settings: DemoSett
     steps: list[dict[str, Any]] = []
     quiet = attrs.evolve(settings, progress=False)  # the bar would cross the table's rows
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="demo-rollouts") as fleet_side:
-        pending = fleet_side.submit(_rollouts, generation, prompts, quiet, reward)
+        pending = fleet_side.submit(scored_rollouts, generation, prompts, quiet, reward)
         for step in range(1, settings.steps + 1):
             scored, seconds = pending.result()
             trainer_version = first_version + step - 1  # the trainer's weights before this step
             if step < settings.steps:  # the next batch runs while this one trains
-                pending = fleet_side.submit(_rollouts, generation, prompts, quiet, reward)
-            figures = _batch_figures(step, scored, seconds, trainer)
+                pending = fleet_side.submit(scored_rollouts, generation, prompts, quiet, reward)
+            figures = batch_figures(step, scored, seconds, trainer)
             figures["off_policy_tokens"] = _share_older_than(scored, trainer_version)
             figures["loss"] = trainer.step(scored, settings.group_size)
             figures.update(_refit(generation, trainer, session, info, mode="keep"))
@@ -195,7 +195,7 @@ def _refit(generation, trainer, session, info, *, mode: str | None) -> dict[str,
     return {"refit_s": seconds, "weight_versions": [versions[w] for w in sorted(versions)]}
 
 
-def _batch_figures(step: int, scored, seconds: float, trainer) -> dict[str, Any]:
+def batch_figures(step: int, scored, seconds: float, trainer) -> dict[str, Any]:
     tokens = sum(len(s.tokens) for s in scored)
     figures: dict[str, Any] = {"step": step}
     figures["mean_reward"] = sum(s.reward for s in scored) / len(scored)
@@ -211,7 +211,7 @@ def _share_older_than(scored, version: int) -> float:
     return sum(v < version for v in versions) / len(versions) if versions else 0.0
 
 
-def _summary(steps: list[dict[str, Any]], seconds: float, settings: DemoSettings) -> None:
+def print_summary(steps: list[dict[str, Any]], seconds: float, settings: DemoSettings) -> None:
     """Rollouts per second of the whole loop (generation, training and refits together)."""
     rollouts = len(steps) * settings.prompts * settings.group_size
     mode = "async (one step off-policy, keep refits)" if settings.asynchronous else "synchronous"
@@ -221,7 +221,7 @@ def _summary(steps: list[dict[str, Any]], seconds: float, settings: DemoSettings
     steps[-1]["loop_rollouts_per_s"] = rollouts / seconds
 
 
-def _prompts(settings: DemoSettings, vocab_size: int) -> list[list[int]]:
+def demo_prompts(settings: DemoSettings, vocab_size: int) -> list[list[int]]:
     import random
 
     rng = random.Random(settings.seed)
@@ -229,7 +229,7 @@ def _prompts(settings: DemoSettings, vocab_size: int) -> list[list[int]]:
             for _ in range(settings.prompts)]
 
 
-def _rollouts(generation, prompts, settings: DemoSettings, reward):
+def scored_rollouts(generation, prompts, settings: DemoSettings, reward):
     """One batch: every prompt ``group_size`` times, sampled; scored as they finish."""
     import torch
     from rollout_fleet.wiring.demo.trainer import Scored
