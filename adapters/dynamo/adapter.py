@@ -18,7 +18,6 @@ The request kinds are a table keyed by annotation prefix: a new kind is one entr
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -33,7 +32,7 @@ from dynamo.common.backend import (
 from dynamo.common.backend.publisher import ZmqSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 from rollout_fleet.adapters.dynamo.controls import (
-    CONTROL_SECRET_FIELD, ControlHandler, WorkerControls,
+    CONTROL_SECRET_FIELD, ControlHandler, ServingLedger, WorkerControls,
 )
 from rollout_fleet.adapters.dynamo.plain import (
     chunks_of, hidden_stop_ids, openai_finish, piece_chunks, PlainOptions, prompt_of,
@@ -62,12 +61,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["CONTROL_SECRET_FIELD", "ControlHandler", "DynamoEngineAdapter"]  # imported from here
 
 PLAIN_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_RECENT_ABORTS_KEPT = 256
 # A bad request (4xx, never retried) vs an engine that failed (5xx, retried by the driver).
 _REQUEST_FAULTS = (AnnotationError, InvalidValue, EngineRejected)
 
 
-class DynamoEngineAdapter(WorkerControls, LLMEngine):
+class DynamoEngineAdapter(LLMEngine):
     """An ``LLMEngine`` over any ``EnginePort``; the worker owns the engine, not this adapter."""
 
     def __init__(self, engine: EnginePort, *, model_path: str = "",
@@ -78,33 +76,31 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
         self.worker_name = worker_name  # how a refusal names this worker (``worker-0``)
         self.model_path = model_path
         self.served_model_name = served_model_name
-        self._control_secret = control_secret
         self._facts: EngineFacts | None = None
-        self._instance_id: int | None = None
         self._closed = False
-        # A worker that joined a running fleet serves nothing until its first refit has loaded
-        # the fleet's current weights (the ``update_weights`` control succeeded).
-        self._held = hold_until_refit
-        self._dead_reason: str | None = None  # set once the engine died
+        self.ledger = ServingLedger(held=hold_until_refit)
+        self.controls = WorkerControls(engine, self.ledger, control_secret=control_secret,
+                                       extra=controls)
         # Dynamo's context id -> the task serving it (cancelled if the engine dies under it).
         self._serving: dict[str, asyncio.Task | None] = {}
-        # Dynamo's context id -> the request id the engine knows (a rollout's own id).
-        self._in_flight: dict[str, str] = {}
         self._offered = offered_keywords(engine)
         self._offered_sampling = engine.sampling_offered()
         self._bare_streams = streams_without_logprobs(engine)
         self._token_texts: TokenTexts | None = None
-        self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS_KEPT)
-        self._counts = collections.Counter()
-        self._controls_running = 0  # a refit may pause the engine: no progress is no hang then
         self._request_kinds: dict[str, Callable[..., Awaitable[list[GenerateChunk]]]] = {
             ROLLOUT_ANNOTATION_PREFIX: self._serve_rollout_request,
         }
-        self._controls: dict[str, ControlHandler] = self._builtin_controls()
-        for name, handler in (controls or {}).items():
-            if name in self._controls:
-                raise InvalidValue("controls", name, "collides with a built-in control")
-            self._controls[name] = handler
+
+    # -- controls: ``controls.py`` --------------------------------------------------------------
+    def supported_controls(self) -> set[str]:
+        return self.controls.supported_controls()
+
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Dynamo's entry (its system server answers 200 whatever this says)."""
+        return await self.controls.engine_control(control, body)
+
+    async def answer_control(self, control: str, body: Any) -> tuple[int, dict[str, Any]]:
+        return await self.controls.answer_control(control, body)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
@@ -123,7 +119,7 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
             raise InvalidValue("model_path", self.model_path, "set it before the worker starts")
         facts = await self.engine.start(worker_id)
         self._facts = facts
-        self._instance_id = worker_id  # Dynamo's id of this worker (nvext.worker_id names it)
+        self.ledger.instance_id = worker_id  # Dynamo's id of this worker (nvext.worker_id names it)
         return EngineConfig(
             model=self.model_path,
             served_model_name=self.served_model_name,
@@ -142,16 +138,16 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
     @property
     def dead_reason(self) -> str | None:
         """Why this worker's engine died, once it has."""
-        return self._dead_reason
+        return self.ledger.dead_reason
 
     def engine_died(self, reason: str) -> None:
         """The engine is gone: refuse every request from now on (EngineShutdown, which takes
         this worker out of the frontend's routing), and answer those still waiting on the dead
         engine the same way now, not when the worker's shutdown cancels them (a 499 then);
         the worker then leaves the fleet."""
-        if self._dead_reason is None:
+        if self.ledger.dead_reason is None:
             logger.error("engine died: %s", reason)
-        self._dead_reason = reason
+        self.ledger.dead_reason = reason
         self._closed = True
         for task in self._serving.values():
             if task is not None and task is not asyncio.current_task():
@@ -165,7 +161,7 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
     @property
     def controls_running(self) -> int:
         """Control calls being handled now (a refit among them pauses the engine)."""
-        return self._controls_running
+        return self.ledger.controls_running
 
     async def cleanup(self) -> None:
         # The worker owns the engine and stops it; here only stop taking requests. Idempotent.
@@ -174,10 +170,10 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[GenerateChunk]:
         if self._closed:
-            why = "its engine died" if self._dead_reason else "it is shutting down"
+            why = "its engine died" if self.ledger.dead_reason else "it is shutting down"
             raise EngineShutdown(f"this worker is leaving ({why}); retry on another worker")
-        if self._held:
-            self._counts["held_back"] += 1
+        if self.ledger.held:
+            self.ledger.counts["held_back"] += 1
             # EngineShutdown keeps the frontend off this worker (it retries it every few
             # seconds, answered the same way) and the driver retries the request elsewhere.
             raise EngineShutdown("this worker joined the running fleet and has not received "
@@ -202,13 +198,13 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
                     last = chunk
                     yield chunk
         except asyncio.CancelledError:
-            if self._dead_reason is None:
+            if self.ledger.dead_reason is None:
                 raise  # the client went away, or the worker is stopping
             # Cut off by engine_died: answer it as retryable before the worker goes.
-            raise EngineShutdown(f"this worker's engine died ({self._dead_reason}); retry on "
+            raise EngineShutdown(f"this worker's engine died ({self.ledger.dead_reason}); retry on "
                                  "another worker") from None
         except EngineAsleep as exc:
-            self._counts["asleep"] += 1
+            self.ledger.counts["asleep"] += 1
             raise _asleep_answer(str(exc.named(self.worker_name))) from None
         except EngineDead as exc:
             self.engine_died(str(exc))
@@ -216,21 +212,21 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
             # worker out of its routing at once (checked with Dynamo 1.6.1).
             raise EngineShutdown(f"this worker's engine died ({exc}); retry on another worker") from None
         except _REQUEST_FAULTS as exc:
-            self._counts["rejected"] += 1
+            self.ledger.counts["rejected"] += 1
             # InvalidArgument is the one Dynamo error whose message reaches the client (a 400).
             raise InvalidArgument(f"request rejected: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # an engine failure must reach the client, never hang it
-            self._counts["failed"] += 1
+            self.ledger.counts["failed"] += 1
             logger.warning("engine failed on context %s: %s: %s", context_id, type(exc).__name__, exc)
             # Unknown answers HTTP 500 (the message stays in this log): a 5xx, which the driver
             # retries; the worker stays in rotation.
             raise Unknown(f"engine failed: {type(exc).__name__}: {exc}") from None
         finally:
-            self._in_flight.pop(context_id, None)
+            self.ledger.in_flight.pop(context_id, None)
             self._serving.pop(context_id, None)
-        self._counts["served"] += 1
+        self.ledger.counts["served"] += 1
         if last is not None:
-            self._counts["generated_tokens"] += last.get("completion_usage", {}).get(
+            self.ledger.counts["generated_tokens"] += last.get("completion_usage", {}).get(
                 "completion_tokens", 0)
 
     # -- metrics ------------------------------------------------------------------------------
@@ -247,7 +243,7 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
             def collect(self):
                 yield CounterMetricFamily("rollout_fleet_generated_tokens",
                                           "tokens generated by this worker's engine",
-                                          value=adapter._counts["generated_tokens"])
+                                          value=adapter.ledger.counts["generated_tokens"])
                 usage = adapter.kv_cache_usage()
                 if usage is not None:
                     yield GaugeMetricFamily("rollout_fleet_kv_cache_usage_perc",
@@ -264,10 +260,10 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
 
     async def abort(self, context: Any) -> None:
         """Dynamo calls this when the client goes away: abort the engine's request."""
-        request_id = self._in_flight.get(context.id())
+        request_id = self.ledger.in_flight.get(context.id())
         if request_id is None:
             return  # already answered, or never started
-        self._recent_aborts.append(request_id)
+        self.ledger.recent_aborts.append(request_id)
         try:
             await self.engine.abort(request_id)
         except Exception:  # an abort that fails must not take the worker down
@@ -279,11 +275,11 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
         if spec.stop_token_ids and "stop_token_ids" not in self._offered:
             raise InvalidValue("stop_token_ids", list(spec.stop_token_ids),
                                "this worker's engine does not offer it")
-        self._in_flight[context_id] = spec.request_id
+        self.ledger.in_flight[context_id] = spec.request_id
         engine_data = await serve_annotated_rollout(self.engine, prompt_of(request), annotation,
                                                     worker=self.worker_name)
         if "refused" in engine_data:  # asleep: the refusal rides where the result would
-            self._counts["asleep"] += 1
+            self.ledger.counts["asleep"] += 1
             return [{"token_ids": [], "index": 0, "finish_reason": "stop",
                      "completion_usage": usage_of(len(prompt_of(request)), 0),
                      "engine_data": engine_data}]
@@ -305,7 +301,7 @@ class DynamoEngineAdapter(WorkerControls, LLMEngine):
         asked ``stream``: the frontend gathers the chunks for one that did not)."""
         prompt = prompt_of(request)
         plain = PlainOptions.of(request, self._offered, self._offered_sampling)
-        self._in_flight[context_id] = context_id
+        self.ledger.in_flight[context_id] = context_id
         hidden = hidden_stop_ids(request)
         texts = self._texts() if plain.logprobs is not None else None
         keywords = dict(plain.engine_keywords)

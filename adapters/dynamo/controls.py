@@ -1,18 +1,21 @@
 """The control surface of a worker's Dynamo adapter (``WorkerControls``, a part of
-``DynamoEngineAdapter``): the named controls served on the worker's system port, each body
+``DynamoEngineAdapter``) and the ledger of its serving the two share (``ServingLedger``): the
+named controls served on the worker's system port, each body
 checked for the control secret (401 without it, 404 for an unknown control), the built-in
 ones (stats, abort a rollout, and for a refit target: flush the cache, the weight version)
 and any the engine kind adds; the first successful refit lets a held worker serve."""
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import attrs
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.ports.engine import RefitTarget
+from rollout_fleet.ports.engine import EnginePort, RefitTarget
 
 logger = logging.getLogger(__name__)
 
@@ -20,10 +23,42 @@ ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 CONTROL_SECRET_FIELD = "control_secret"
 # The controls whose first success lets a worker that joined late serve (a refit completed).
 _FIRST_REFIT_CONTROLS = ("update_weights", "colocated_finish")
+_RECENT_ABORTS_KEPT = 256
+
+
+@attrs.define(eq=False)
+class ServingLedger:
+    """What a worker's adapter records of its serving: written by the adapter as it serves,
+    read (and the hold lifted) by its controls."""
+
+    # Dynamo's context id -> the request id the engine knows (a rollout's own id).
+    in_flight: dict[str, str] = attrs.field(factory=dict)
+    counts: collections.Counter = attrs.field(factory=collections.Counter)
+    recent_aborts: collections.deque = attrs.field(
+        factory=lambda: collections.deque(maxlen=_RECENT_ABORTS_KEPT))
+    instance_id: int | None = None  # Dynamo's id of this worker, once started
+    dead_reason: str | None = None  # set once the engine died
+    # A worker that joined a running fleet serves nothing until its first refit has loaded the
+    # fleet's current weights (the ``update_weights`` control succeeded).
+    held: bool = False
+    controls_running: int = 0  # a refit may pause the engine: no progress is no hang then
 
 
 class WorkerControls:
-    """Uses the adapter's engine, control table, secret, counts and hold (adapter.py)."""
+    """The control table of one worker: the built-in controls over ``engine`` and ``ledger``,
+    and those its engine kind adds; each call checked for ``control_secret``."""
+
+    def __init__(self, engine: EnginePort, ledger: ServingLedger, *,
+                 control_secret: str | None = None,
+                 extra: Mapping[str, ControlHandler] | None = None) -> None:
+        self.engine = engine
+        self.ledger = ledger
+        self._control_secret = control_secret
+        self._controls: dict[str, ControlHandler] = self._builtin_controls()
+        for name, handler in (extra or {}).items():
+            if name in self._controls:
+                raise InvalidValue("controls", name, "collides with a built-in control")
+            self._controls[name] = handler
 
     def supported_controls(self) -> set[str]:
         return set(self._controls)
@@ -48,16 +83,16 @@ class WorkerControls:
     async def _run_control(self, control: str, handler: ControlHandler,
                            body: dict[str, Any]) -> dict[str, Any]:
         args = {k: v for k, v in body.items() if k != CONTROL_SECRET_FIELD}
-        self._controls_running += 1
+        self.ledger.controls_running += 1
         try:
             answer = await handler(args)
         except Exception as exc:
             logger.warning("control %r failed: %s: %s", control, type(exc).__name__, exc)
             return _error(f"control {control!r} failed: {type(exc).__name__}: {exc}")
         finally:
-            self._controls_running -= 1
-        if control in _FIRST_REFIT_CONTROLS and self._held:
-            self._held = False
+            self.ledger.controls_running -= 1
+        if control in _FIRST_REFIT_CONTROLS and self.ledger.held:
+            self.ledger.held = False
             logger.info("serving from now on: the fleet's weights are loaded (version %s)",
                         (answer or {}).get("weight_version"))
         return {"status": "ok", **(answer or {})}
@@ -86,7 +121,7 @@ class WorkerControls:
         request_id = body.get("request_id")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidValue("request_id", request_id, "must be a non-empty string")
-        was_in_flight = request_id in self._in_flight.values()
+        was_in_flight = request_id in self.ledger.in_flight.values()
         await self.engine.abort(request_id)
         return {"was_in_flight": was_in_flight}
 
@@ -99,16 +134,16 @@ class WorkerControls:
 
     async def _stats(self, _body: dict[str, Any]) -> dict[str, Any]:
         return {
-            "in_flight": len(self._in_flight),
-            "served": self._counts["served"],
-            "rejected": self._counts["rejected"],
-            "failed": self._counts["failed"],
-            "aborted_request_ids": list(self._recent_aborts),
-            "instance_id": self._instance_id,
-            "engine_dead": self._dead_reason,
-            "held": self._held,
-            "held_back": self._counts["held_back"],
-            "refused_asleep": self._counts["asleep"],
+            "in_flight": len(self.ledger.in_flight),
+            "served": self.ledger.counts["served"],
+            "rejected": self.ledger.counts["rejected"],
+            "failed": self.ledger.counts["failed"],
+            "aborted_request_ids": list(self.ledger.recent_aborts),
+            "instance_id": self.ledger.instance_id,
+            "engine_dead": self.ledger.dead_reason,
+            "held": self.ledger.held,
+            "held_back": self.ledger.counts["held_back"],
+            "refused_asleep": self.ledger.counts["asleep"],
         }
 
 

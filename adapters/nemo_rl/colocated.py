@@ -1,6 +1,7 @@
 """The driver's colocated phases: the workers that share devices with trainer ranks sleep at
 the end of a generation phase and wake before the next (core/sleep.py), as NeMo-RL's
-colocated loop calls ``finish_generation`` / ``prepare_for_generation(tags=...)``."""
+colocated loop calls ``finish_generation`` / ``prepare_for_generation(tags=...)`` on
+``FleetGeneration``, which hands them to its ``ColocatedPhases``."""
 
 from __future__ import annotations
 
@@ -50,33 +51,3 @@ class ColocatedPhases:
 
     def states(self) -> dict[str, SleepState]:
         return self._run(self._sleeps.states()) if self.active else {}
-
-
-class ColocatedGeneration:
-    """``FleetGeneration``'s phase methods (it provides ``_colocated``, ``_check_open``,
-    ``_start_sampler``, ``_forget_lost`` and ``invalidate_kv_cache``)."""
-
-    def prepare_for_generation(self, *args: Any, tags: Any = None, **kwargs: Any) -> bool:
-        """Ready for a generation phase: wake every colocated worker (``tags``: ``weights``
-        before a refit, ``kv_cache`` after it, as NeMo-RL's colocated loop asks; none: both)
-        and, once all is back, wait until each serves. False when one cannot serve yet (its
-        level-2 sleep dropped its weights: a refit must load them first)."""
-        self._check_open()
-        self._start_sampler()
-        self._forget_lost()
-        return self._colocated.wake(tags)
-
-    def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
-        """The end of a generation phase: no rollout may be served from stale cache after it,
-        and the colocated workers sleep (``release_gpu=False``: the phase is over but the
-        trainer does not need the devices, so they stay awake), as NeMo-RL's loop asks."""
-        self.invalidate_kv_cache()
-        if release_gpu:
-            self._colocated.sleep()
-        return True
-
-    def sleep_states(self) -> dict[str, SleepState]:
-        """Each colocated worker's sleep state."""
-        self._check_open()
-        self._forget_lost()
-        return self._colocated.states()

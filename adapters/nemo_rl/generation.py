@@ -10,17 +10,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
-from rollout_fleet.adapters.nemo_rl.colocated import ColocatedGeneration, ColocatedPhases
+from rollout_fleet.adapters.nemo_rl.colocated import ColocatedPhases
 from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
 from rollout_fleet.adapters.nemo_rl.refit import FleetRefit
+from rollout_fleet.adapters.nemo_rl.worker_metrics import MetricTimelines
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
 from rollout_fleet.core.refit import CollectiveSenderSpec
@@ -32,13 +32,13 @@ from rollout_fleet.core.rollout import (
     SamplingSpec,
 )
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
+from rollout_fleet.core.sleep import SleepState
 from rollout_fleet.core.staleness import StalenessGate
 from rollout_fleet.ports.completions import CompletionsTransport
 from rollout_fleet.ports.control import WorkerControl
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 log = logging.getLogger(__name__)
-METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests")
 
 
 @attrs.frozen
@@ -49,7 +49,7 @@ class JoinedWorker:
     metrics: WorkerMetrics | None = None
 
 
-class FleetGeneration(ColocatedGeneration):
+class FleetGeneration:
     """A drop-in generation backend with the shape of NeMo-RL's ``GenerationInterface``.
 
     Owns (and stops at ``shutdown``) only what it was handed in ``owned``: the fleet, when
@@ -71,7 +71,6 @@ class FleetGeneration(ColocatedGeneration):
         self.frontend_url = frontend_url
         self._transport = transport
         self._controls = tuple(controls)
-        self._metrics = tuple(metrics)
         self._owned = tuple(owned)
         # Asked before each refit step: who is gone, and who joined (given the ids known here).
         self._lost_workers = lost_workers
@@ -95,9 +94,8 @@ class FleetGeneration(ColocatedGeneration):
         self._helper = HelperLoop("dynamo-generation")
         self._gate = StalenessGate(config.max_staleness)
         self._fleet_refit = FleetRefit(self._refit, self._helper, config.sender_spec, self._gate)
-        self._sampler = None
-        self._started_at = time.monotonic()
-        self._timelines = _empty_timelines(self._metrics)
+        self._metrics = MetricTimelines(metrics, self._helper,
+                                        interval_s=config.metrics_interval_s)
         self._shut_down = False
 
     # -- generation ---------------------------------------------------------------------------
@@ -114,7 +112,7 @@ class FleetGeneration(ColocatedGeneration):
             raise InvalidValue("greedy", greedy, "must be a bool")
         batch = read_batch(data)
         requests = self._requests(batch, GREEDY if greedy else self._sampling)
-        self._start_sampler()
+        self._metrics.start()
         semaphore = self._semaphore()
         finished: asyncio.Queue = asyncio.Queue()
         pending = iter(enumerate(requests))
@@ -196,8 +194,7 @@ class FleetGeneration(ColocatedGeneration):
         if self._shut_down:
             return True
         self._shut_down = True
-        if self._sampler is not None:
-            self._sampler.cancel()
+        self._metrics.stop()
         if self._helper.started:
             try:
                 self._helper.run(self._close_connections(), timeout_s=30)
@@ -211,7 +208,7 @@ class FleetGeneration(ColocatedGeneration):
 
     async def _close_connections(self) -> None:
         await self._transport.aclose()
-        for closeable in {id(c): c for c in (*self._controls, *self._metrics)}.values():
+        for closeable in {id(c): c for c in (*self._controls, *self._metrics.sources)}.values():
             clients = getattr(closeable, "clients", None)
             if clients is not None:
                 await clients.aclose()
@@ -234,7 +231,7 @@ class FleetGeneration(ColocatedGeneration):
             log.warning("leaving out lost worker(s) %s; serving on %s", list(lost),
                         list(self._refit.worker_ids))
             self._controls = tuple(c for c in self._controls if c.worker_id not in lost)
-            self._metrics = tuple(m for m in self._metrics if m.worker_id not in lost)
+            self._metrics.keep_only(self.worker_ids)
         return lost
 
     def add_workers(self, workers: Sequence[JoinedWorker]) -> tuple[str, ...]:
@@ -249,10 +246,7 @@ class FleetGeneration(ColocatedGeneration):
                         "%d worker(s)", list(added), len(self._refit.worker_ids))
             joined = [w for w in workers if w.control.worker_id in added]
             self._controls = (*self._controls, *(w.control for w in joined))
-            self._metrics = (*self._metrics, *(w.metrics for w in joined if w.metrics is not None))
-            for per_worker in self._timelines.values():
-                for worker_id in added:
-                    per_worker.setdefault(worker_id, [])
+            self._metrics.add([w.metrics for w in joined if w.metrics is not None])
         return added
 
     def _forget_lost(self) -> None:
@@ -283,43 +277,41 @@ class FleetGeneration(ColocatedGeneration):
 
     def get_logger_metrics(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
         """Per-worker timelines ``{quantity: {worker_id: [(seconds since start, value), ...]}}``."""
-        return {key: {w: list(points) for w, points in per_worker.items()}
-                for key, per_worker in self._timelines.items()}
+        return self._metrics.timelines()
 
     def clear_logger_metrics(self) -> None:
-        for per_worker in self._timelines.values():
-            for points in per_worker.values():
-                points.clear()
+        self._metrics.clear()
 
     def sample_worker_metrics(self) -> list[WorkerLoad]:
         """Take one sample of every worker now (also what the periodic sampler does)."""
         self._check_open()
-        return self._helper.run(self._sample_once())
+        return self._metrics.sample_now()
 
-    async def _sample_once(self) -> list[WorkerLoad]:
-        answers = await asyncio.gather(*(m.sample() for m in self._metrics), return_exceptions=True)
-        at = time.monotonic() - self._started_at
-        loads = []
-        for source, answer in zip(self._metrics, answers):
-            if isinstance(answer, BaseException):
-                log.warning("metrics of worker %s unavailable: %s", source.worker_id, answer)
-                continue
-            loads.append(answer)
-            for key in METRIC_KEYS:
-                value = getattr(answer, key)
-                if value is not None:
-                    self._timelines[key][answer.worker_id].append((at, value))
-        return loads
+    # -- colocated phases: the workers that share devices with trainer ranks -------------------
+    def prepare_for_generation(self, *args: Any, tags: Any = None, **kwargs: Any) -> bool:
+        """Ready for a generation phase: wake every colocated worker (``tags``: ``weights``
+        before a refit, ``kv_cache`` after it, as NeMo-RL's colocated loop asks; none: both)
+        and, once all is back, wait until each serves. False when one cannot serve yet (its
+        level-2 sleep dropped its weights: a refit must load them first)."""
+        self._check_open()
+        self._metrics.start()
+        self._forget_lost()
+        return self._colocated.wake(tags)
 
-    def _start_sampler(self) -> None:
-        if self._sampler is not None or not self._metrics or self.config.metrics_interval_s <= 0:
-            return
-        self._sampler = self._helper.spawn(self._sample_forever(self.config.metrics_interval_s))
+    def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
+        """The end of a generation phase: no rollout may be served from stale cache after it,
+        and the colocated workers sleep (``release_gpu=False``: the phase is over but the
+        trainer does not need the devices, so they stay awake), as NeMo-RL's loop asks."""
+        self.invalidate_kv_cache()
+        if release_gpu:
+            self._colocated.sleep()
+        return True
 
-    async def _sample_forever(self, interval_s: float) -> None:
-        while True:
-            await self._sample_once()
-            await asyncio.sleep(interval_s)
+    def sleep_states(self) -> dict[str, SleepState]:
+        """Each colocated worker's sleep state."""
+        self._check_open()
+        self._forget_lost()
+        return self._colocated.states()
 
     # -- refit --------------------------------------------------------------------------------
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
@@ -394,7 +386,3 @@ def _seeded_for(sampling: SamplingSpec, number: int) -> SamplingSpec:
     if sampling.greedy or sampling.seed is None:
         return sampling
     return attrs.evolve(sampling, seed=(sampling.seed + number) % 2**63)
-
-
-def _empty_timelines(metrics: Sequence[WorkerMetrics]) -> dict[str, dict[str, list]]:
-    return {key: {m.worker_id: [] for m in metrics} for key in METRIC_KEYS}

@@ -1,0 +1,82 @@
+"""The driver's per-worker metric timelines: each worker's load sampled now, or every
+``interval`` seconds on the driver's helper loop, kept as ``(seconds since start, value)``
+points per quantity and worker (what NeMo-RL's ``get_logger_metrics`` returns)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
+
+log = logging.getLogger(__name__)
+METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests")
+
+
+class MetricTimelines:
+    """Samples ``sources`` (one per worker) on ``helper`` (the driver's ``HelperLoop``)."""
+
+    def __init__(self, sources: Sequence[WorkerMetrics], helper: Any, *,
+                 interval_s: float) -> None:
+        self.sources = tuple(sources)
+        self._helper = helper
+        self._interval_s = interval_s
+        self._sampler: Any = None
+        self._started_at = time.monotonic()
+        self._timelines: dict[str, dict[str, list]] = {
+            key: {m.worker_id: [] for m in self.sources} for key in METRIC_KEYS}
+
+    def keep_only(self, worker_ids: Collection[str]) -> None:
+        self.sources = tuple(m for m in self.sources if m.worker_id in worker_ids)
+
+    def add(self, sources: Sequence[WorkerMetrics]) -> None:
+        self.sources = (*self.sources, *sources)
+        for per_worker in self._timelines.values():
+            for source in sources:
+                per_worker.setdefault(source.worker_id, [])
+
+    def timelines(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
+        return {key: {w: list(points) for w, points in per_worker.items()}
+                for key, per_worker in self._timelines.items()}
+
+    def clear(self) -> None:
+        for per_worker in self._timelines.values():
+            for points in per_worker.values():
+                points.clear()
+
+    def sample_now(self) -> list[WorkerLoad]:
+        return self._helper.run(self._sample_once())
+
+    def start(self) -> None:
+        """Sample every ``interval_s`` from now on (once started, it runs until ``stop``)."""
+        if self._sampler is not None or not self.sources or self._interval_s <= 0:
+            return
+        self._sampler = self._helper.spawn(self._sample_forever())
+
+    def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+
+    async def _sample_once(self) -> list[WorkerLoad]:
+        sources = self.sources
+        answers = await asyncio.gather(*(m.sample() for m in sources), return_exceptions=True)
+        at = time.monotonic() - self._started_at
+        loads = []
+        for source, answer in zip(sources, answers):
+            if isinstance(answer, BaseException):
+                log.warning("metrics of worker %s unavailable: %s", source.worker_id, answer)
+                continue
+            loads.append(answer)
+            for key in METRIC_KEYS:
+                value = getattr(answer, key)
+                if value is not None:
+                    self._timelines[key][answer.worker_id].append((at, value))
+        return loads
+
+    async def _sample_forever(self) -> None:
+        while True:
+            await self._sample_once()
+            await asyncio.sleep(self._interval_s)
