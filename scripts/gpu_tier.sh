@@ -16,7 +16,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 SITE=${SITE:-/root/site}
 OUT=${OUT:-$root/gpu-out}
-mkdir -p "$OUT"
+case "${1:-}" in  # a usage question writes nothing
+  install|tests|bench|standard-clients|colocated) mkdir -p "$OUT" ;;
+esac
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH=/root/bin:$PATH
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 

@@ -1,5 +1,6 @@
 """A wheel of the project, installed into a venv holding only attrs, gives a working core."""
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -11,10 +12,18 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.packaging
 
 
+# What a build of the sources needs; the rest (the venv, run folders, earlier builds) stays.
+NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "out",
+                                     "runs", "gpu-out", ".hypothesis", "__pycache__")
+
+
 def test_core_works_in_a_venv_with_only_attrs(tmp_path):
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources it builds.
+    sources = tmp_path / "sources"
+    shutil.copytree(ROOT, sources, ignore=NOT_SOURCES)
     wheel_dir = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheel_dir),
-                    str(ROOT)], check=True)
+                    str(sources)], check=True)
     (wheel,) = wheel_dir.glob("rollout_fleet-*.whl")
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
