@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest, ColocatedSession
+from rollout_fleet.core.engine_ports import ColocatedTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import refit_mode
 
@@ -22,7 +23,7 @@ DEFAULT_IDLE_TIMEOUT_S = 600.0
 
 
 class WorkerColocatedRefit:
-    def __init__(self, target: Any, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+    def __init__(self, target: ColocatedTarget, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
         if isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, (int, float)) \
                 or not idle_timeout_s > 0:
             raise InvalidValue("idle_timeout_s", idle_timeout_s, "must be a number > 0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollout_fleet.core.control import WorkerControl
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit_service import ControlCall, gather_workers, run_control_call
 from rollout_fleet.core.rollout import (
@@ -65,7 +66,7 @@ def join_rollouts(partial: RolloutResult, rest: RolloutResult) -> RolloutResult:
     )
 
 
-async def abort_everywhere(controls: Sequence[Any], request_id: str,
+async def abort_everywhere(controls: Sequence[WorkerControl], request_id: str,
                            timeout_s: float = 30.0) -> list[str]:
     """Ask every worker (its control channel) to abort ``request_id``; the worker serving it answers the rollout's
     own request with what it generated so far. Returns the ids of the workers that had it in

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
+from rollout_fleet.core.control import WorkerControl
+from rollout_fleet.core.engine_ports import RefitTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError, WorkerFailures
 from rollout_fleet.core.refit import (
     CollectiveSenderSpec,
@@ -38,7 +40,7 @@ from rollout_fleet.core.refit import (
 class ControlCall:
     """One control request to one worker, not yet sent (a driver may run it where it likes)."""
 
-    control: Any  # a ports.control.WorkerControl
+    control: WorkerControl
     name: str
     body: Mapping[str, Any]
 
@@ -60,7 +62,7 @@ async def run_control_call(call: ControlCall, timeout_s: float) -> Mapping[str, 
 class RefitCoordinator:
     """Driver side of a refit, across every worker."""
 
-    def __init__(self, controls: Sequence[Any], *, ranks_per_worker: int = 1,
+    def __init__(self, controls: Sequence[WorkerControl], *, ranks_per_worker: int = 1,
                  timeout_s: float = 600.0) -> None:
         self._controls = list(controls)
         self._ranks_per_worker = ranks_per_worker
@@ -89,7 +91,7 @@ class RefitCoordinator:
         self._newcomers -= set(lost)
         return lost
 
-    def add_workers(self, controls: Sequence[Any]) -> tuple[str, ...]:
+    def add_workers(self, controls: Sequence[WorkerControl]) -> tuple[str, ...]:
         """Workers that joined the running fleet: the next group is formed with them too, and
         the next update sets every worker to the fleet's next version. Returns their ids."""
         known = set(self.worker_ids)
@@ -213,7 +215,7 @@ class WorkerRefit:
     receives inside itself, where its weights live; ``backend`` is this worker's transfer
     backend (gloo on CPUs, NCCL on GPUs) for joins that do not name one."""
 
-    def __init__(self, target: Any, backend: str = "gloo") -> None:
+    def __init__(self, target: RefitTarget, backend: str = "gloo") -> None:
         self._target = target
         self._backend = backend
         self._joined: GroupJoin | None = None

@@ -32,10 +32,14 @@ driver's side, across the colocated workers).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+from rollout_fleet.core.control import WorkerControl
 from rollout_fleet.core.errors import EngineAsleep, InvalidValue
+
+if TYPE_CHECKING:  # the port is declared beside the others, which import this module's states
+    from rollout_fleet.core.engine_ports import Sleeper
 
 SLEEP_LEVELS = (1, 2)
 SLEEP_MODES = ("wait", "abort", "keep")
@@ -171,7 +175,7 @@ Handler = Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]
 class WorkerSleep:
     """A worker's sleep controls over its engine (a ``ports.engine.Sleeper``)."""
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: Sleeper) -> None:
         self._target = target
 
     def controls(self) -> dict[str, Handler]:
@@ -198,7 +202,7 @@ class SleepCoordinator:
     """The driver's side: sleep or wake every colocated worker (one control call each, all
     at once, bounded by a timeout); WorkerFailures names each worker that failed."""
 
-    def __init__(self, controls: Sequence[Any], *, timeout_s: float = 600.0) -> None:
+    def __init__(self, controls: Sequence[WorkerControl], *, timeout_s: float = 600.0) -> None:
         self._controls = list(controls)
         self.timeout_s = timeout_s
 
@@ -210,7 +214,7 @@ class SleepCoordinator:
         """Forget the workers not in ``worker_ids`` (lost ones)."""
         self._controls = [c for c in self._controls if c.worker_id in worker_ids]
 
-    def add(self, controls: Sequence[Any]) -> None:
+    def add(self, controls: Sequence[WorkerControl]) -> None:
         known = set(self.worker_ids)
         self._controls.extend(c for c in controls if c.worker_id not in known)
 

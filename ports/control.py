@@ -1,18 +1,6 @@
-"""Worker control port: the driver's channel to one worker (refit, cache flush, versions)."""
+"""Worker control port: the driver's channel to one worker (refit, cache flush, versions);
+declared in core (``rollout_fleet.core.control``), where the driver's services call it."""
 
-from __future__ import annotations
+from rollout_fleet.core.control import WorkerControl
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import Any
-
-
-class WorkerControl(ABC):
-    """Calls a named control on one worker; raises ``ControlRefused`` for a refusal."""
-
-    worker_id: str
-
-    @abstractmethod
-    async def call(self, name: str, body: Mapping[str, Any], *, timeout_s: float | None = None
-                   ) -> Mapping[str, Any]:
-        """Run control ``name`` on the worker; return its answer (status "ok")."""
+__all__ = ["WorkerControl"]

@@ -1,10 +1,8 @@
-"""The engine port (declared in core: ``rollout_fleet.core.engine``) and the optional ports
-an engine may also implement: refit (``RefitTarget``) and sleep (``Sleeper``)."""
+"""The engine port and the optional ports an engine may also implement: refit (``RefitTarget``)
+and sleep (``Sleeper``); all declared in core (``rollout_fleet.core.engine``,
+``rollout_fleet.core.engine_ports``), where the services that drive them live."""
 
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
 
 from rollout_fleet.core.engine import (
     OPTIONAL_ROLLOUT_KEYWORDS,
@@ -16,75 +14,9 @@ from rollout_fleet.core.engine import (
     offered_keywords,
     streams_without_logprobs,
 )
-from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
+from rollout_fleet.core.engine_ports import RefitTarget, Sleeper
+from rollout_fleet.core.sleep import SleepState
 
 __all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "EngineFacts", "EnginePort",
            "KvEventSource", "RefitTarget", "RolloutPiece", "Sleeper", "SleepState",
            "offered_keywords", "streams_without_logprobs"]
-
-
-class RefitTarget(ABC):
-    """Optional port: an engine whose weights a trainer replaces, over the refit group, while
-    it serves. The engine receives the transfer itself, where its weights live (for vLLM,
-    inside its worker processes, one receiver per engine rank)."""
-
-    @abstractmethod
-    def weight_metas(self) -> Mapping[str, TensorMeta]:
-        """Every parameter a refit may replace: name -> shape and dtype (checkpoint names)."""
-
-    @abstractmethod
-    def refit_ranks(self) -> int:
-        """How many ranks of the refit group this engine holds (tensor x pipeline parallel)."""
-
-    @abstractmethod
-    async def init_collective(self, join: GroupJoin) -> None:
-        """Every engine rank j joins the group at ``join.rank(j)``; returns once all joined.
-        A wrong world size or a trainer that never comes is a ``RefitError`` within the
-        join's timeout."""
-
-    @abstractmethod
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
-                             version: int | None = None) -> int:
-        """Receive every tensor of ``info`` from the trainer and load it, reset the prefix
-        cache, and return the new weight version: ``version`` when given (a worker that joined
-        late takes the fleet's version), else the previous one + 1. ``mode`` (``core.refit.REFIT_MODES``) says
-        what happens to rollouts in flight: drained first, kept (continuing on the new weights
-        with their old KV), or kept with their KV recomputed under the new weights. A transfer that fails leaves the engine on
-        consistent weights (its previous ones) or refusing rollouts until a refit succeeds,
-        and raises ``RefitError``; a later refit works."""
-
-    @abstractmethod
-    def weight_version(self) -> int:
-        """0 for the weights the engine started with; then what the last successful refit set."""
-
-    @abstractmethod
-    async def reset_cache(self) -> None:
-        """Drop every cached prefix/KV block, so nothing computed under old weights is reused."""
-
-
-class Sleeper(ABC):
-    """Optional port: an engine that gives its device memory back between generation phases
-    (colocated RL: a trainer shares the device) and takes it back before the next one.
-    ``core/sleep.py`` states the levels, the modes and the wake tags; ``SleeperContract``
-    (``ports/contracts/sleeper.py``) checks an engine keeps them."""
-
-    @abstractmethod
-    async def sleep(self, level: int = 1, *, mode: str = DEFAULT_SLEEP_MODE) -> SleepState:
-        """Level 1: free the KV cache, keep the weights; level 2: free the weights too (a
-        refit must load weights before it serves again). ``mode`` says what happens to the
-        rollouts in flight (wait, abort, keep). From then on every rollout is refused with
-        ``EngineAsleep``. Asleep at ``level`` already: nothing changes. Asleep at another
-        level: ``InvalidValue`` (wake it first)."""
-
-    @abstractmethod
-    async def wake_up(self, tags: Sequence[str] = WAKE_TAGS) -> SleepState:
-        """Take back the memory of ``tags`` (``weights``, ``kv_cache``); it serves once both
-        are back (and, after level 2, a refit has loaded weights). Awake: nothing changes."""
-
-    @abstractmethod
-    def sleep_state(self) -> SleepState:
-        """What is freed now, the level it slept at, whether its weights were dropped."""
-
-    def is_sleeping(self) -> bool:
-        return self.sleep_state().sleeping

@@ -53,6 +53,8 @@ class WorkerControls:
                  extra: Mapping[str, ControlHandler] | None = None) -> None:
         self.engine = engine
         self.ledger = ledger
+        # The cache flush and the weight version, for an engine that implements the refit port.
+        self._refit: RefitTarget | None = engine if isinstance(engine, RefitTarget) else None
         self._control_secret = control_secret
         self._controls: dict[str, ControlHandler] = self._builtin_controls()
         for name, handler in (extra or {}).items():
@@ -110,7 +112,7 @@ class WorkerControls:
     def _builtin_controls(self) -> dict[str, ControlHandler]:
         controls: dict[str, ControlHandler] = {"stats": self._stats,
                                                "abort_rollout": self._abort_rollout}
-        if isinstance(self.engine, RefitTarget):
+        if self._refit is not None:
             controls["flush_cache"] = self._flush_cache
             controls["weight_version"] = self._weight_version
         return controls
@@ -126,11 +128,11 @@ class WorkerControls:
         return {"was_in_flight": was_in_flight}
 
     async def _flush_cache(self, _body: dict[str, Any]) -> dict[str, Any]:
-        await self.engine.reset_cache()  # type: ignore[attr-defined]
+        await self._refit.reset_cache()
         return {}
 
     async def _weight_version(self, _body: dict[str, Any]) -> dict[str, Any]:
-        return {"weight_version": self.engine.weight_version()}  # type: ignore[attr-defined]
+        return {"weight_version": self._refit.weight_version()}
 
     async def _stats(self, _body: dict[str, Any]) -> dict[str, Any]:
         return {

@@ -4,13 +4,14 @@ and commits them with the same swap as a collective refit (cache reset, version)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rollout_fleet.adapters.memory.model import as_matrix
 from rollout_fleet.adapters.shared.segments import Segment
 from rollout_fleet.core.colocated_refit import SHM_TRANSPORT, BufferHandle, ColocatedManifest
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import Bucket, BucketEntry
+from rollout_fleet.core.refit import Bucket, BucketEntry, TensorMeta
 from rollout_fleet.ports.colocated import ColocatedTarget
 
 if TYPE_CHECKING:
@@ -29,6 +30,9 @@ class MemoryColocated(ColocatedTarget):
         self.engine = engine
         self._session: dict[str, Any] | None = None
         self._last: dict[str, Any] = {}
+
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        return self.engine.weight_metas()
 
     def colocated_transports(self) -> tuple[str, ...]:
         return (SHM_TRANSPORT,)

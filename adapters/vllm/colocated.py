@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rollout_fleet.adapters.vllm.process import refit_priority
@@ -29,7 +30,7 @@ from rollout_fleet.core.colocated_refit import (
     ColocatedManifest,
 )
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import PACKED_PROTOCOL, Bucket
+from rollout_fleet.core.refit import PACKED_PROTOCOL, Bucket, TensorMeta
 from rollout_fleet.ports.colocated import ColocatedTarget
 
 COLOCATED_TP_RULE = ("a colocated refit hands the trainer's buffers to the one engine rank on"
@@ -51,6 +52,9 @@ class VllmColocated(ColocatedTarget):
         self._stats: dict[str, Any] = {}
         self._started = 0.0
         self._rank_failed = False  # a step raised inside vLLM: the rank ended the update
+
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        return self.refit.weight_metas()
 
     def colocated_transports(self) -> tuple[str, ...]:
         return (CUDA_TRANSPORT,) if self.config.device == "cuda" else (SHM_TRANSPORT,)
