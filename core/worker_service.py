@@ -9,12 +9,16 @@ from rollout_fleet.core.engine import EnginePort
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
-from rollout_fleet.core.wire import decode_rollout_annotation, engine_data_of, refused_engine_data
+from rollout_fleet.core.wire import (
+    RolloutSpec, decode_rollout_annotation, engine_data_of, refused_engine_data,
+)
 
 
 async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence[int],
-                                  annotation: str, *, worker: str | None = None) -> dict[str, Any]:
-    """Decode the rollout spec, serve it, and encode the whole answer as engine_data.
+                                  annotation: str | RolloutSpec, *,
+                                  worker: str | None = None) -> dict[str, Any]:
+    """Decode the rollout spec (unless the caller decoded it already), serve it, and encode
+    the whole answer as engine_data.
 
     An engine asleep is answered as a refusal (503) naming ``worker`` and who wakes it, in the
     engine_data (``core.wire.refused_engine_data``): the driver retries it, and when its retries
@@ -28,8 +32,9 @@ async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence
 
 
 async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
-                 annotation: str) -> dict[str, Any]:
-    request = decode_rollout_annotation(annotation).to_request(prompt_token_ids)
+                 annotation: str | RolloutSpec) -> dict[str, Any]:
+    spec = annotation if isinstance(annotation, RolloutSpec) else decode_rollout_annotation(annotation)
+    request = spec.to_request(prompt_token_ids)
     # Only when asked: an engine without the optional keyword still serves every other rollout.
     extra = {"stop_token_ids": request.stop_token_ids} if request.stop_token_ids else {}
     served = await engine.serve_rollout(

@@ -271,12 +271,12 @@ class DynamoEngineAdapter(LLMEngine):
 
     async def _serve_rollout_request(self, request: dict[str, Any], context_id: str,
                                      annotation: str) -> list[GenerateChunk]:
-        spec = decode_rollout_annotation(annotation)  # for its request id, before serving
+        spec = decode_rollout_annotation(annotation)  # once: its request id, then served
         if spec.stop_token_ids and "stop_token_ids" not in self._offered:
             raise InvalidValue("stop_token_ids", list(spec.stop_token_ids),
                                "this worker's engine does not offer it")
         self.ledger.in_flight[context_id] = spec.request_id
-        engine_data = await serve_annotated_rollout(self.engine, prompt_of(request), annotation,
+        engine_data = await serve_annotated_rollout(self.engine, prompt_of(request), spec,
                                                     worker=self.worker_name)
         if "refused" in engine_data:  # asleep: the refusal rides where the result would
             self.ledger.counts["asleep"] += 1
