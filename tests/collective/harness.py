@@ -14,6 +14,11 @@ from typing import Any, Callable
 
 from rollout_fleet.adapters.shared import free_port  # noqa: F401  (the tests import it here)
 
+# The rendezvous bound of a group a test expects to form: a loaded 2-core host (vLLM engines
+# starting beside the suite) once took more than 15 s to let a thread reach its own process's
+# store. Only a join that fails waits it out; tests of a join that must fail set their own.
+JOIN_TIMEOUT_S = 120.0
+
 _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["tests.collective.peers"])
 

@@ -12,7 +12,7 @@ from rollout_fleet.adapters.collective.packing import as_bytes
 from rollout_fleet.adapters.collective.trainer import refit_info_of
 from rollout_fleet.ports.contracts.collective import CollectiveContract, CollectiveUnderTest
 from tests.collective import peers
-from tests.collective.harness import free_port
+from tests.collective.harness import JOIN_TIMEOUT_S, free_port
 
 pytestmark = pytest.mark.collective
 
@@ -23,7 +23,7 @@ def make_group(sender_spec, receiver_specs):
     groups: list = [None] * world_size
 
     def join(rank):
-        groups[rank] = init_group("127.0.0.1", port, rank, world_size, "gloo", 20.0)
+        groups[rank] = init_group("127.0.0.1", port, rank, world_size, "gloo", JOIN_TIMEOUT_S)
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
     for t in threads:

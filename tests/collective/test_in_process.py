@@ -16,7 +16,7 @@ from rollout_fleet.adapters.collective.trainer import refit_info_of
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, plan_buckets
 from tests.collective import peers
-from tests.collective.harness import free_port
+from tests.collective.harness import JOIN_TIMEOUT_S, free_port
 
 pytestmark = pytest.mark.collective
 SPEC = CollectiveSenderSpec(buffer_bytes=2048, num_buffers=2)
@@ -40,17 +40,27 @@ def in_threads(*calls):
     return results
 
 
-@pytest.fixture
-def pair():
+def open_pair(timeout_s: float = JOIN_TIMEOUT_S):
+    """A sender (rank 0) and a receiver (rank 1) of one fresh gloo group, and how to close it."""
     port = free_port()
     sender_group, receiver = in_threads(
-        lambda: init_group("127.0.0.1", port, 0, 2, "gloo", 15.0),
+        lambda: init_group("127.0.0.1", port, 0, 2, "gloo", timeout_s),
         lambda: join_receiver(GroupJoin(host="127.0.0.1", port=port, world_size=2, train_world_size=1,
                                         first_rank=1, ranks_per_worker=1, sender_spec=SPEC,
-                                        timeout_s=15.0, backend="gloo")))
-    yield TorchWeightSender(sender_group, SPEC), receiver
-    sender_group.close()
-    receiver.close()
+                                        timeout_s=timeout_s, backend="gloo")))
+
+    def close():
+        sender_group.close()
+        receiver.close()
+
+    return TorchWeightSender(sender_group, SPEC), receiver, close
+
+
+@pytest.fixture
+def pair():
+    sender, receiver, close = open_pair()
+    yield sender, receiver
+    close()
 
 
 def test_packing_round_trips_every_dtype_and_shape_bit_exact():
@@ -103,8 +113,9 @@ def test_received_tensors_stay_valid_after_later_buckets_arrive(pair):
         assert all(torch.equal(as_bytes(t), as_bytes(tensors[n])) for n, t in received)
 
 
-def test_a_receiver_abandoned_mid_refit_refuses_to_be_reused(pair):
-    sender, receiver = pair
+def test_a_receiver_abandoned_mid_refit_refuses_to_be_reused():
+    # The sender's broadcast of the buckets nobody takes ends at the group's timeout: a short one.
+    sender, receiver, close = open_pair(timeout_s=15.0)
     tensors = peers.make_state_dict(4)
     info = refit_info_of(tensors)
 
@@ -114,18 +125,21 @@ def test_a_receiver_abandoned_mid_refit_refuses_to_be_reused(pair):
         stream.close()
         return got
 
-    in_threads(lambda: sender.send(info, tensors), take_two)
-    with pytest.raises(RefitError, match="stopped before the last bucket"):
-        list(receiver.receive(info))
+    try:
+        in_threads(lambda: sender.send(info, tensors), take_two)
+        with pytest.raises(RefitError, match="stopped before the last bucket"):
+            list(receiver.receive(info))
+    finally:
+        close()
 
 
 def test_a_worker_adopts_the_trainer_world_size_of_rank_0():
     port = free_port()
     groups = in_threads(
-        lambda: init_group("127.0.0.1", port, 0, 4, "gloo", 15.0, train_world_size=2),
-        lambda: init_group("127.0.0.1", port, 1, 4, "gloo", 15.0, train_world_size=2),
-        lambda: init_group("127.0.0.1", port, 2, 4, "gloo", 15.0),
-        lambda: init_group("127.0.0.1", port, 3, 4, "gloo", 15.0))
+        lambda: init_group("127.0.0.1", port, 0, 4, "gloo", JOIN_TIMEOUT_S, train_world_size=2),
+        lambda: init_group("127.0.0.1", port, 1, 4, "gloo", JOIN_TIMEOUT_S, train_world_size=2),
+        lambda: init_group("127.0.0.1", port, 2, 4, "gloo", JOIN_TIMEOUT_S),
+        lambda: init_group("127.0.0.1", port, 3, 4, "gloo", JOIN_TIMEOUT_S))
     try:
         assert [g.train_world_size for g in groups] == [2, 2, 2, 2]
         assert [g.data_rank for g in groups] == [0, None, 1, 2]
