@@ -9,10 +9,10 @@ engine recovers and serves again, as after any failed refit.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest, ColocatedSession
 from rollout_fleet.core.engine_ports import ColocatedTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
@@ -23,11 +23,13 @@ DEFAULT_IDLE_TIMEOUT_S = 600.0
 
 
 class WorkerColocatedRefit:
-    def __init__(self, target: ColocatedTarget, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+    def __init__(self, target: ColocatedTarget, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 clock: Clock | None = None) -> None:
         if isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, (int, float)) \
                 or not idle_timeout_s > 0:
             raise InvalidValue("idle_timeout_s", idle_timeout_s, "must be a number > 0")
         self._target = target
+        self._clock = clock or SystemClock()
         self._idle_timeout_s = float(idle_timeout_s)
         self._session: ColocatedSession | None = None
         self._lock = asyncio.Lock()
@@ -62,7 +64,7 @@ class WorkerColocatedRefit:
                                              self._target.weight_version(),
                                              body.get("weight_version"))
             await self._target.begin_colocated(manifest, mode=mode)
-            self._session, self._started = session, time.perf_counter()
+            self._session, self._started = session, self._clock.monotonic()
             self._arm(session)
         return {"session": session.session_id, "buckets": session.buckets,
                 "slot_bytes": manifest.slot_bytes, "bound_bytes": manifest.bound_bytes}
@@ -76,13 +78,13 @@ class WorkerColocatedRefit:
             try:
                 handle = BufferHandle.from_wire(body.get("handle"))
                 bucket = session.take_bucket(index, body.get("tensors"), handle)
-                started = time.perf_counter()
+                started = self._clock.monotonic()
                 await self._target.load_colocated_bucket(bucket, handle)
             except BaseException as error:
                 await self._failed(session, was_open, f"bucket {index!r}: {error}")
                 raise
             self._arm(session)
-        return {"index": index, "seconds": round(time.perf_counter() - started, 6)}
+        return {"index": index, "seconds": round(self._clock.monotonic() - started, 6)}
 
     async def finish(self, body: Mapping[str, Any]) -> dict[str, Any]:
         body = _mapping(body)
@@ -97,7 +99,7 @@ class WorkerColocatedRefit:
                 await self._failed(session, was_open, f"finish: {error}")
                 raise
         return {"weight_version": version, "buckets": session.buckets,
-                "seconds": round(time.perf_counter() - self._started, 6),
+                "seconds": round(self._clock.monotonic() - self._started, 6),
                 "stats": dict(self._target.colocated_stats())}
 
     async def _failed(self, session: ColocatedSession, was_open: bool, reason: str) -> None:

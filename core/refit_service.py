@@ -18,11 +18,11 @@ worker). Worker: ``WorkerRefit`` answers those controls for an engine implementi
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
+from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.control import WorkerControl
 from rollout_fleet.core.engine_ports import RefitTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError, WorkerFailures
@@ -215,8 +215,10 @@ class WorkerRefit:
     receives inside itself, where its weights live; ``backend`` is this worker's transfer
     backend (gloo on CPUs, NCCL on GPUs) for joins that do not name one."""
 
-    def __init__(self, target: RefitTarget, backend: str = "gloo") -> None:
+    def __init__(self, target: RefitTarget, backend: str = "gloo", *,
+                 clock: Clock | None = None) -> None:
         self._target = target
+        self._clock = clock or SystemClock()
         self._backend = backend
         self._joined: GroupJoin | None = None
         self._info: RefitInfo | None = None
@@ -257,9 +259,9 @@ class WorkerRefit:
         wanted = body.get("weight_version")
         next_version(self._target.weight_version(), wanted)  # refuse before any transfer
         async with self._lock:
-            started = time.perf_counter()
+            started = self._clock.monotonic()
             version = await self._target.update_weights(self._info, mode=mode, version=wanted)
-        return {"weight_version": version, "seconds": round(time.perf_counter() - started, 6)}
+        return {"weight_version": version, "seconds": round(self._clock.monotonic() - started, 6)}
 
     async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:
         await self._target.reset_cache()

@@ -25,9 +25,9 @@ import asyncio
 import collections
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 
+from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.validate import check_int_at_least
 
@@ -39,12 +39,14 @@ class StalenessTimeout(RolloutFleetError):
 class StalenessGate:
     """Admissions and refits of one driver, from any loop or thread."""
 
-    def __init__(self, max_staleness: int | None = None, current_version: int = 0) -> None:
+    def __init__(self, max_staleness: int | None = None, current_version: int = 0, *,
+                 clock: Clock | None = None) -> None:
         if max_staleness is not None:
             check_int_at_least("max_staleness", max_staleness, 0, "must be None or an int >= 0")
         check_int_at_least("current_version", current_version, 0)
         self.max_staleness = max_staleness
         self.current_version = current_version
+        self._clock = clock or SystemClock()
         self._in_flight: collections.Counter[int] = collections.Counter()  # version -> rollouts
         self._refit_pending = False  # waiting for old rollouts, or loading: one at a time
         self._lock = threading.Lock()
@@ -157,7 +159,7 @@ class StalenessGate:
             await woken
 
     def _block(self, attempt, timeout_s: float | None):
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else self._clock.monotonic() + timeout_s
         while True:
             woken = threading.Event()
             with self._lock:
@@ -165,7 +167,7 @@ class StalenessGate:
                 if outcome is not None:
                     return outcome
                 self._waiters.append(woken.set)
-            left = None if deadline is None else deadline - time.monotonic()
+            left = None if deadline is None else deadline - self._clock.monotonic()
             if left is not None and (left <= 0 or not woken.wait(left)):
                 raise StalenessTimeout(
                     f"a refit waited {timeout_s:.0f} s for rollouts older than the staleness "

@@ -80,3 +80,22 @@ def test_a_protocol_copy_of_a_port_is_caught(tmp_path):
         "adapters/a/m.py": "import typing\nclass T(typing.Protocol):\n    async def serve(self): ...\n",
         "wiring/w.py": ""})
     assert protocol_copies(root) == ["core/x.py:2: EngineLike", "adapters/a/m.py:2: T"]
+
+
+def test_core_reads_the_time_only_through_its_clock_port():
+    """Outside core/clock.py no core module calls the time module or sleeps by itself: the
+    services take a ``Clock`` (tests inject a fake one)."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "core").glob("*.py")):
+        if path.name == "clock.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name == "time" for a in node.names):
+                found.append(f"{path.name}:{node.lineno}: imports time")
+            if isinstance(node, ast.ImportFrom) and node.module == "time":
+                found.append(f"{path.name}:{node.lineno}: imports from time")
+            if isinstance(node, ast.Attribute) and ast.unparse(node) in ("asyncio.sleep", "loop.time"):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
