@@ -14,7 +14,6 @@ text).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from rollout_fleet.core.control import WorkerControl
 from rollout_fleet.core.errors import InvalidValue

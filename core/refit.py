@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch, shown
 from rollout_fleet.core.validate import (
+    check_bool,
     check_int_at_least,
     finite_at_least,
     int_at_least,
@@ -145,10 +146,7 @@ class RefitInfo:
             if not isinstance(entry, (list, tuple)) or len(entry) != 3:
                 raise InvalidValue(f"refit_info.tensors[{index}]", entry, "must be [name, shape, dtype]")
             metas.append(TensorMeta(*entry))
-        packed = data.get("packed", True)
-        if not isinstance(packed, bool):  # bool("false") is True
-            raise InvalidValue("refit_info.packed", packed, "must be true or false")
-        return cls(tuple(metas), packed)
+        return cls(tuple(metas), check_bool("refit_info.packed", data.get("packed", True)))
 
     @property
     def total_bytes(self) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.validate import check_int_at_least, is_finite_number, is_int
+from rollout_fleet.core.validate import check_bool, check_int_at_least, is_finite_number, is_int
 
 # name -> neutral value. None is neutral for every option (not asked).
 NEUTRAL_SAMPLING: Mapping[str, Any] = {
@@ -64,9 +64,7 @@ def _count(name: str, value: Any) -> int:
 
 
 def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidValue(name, value, "must be true or false")
-    return value
+    return check_bool(name, value)
 
 
 def _token_list(name: str, value: Any) -> list[int]:

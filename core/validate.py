@@ -85,6 +85,20 @@ def one_of(field: str, allowed: Sequence[Any]):
     return check
 
 
+def check_bool(field: str, value: Any) -> bool:
+    """``value`` itself, when it is a bool (``bool("false")`` is True: nothing is coerced)."""
+    if not isinstance(value, bool):
+        raise InvalidValue(field, value, "must be true or false")
+    return value
+
+
+def a_bool(field: str):
+    """attrs validator: a bool, refused by ``field``'s name otherwise."""
+    def check(_instance: Any, _attribute: Any, value: Any) -> None:
+        check_bool(field, value)
+    return check
+
+
 def check_known_keys(data: Mapping[str, Any], known: Collection[str], prefix: str = "") -> None:
     """Refuse the first key of ``data`` that is not in ``known``, naming it (``prefix`` +
     key) and the known ones."""

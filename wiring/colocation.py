@@ -23,17 +23,11 @@ from typing import Any
 import attrs
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.sleep import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
-from rollout_fleet.core.validate import check_known_keys, is_int
+from rollout_fleet.core.validate import a_bool, check_known_keys, is_int
 
 # A colocated engine above this share of its GPU leaves its trainer rank little room.
 GPU_SHARE_REMINDER = 0.5
 
-
-def _bool(field: str):
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if not isinstance(value, bool):
-            raise InvalidValue(field, value, "must be true or false")
-    return check
 
 
 def _level(_inst: Any, _attr: Any, value: Any) -> None:
@@ -73,7 +67,7 @@ def _ranks(value: Any) -> dict[str, tuple[int, ...]] | None:
 
 @attrs.frozen
 class ColocationConfig:
-    enabled: bool = attrs.field(default=False, validator=_bool("colocation.enabled"))
+    enabled: bool = attrs.field(default=False, validator=a_bool("colocation.enabled"))
     trainer_ranks: dict[str, tuple[int, ...]] | None = attrs.field(default=None, converter=_ranks)
     sleep_level: int = attrs.field(default=DEFAULT_SLEEP_LEVEL, validator=_level)
     sleep_mode: str = attrs.field(default=DEFAULT_SLEEP_MODE, validator=_mode)

@@ -9,6 +9,7 @@ from typing import Any
 
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import VLLM_PROTOCOL
+from rollout_fleet.core.validate import check_bool
 from rollout_fleet.wiring.config import FleetConfig, parse_config
 
 _PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
@@ -112,9 +113,7 @@ def _colocation(colocated: Any) -> dict[str, Any]:
     if unknown:
         raise InvalidValue(f"{where}.{unknown[0]}", colocated[unknown[0]],
                            "unknown key; NeMo-RL's colocated section has enabled and resources")
-    enabled = colocated.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise InvalidValue(f"{where}.enabled", enabled, "must be true or false")
+    enabled = check_bool(f"{where}.enabled", colocated.get("enabled", False))
     resources = colocated.get("resources") or {}
     if not isinstance(resources, Mapping):
         raise InvalidValue(f"{where}.resources", resources, "must be a mapping")

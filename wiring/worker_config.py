@@ -15,14 +15,15 @@ from typing import Any
 import attrs
 
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.validate import check_known_keys, finite_at_least, is_int, non_empty_str
+from rollout_fleet.core.validate import (
+    check_bool, check_known_keys, finite_at_least, is_int, non_empty_str,
+)
 
 DEFAULT_SIGTERM_GRACE_S = 15.0
 
 
 def _bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise InvalidValue(attribute.name, value, "must be true or false")
+    check_bool(attribute.name, value)
 
 
 def _optional_str(inst: Any, attribute: attrs.Attribute, value: Any) -> None:

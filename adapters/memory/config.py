@@ -7,14 +7,8 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.validate import finite_at_least, int_at_least, positive_int
+from rollout_fleet.core.validate import a_bool, finite_at_least, int_at_least, positive_int
 
-
-def _a_bool(field: str):
-    def check(_instance: Any, _attribute: Any, value: Any) -> None:
-        if not isinstance(value, bool):
-            raise InvalidValue(field, value, "must be true or false")
-    return check
 
 
 @attrs.frozen
@@ -26,7 +20,7 @@ class MemoryEngineConfig:
     kv_block_size: int = attrs.field(default=16, validator=positive_int("kv_block_size"))
     refit_ranks: int = attrs.field(default=1, validator=positive_int("refit_ranks"))
     # The worker also serves the engine's fault drills (kill_engine, freeze_engine): tests only.
-    fault_drills: bool = attrs.field(default=False, validator=_a_bool("fault_drills"))
+    fault_drills: bool = attrs.field(default=False, validator=a_bool("fault_drills"))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "MemoryEngineConfig":

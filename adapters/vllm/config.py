@@ -13,6 +13,7 @@ from rollout_fleet.adapters.vllm.sharded_transfer_engine import SHARDED_BACKEND_
 from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME, ROLLBACKS
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import PACKED_PROTOCOL, PROTOCOLS, SHARDED_PROTOCOL, VLLM_PROTOCOL
+from rollout_fleet.core.validate import a_bool
 
 # refit protocol -> the weight-transfer backend vLLM's workers build for it
 TRANSFER_BACKENDS = {PACKED_PROTOCOL: BACKEND_NAME, SHARDED_PROTOCOL: SHARDED_BACKEND_NAME,
@@ -58,12 +59,6 @@ def _optional_positive_int(field: str):
     return check
 
 
-def _bool(field: str):
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if not isinstance(value, bool):
-            raise InvalidValue(field, value, "must be true or false")
-    return check
-
 
 @attrs.frozen
 class VllmEngineConfig:
@@ -90,7 +85,7 @@ class VllmEngineConfig:
     dtype: str | None = None
     max_model_len: int | None = attrs.field(default=None, validator=_optional_positive_int("max_model_len"))
     enforce_eager: bool | None = None
-    allow_tf32: bool = attrs.field(default=False, validator=_bool("allow_tf32"))
+    allow_tf32: bool = attrs.field(default=False, validator=a_bool("allow_tf32"))
     kv_cache_memory_bytes: int | None = attrs.field(
         default=None, validator=_optional_positive_int("kv_cache_memory_bytes"))
     gpu_memory_utilization: float = 0.9
@@ -115,7 +110,7 @@ class VllmEngineConfig:
         default=None, validator=_optional_positive_int("kv_events_port"))  # None: no KV events
     # vLLM's sleep mode (GPUs only): what lets a colocated worker give its memory back
     # (adapters/vllm/sleep.py); a colocated GPU fleet sets it.
-    enable_sleep_mode: bool = attrs.field(default=False, validator=_bool("enable_sleep_mode"))
+    enable_sleep_mode: bool = attrs.field(default=False, validator=a_bool("enable_sleep_mode"))
     extra_engine_args: Mapping[str, Any] = attrs.field(factory=dict)
 
     @model.validator
