@@ -42,7 +42,6 @@ from rollout_fleet.wiring.config import FleetConfig
 from rollout_fleet.wiring.control_client import call_control
 from rollout_fleet.wiring.fleet_discovery import (LostWorkerCleanup, discovery_env,
                                                   discovery_forgetter, own_etcd)
-from rollout_fleet.wiring.fleet_drills import FaultDrills
 from rollout_fleet.wiring.fleet_generation import fleet_generation, http_settings
 from rollout_fleet.wiring.fleet_roster import WorkerRoster
 from rollout_fleet.wiring.fleet_watch import WorkerWatcher
@@ -78,7 +77,7 @@ def placement_for(config: FleetConfig, groups: Sequence[Any] = ()) -> Placement:
 
 
 @attrs.define
-class Fleet(FaultDrills):
+class Fleet:
     config: FleetConfig
     placement: Placement
     run_dir: Path

@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from tests.support.lost_worker import RoutingProbe, wait_until_lost
+from tests.support.drills import FaultDrills
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
 WATCH_AFTER_S = 12.0  # more than two of the frontend's ~5 s retries of a worker it dropped
@@ -29,7 +30,7 @@ def test_a_killed_worker_leaves_discovery_once_the_fleet_sees_it_lost(start_flee
     assert registered(fleet, instance)
     with RoutingProbe(fleet.frontend_url, "mem") as probe:
         probe.start()
-        fleet.kill_worker("worker-0")
+        FaultDrills(fleet).kill_worker("worker-0")
         wait_until_lost(fleet, "worker-0")
         deadline = time.monotonic() + 10
         while registered(fleet, instance):

@@ -15,6 +15,7 @@ from rollout_fleet.adapters.http import HttpSettings
 from rollout_fleet.core.errors import RetriesExhausted, TransportError
 from rollout_fleet.core.retry import RetryPolicy
 from tests.faults.conftest import check_batch_exactly_once, collect_until_error, mixed_batch, run
+from tests.support.drills import FaultDrills
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
 MAX_NEW, MAX_LEN = 16, 64
@@ -36,7 +37,7 @@ def test_frontend_killed_and_restarted_mid_batch_every_rollout_finishes_once(sta
         async for pair in generation.generate_async(data, greedy=True):
             pairs.append(pair)
             if len(pairs) == killed_after:
-                fleet.kill_frontend()  # SIGKILL: in-flight connections are cut, no drain
+                FaultDrills(fleet).kill_frontend()  # SIGKILL: in-flight connections are cut, no drain
                 timeline["killed"] = time.monotonic()
                 restart = asyncio.ensure_future(asyncio.to_thread(restart_later))
             if "back" in timeline and "first_after" not in timeline:
@@ -46,7 +47,7 @@ def test_frontend_killed_and_restarted_mid_batch_every_rollout_finishes_once(sta
 
     def restart_later():
         time.sleep(1.0)  # down long enough for every in-flight and new attempt to fail
-        fleet.restart_frontend(timeout_s=60)
+        FaultDrills(fleet).restart_frontend(timeout_s=60)
         timeline["back"] = time.monotonic()
 
     try:
@@ -62,7 +63,7 @@ def test_frontend_killed_and_restarted_mid_batch_every_rollout_finishes_once(sta
 def test_frontend_down_longer_than_the_retry_budget_fails_with_a_clear_error(start_fleet):
     fleet = start_fleet(workers=2, token_delay_s=0.001)
     url = fleet.frontend_url
-    fleet.kill_frontend()
+    FaultDrills(fleet).kill_frontend()
     prompts, data = mixed_batch(8, seed=12, max_len=20)
     short_budget = RetryPolicy(max_attempts=3, base_delay_s=0.05, jitter=0.2)
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
@@ -74,7 +75,7 @@ def test_frontend_down_longer_than_the_retry_budget_fails_with_a_clear_error(sta
         assert isinstance(error.last_error, TransportError)
         assert error.attempts == 3 and f"{url}/v1/completions" in str(error)
         # Once it is back, the same driver serves the whole batch.
-        fleet.restart_frontend(timeout_s=60)
+        FaultDrills(fleet).restart_frontend(timeout_s=60)
         pairs, error = run(collect_until_error(generation, data))
     finally:
         generation.shutdown()
@@ -97,14 +98,14 @@ def test_a_worker_that_stops_answering_times_out_and_its_rollouts_fail_over(star
         async for pair in generation.generate_async(data, greedy=True):
             pairs.append(pair)
             if len(pairs) == paused_at:
-                fleet.pause_worker("worker-1")  # SIGSTOP: its sockets stay open, nothing answers
+                FaultDrills(fleet).pause_worker("worker-1")  # SIGSTOP: its sockets stay open, nothing answers
         return pairs
 
     try:
         pairs = run(batch_with_a_stuck_worker())
         stats_while_paused = _stats_of(fleet, "worker-1")
     finally:
-        fleet.resume_worker("worker-1")
+        FaultDrills(fleet).resume_worker("worker-1")
     try:
         # Once resumed, the worker learns that the driver gave up on its stuck rollouts (aborts).
         stats, deadline = {}, time.monotonic() + 15
