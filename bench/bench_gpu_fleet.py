@@ -3,7 +3,7 @@
     python3 bench/bench_gpu_fleet.py [--prompts 512] [--tokens 256] [--rounds 3] [--out DIR]
 
 One run, one GPU, one model: a Llama-3.2-1B-shaped bf16 Llama with random weights, built here
-(bench/gpu_models.py). Both ways get the very same engine arguments: the keyword arguments the
+(tests/support/gpu_models.py). Both ways get the very same engine arguments: the keyword arguments the
 fleet's worker gives vLLM (``VllmEngineConfig.engine_kwargs`` of the fleet config below) and
 the same share of GPU memory, so both engines are up at once and the rounds interleave:
 
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
+from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
 SERVED = "llama-1b"
 PROMPT_TOKENS = 16

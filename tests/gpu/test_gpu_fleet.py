@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.gpu_fidelity import agreement, reference_decode
+from tests.support.gpu_models import SMALL, build_llama, random_prompts
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from gpu_fidelity import agreement, reference_decode  # noqa: E402
-from gpu_models import SMALL, build_llama, random_prompts  # noqa: E402
 
 COMMAND = (sys.executable, "-m", "rollout_fleet.wiring.cli")
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 48, 8, 48

@@ -1,15 +1,12 @@
 """The GPU tier's own logic, run on the CPU: the model folders it builds load in transformers,
-and the comparison to the first near-tie counts what it says (bench/gpu_fidelity.py)."""
+and the comparison to the first near-tie counts what it says (tests/support/gpu_fidelity.py)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gpu_fidelity import Reference, agreement, reference_decode  # noqa: E402
-from gpu_models import SMALL, build_llama, random_prompts  # noqa: E402
+from tests.support.gpu_fidelity import Reference, agreement, reference_decode
+from tests.support.gpu_models import SMALL, build_llama, random_prompts
 
 
 def test_a_built_model_decodes_and_agrees_with_itself(tmp_path):

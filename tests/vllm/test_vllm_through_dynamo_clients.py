@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -158,8 +156,7 @@ def test_vllms_own_benchmark_client_gets_every_answer(vllm_fleet, tiny_models, t
                                                       backend, endpoint):
     """``vllm bench serve`` streams every request and sends vLLM's sampling fields (its neutral
     ``repetition_penalty``, ``ignore_eos``): each must be answered in full."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from vllm_bench_client import client_command
+    from tests.support.vllm_bench_client import client_command
 
     result = tmp_path / "result.json"
     command = [*client_command(tmp_path / "client-cpu.json"), "bench", "serve",
