@@ -63,7 +63,7 @@ class ShardedTransferEngine(PackedTransferEngine):
         self._received = 0
 
     def init_transfer_engine(self, init_info: Any) -> None:
-        join = GroupJoin.from_wire(init_info.join)
+        join = init_info.group_join
         pipeline = getattr(self.parallel_config, "pipeline_parallel_size", 1)
         if pipeline != 1:
             raise InvalidValue("pipeline_parallel_size", pipeline, "the sharded refit protocol"

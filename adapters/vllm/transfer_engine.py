@@ -72,11 +72,13 @@ class PackedInitInfo:
 
     join: dict[str, Any]
     rollback: str = "none"
+    # The join, parsed once here (a bad one is refused before joining) and handed on typed.
+    group_join: GroupJoin = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"rollback={self.rollback!r}: must be one of {', '.join(ROLLBACKS)}")
-        self.join = GroupJoin.from_wire(self.join).to_wire()  # refuse a bad join before joining
+        self.group_join = GroupJoin.from_wire(self.join)
 
 
 @dataclasses.dataclass
@@ -87,9 +89,10 @@ class PackedUpdateInfo:
     # Received but not loaded: a tied model's alias (``lm_head.weight``), which vLLM's loader
     # skips when it reads a checkpoint; loaded here, it would overwrite the embedding it shares.
     skip: list[str] = dataclasses.field(default_factory=list)
+    info: RefitInfo = dataclasses.field(init=False, repr=False)  # parsed once, here
 
     def __post_init__(self) -> None:
-        RefitInfo.from_wire(self.refit_info)
+        self.info = RefitInfo.from_wire(self.refit_info)
 
 
 class LayerwiseReload:
@@ -199,9 +202,8 @@ class PackedTransferEngine:
             raise RefitError(f"{type(self).__name__}.join_receiver is not set: register the engine"
                              " through the composition root")
         self.shutdown()
-        join = GroupJoin.from_wire(init_info.join)
         self.rollback = init_info.rollback
-        self.receiver = self.join_receiver(join, self.engine_rank)
+        self.receiver = self.join_receiver(init_info.group_join, self.engine_rank)
         if self.rollback == "last_good" and hasattr(self.receiver, "hold_previous"):
             self.receiver.hold_previous = True  # the kept set stays warm beside the next one
 
@@ -218,7 +220,7 @@ class PackedTransferEngine:
         and restore the last complete weights (or report them torn), then raise."""
         if self.receiver is None:
             raise RefitError("update_weights before init_transfer_engine")
-        info = RefitInfo.from_wire(update_info.refit_info)
+        info = update_info.info
         started = time.perf_counter()
         # Only the rollback copy keeps the received tensors; otherwise each is dropped once
         # loaded, so its block goes back to the receiver (see receive_memory).
