@@ -118,3 +118,28 @@ class ColocatedTarget(ABC):
     def colocated_stats(self) -> dict[str, Any]:
         """What the last colocated refit held and took (bytes, seconds); may be empty."""
         return {}
+
+
+class ColocatedByPart(ColocatedTarget):
+    """The colocated refit port of an engine composed of parts: each call goes to the engine's
+    ``colocated`` part, but ``weight_metas``, which the engine's refit port answers."""
+
+    colocated: ColocatedTarget
+
+    def colocated_transports(self) -> tuple[str, ...]:
+        return self.colocated.colocated_transports()
+
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
+        await self.colocated.begin_colocated(manifest, mode=mode)
+
+    async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
+        await self.colocated.load_colocated_bucket(bucket, handle)
+
+    async def end_colocated(self, *, version: int | None) -> int:
+        return await self.colocated.end_colocated(version=version)
+
+    async def abandon_colocated(self, reason: str) -> None:
+        await self.colocated.abandon_colocated(reason)
+
+    def colocated_stats(self) -> dict[str, Any]:
+        return self.colocated.colocated_stats()

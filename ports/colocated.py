@@ -8,6 +8,6 @@ in core (``rollout_fleet.core.engine_ports``), where the worker's service drives
 
 from __future__ import annotations
 
-from rollout_fleet.core.engine_ports import ColocatedTarget
+from rollout_fleet.core.engine_ports import ColocatedByPart, ColocatedTarget
 
-__all__ = ["ColocatedTarget"]
+__all__ = ["ColocatedByPart", "ColocatedTarget"]

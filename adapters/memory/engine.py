@@ -22,12 +22,10 @@ from rollout_fleet.adapters.memory.model import (
     pick_token,
 )
 from rollout_fleet.adapters.memory.sleep import MemorySleep
-from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest
 from rollout_fleet.core.errors import EngineDead, EngineRejected, InvalidValue, RefitError
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
     PACKED_PROTOCOL,
-    Bucket,
     GroupJoin,
     RefitInfo,
     TensorMeta,
@@ -38,7 +36,7 @@ from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.core.validate import is_int
 from rollout_fleet.ports.collective import WeightReceiver
-from rollout_fleet.ports.colocated import ColocatedTarget
+from rollout_fleet.ports.colocated import ColocatedByPart
 from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
@@ -52,7 +50,7 @@ from rollout_fleet.ports.engine import (
 __all__ = ["EOS_TOKEN_ID", "VOCAB", "MemoryEngine", "TinyBigramModel", "decode"]
 
 
-class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedTarget):
+class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
     """The in-memory engine: implements the engine port and the refit port itself, and the
     sleep port and the colocated refit port through its parts (``sleeper``: ``sleep.py``;
     ``colocated``: ``colocated.py``).
@@ -277,25 +275,6 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedTarget):
 
     def sleep_stats(self) -> Mapping[str, Any]:
         return self.sleeper.sleep_stats()
-
-    # -- colocated refit port: ``colocated.py`` -----------------------------------------------
-    def colocated_transports(self) -> tuple[str, ...]:
-        return self.colocated.colocated_transports()
-
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
-        await self.colocated.begin_colocated(manifest, mode=mode)
-
-    async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
-        await self.colocated.load_colocated_bucket(bucket, handle)
-
-    async def end_colocated(self, *, version: int | None) -> int:
-        return await self.colocated.end_colocated(version=version)
-
-    async def abandon_colocated(self, reason: str) -> None:
-        await self.colocated.abandon_colocated(reason)
-
-    def colocated_stats(self) -> dict[str, Any]:
-        return self.colocated.colocated_stats()
 
     # -- internals ----------------------------------------------------------------------------
     def _check_input(self, prompt: Sequence[int], max_new_tokens: int) -> None:

@@ -33,12 +33,11 @@ from rollout_fleet.adapters.vllm.convert import (
 from rollout_fleet.adapters.vllm.refit import VllmRefit
 from rollout_fleet.adapters.vllm.runtime import VllmRuntime
 from rollout_fleet.adapters.vllm.sleep import VllmSleep
-from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest
 from rollout_fleet.core.errors import EngineDead, EngineError, EngineRejected
-from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, Bucket, GroupJoin, RefitInfo, TensorMeta
+from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
-from rollout_fleet.ports.colocated import ColocatedTarget
+from rollout_fleet.ports.colocated import ColocatedByPart
 from rollout_fleet.ports.engine import (
     SAMPLING_OPTIONS,
     EngineFacts,
@@ -60,7 +59,7 @@ class _Live:
     aborted: bool = False
 
 
-class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedTarget):
+class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
     """The vLLM backend of a rollout-fleet worker: serves rollouts itself and hands refit,
     sleep and colocated refit to its parts (``refit``, ``sleeper``, ``colocated``)."""
 
@@ -219,25 +218,6 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedTarget):
 
     def sleep_state(self) -> SleepState:
         return self.runtime.sleep.state
-
-    # -- colocated refit port: ``colocated.py`` -----------------------------------------------
-    def colocated_transports(self) -> tuple[str, ...]:
-        return self.colocated.colocated_transports()
-
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
-        await self.colocated.begin_colocated(manifest, mode=mode)
-
-    async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
-        await self.colocated.load_colocated_bucket(bucket, handle)
-
-    async def end_colocated(self, *, version: int | None) -> int:
-        return await self.colocated.end_colocated(version=version)
-
-    async def abandon_colocated(self, reason: str) -> None:
-        await self.colocated.abandon_colocated(reason)
-
-    def colocated_stats(self) -> dict[str, Any]:
-        return self.colocated.colocated_stats()
 
     # -- internals ----------------------------------------------------------------------------
     def _check_input(self, prompt: list[int], max_new_tokens: int) -> None:

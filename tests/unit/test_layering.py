@@ -2,10 +2,10 @@
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 from tests.layering import protocol_copies, violations
+from tests.support.trees import write_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,24 +14,16 @@ def test_the_repository_keeps_the_layer_rules():
     assert violations(ROOT) == []
 
 
-def _tree(tmp_path, files):
-    for rel, text in files.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return tmp_path
-
-
 def test_a_forbidden_import_in_core_is_caught(tmp_path):
-    root = _tree(tmp_path, {"core/x.py": "import json\nimport attrs\nimport numpy\n",
-                            "ports/p.py": "", "adapters/a/m.py": ""})
+    root = write_tree(tmp_path, {"core/x.py": "import json\nimport attrs\nimport numpy\n",
+                                 "ports/p.py": "", "adapters/a/m.py": ""})
     assert violations(root) == ["core/x.py:3: imports numpy (core may import only the standard library, attrs)"]
 
 
 def test_core_importing_ports_or_torch_is_caught(tmp_path):
-    root = _tree(tmp_path, {"core/x.py": "def f():\n    import torch\nfrom rollout_fleet.ports import engine\n",
-                            "ports/p.py": "import pytest\n", "ports/contracts/c.py": "import pytest\n",
-                            "adapters/a/m.py": ""})
+    root = write_tree(tmp_path, {"core/x.py": "def f():\n    import torch\nfrom rollout_fleet.ports import engine\n",
+                                 "ports/p.py": "import pytest\n", "ports/contracts/c.py": "import pytest\n",
+                                 "adapters/a/m.py": ""})
     found = violations(root)
     assert any("core/x.py:2: imports torch" in v for v in found)
     assert any("core/x.py:3: imports rollout_fleet.ports" in v for v in found)
@@ -40,10 +32,10 @@ def test_core_importing_ports_or_torch_is_caught(tmp_path):
 
 
 def test_adapters_may_not_import_wiring_or_each_other(tmp_path):
-    root = _tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
-                            "adapters/http/m.py": "import httpx\nfrom rollout_fleet.wiring import cli\n"
-                                                  "from rollout_fleet.adapters.vllm import engine\n"
-                                                  "from rollout_fleet.adapters.http import other\n"})
+    root = write_tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
+                                 "adapters/http/m.py": "import httpx\nfrom rollout_fleet.wiring import cli\n"
+                                                       "from rollout_fleet.adapters.vllm import engine\n"
+                                                       "from rollout_fleet.adapters.http import other\n"})
     found = violations(root)
     assert len(found) == 2
     assert "never import the wiring" in found[0] and "may not import adapter 'vllm'" in found[1]
@@ -60,10 +52,10 @@ def test_importing_core_loads_nothing_heavy():
 
 
 def test_adapters_share_helpers_only_through_adapters_shared(tmp_path):
-    root = _tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
-                            "adapters/local/m.py": "from rollout_fleet.adapters.shared import free_port\n",
-                            "adapters/shared/net.py": "import socket\nfrom rollout_fleet.adapters.shared import processes\n"
-                                                      "from rollout_fleet.ports import placement\n"})
+    root = write_tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
+                                 "adapters/local/m.py": "from rollout_fleet.adapters.shared import free_port\n",
+                                 "adapters/shared/net.py": "import socket\nfrom rollout_fleet.adapters.shared import processes\n"
+                                                           "from rollout_fleet.ports import placement\n"})
     assert violations(root) == ["adapters/shared/net.py:3: imports rollout_fleet.ports "
                                 "(adapters/shared may import only the standard library, attrs and core)"]
 
@@ -73,7 +65,7 @@ def test_each_port_is_declared_once_with_no_protocol_copies():
 
 
 def test_a_protocol_copy_of_a_port_is_caught(tmp_path):
-    root = _tree(tmp_path, {
+    root = write_tree(tmp_path, {
         "ports/p.py": "from abc import ABC\nclass Engine(ABC):\n    def serve(self): ...\n",
         "core/x.py": "from typing import Protocol\nclass EngineLike(Protocol):\n    def serve(self): ...\n"
                      "class Closable(Protocol):\n    def close(self): ...\n",

@@ -1,20 +1,12 @@
 """Private state stays private in core/, ports/, adapters/ and wiring/ (tests/private_state.py),
 and each check catches what it is for."""
 
-import textwrap
 from pathlib import Path
 
 from tests.private_state import borrowed_state, private_imports, reached_into
+from tests.support.trees import write_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tree(tmp_path, files):
-    for rel, text in files.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return tmp_path
 
 
 def test_the_repository_imports_no_private_name_across_modules():
@@ -30,13 +22,13 @@ def test_no_code_reads_another_objects_private_state():
 
 
 def test_a_private_import_is_caught(tmp_path):
-    root = _tree(tmp_path, {"adapters/a/m.py": "from rollout_fleet.adapters.a.n import _helper, ok\n"
-                                               "from os import _exit\n"})
+    root = write_tree(tmp_path, {"adapters/a/m.py": "from rollout_fleet.adapters.a.n import _helper, ok\n"
+                                                    "from os import _exit\n"})
     assert private_imports(root) == ["adapters/a/m.py:1: imports _helper from rollout_fleet.adapters.a.n"]
 
 
 def test_a_mixin_leaning_on_its_hosts_fields_is_caught(tmp_path):
-    root = _tree(tmp_path, {"adapters/a/m.py": """\
+    root = write_tree(tmp_path, {"adapters/a/m.py": """\
         class Refit:
             def refit(self):
                 return self._engine.load(self._weights)
@@ -53,7 +45,7 @@ def test_a_mixin_leaning_on_its_hosts_fields_is_caught(tmp_path):
 
 
 def test_a_part_handed_its_shared_state_passes(tmp_path):
-    root = _tree(tmp_path, {"adapters/a/m.py": """\
+    root = write_tree(tmp_path, {"adapters/a/m.py": """\
         class Refit:
             def __init__(self, runtime):
                 self.runtime = runtime
@@ -67,7 +59,7 @@ def test_a_part_handed_its_shared_state_passes(tmp_path):
 
 
 def test_reading_another_objects_private_field_is_caught_outside_its_class(tmp_path):
-    root = _tree(tmp_path, {"wiring/w.py": """\
+    root = write_tree(tmp_path, {"wiring/w.py": """\
         class Counter:
             def __init__(self):
                 self._counts = {}
