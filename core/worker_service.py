@@ -33,7 +33,8 @@ async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence
 
 async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
                  annotation: str | RolloutSpec) -> dict[str, Any]:
-    spec = annotation if isinstance(annotation, RolloutSpec) else decode_rollout_annotation(annotation)
+    spec = (annotation if isinstance(annotation, RolloutSpec)
+            else decode_rollout_annotation(annotation))
     request = spec.to_request(prompt_token_ids)
     # Only when asked: an engine without the optional keyword still serves every other rollout.
     extra = {"stop_token_ids": request.stop_token_ids} if request.stop_token_ids else {}

@@ -21,7 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout_fleet.adapters.vllm.process import refit_priority
-from rollout_fleet.adapters.vllm.refit import VllmRefit, check_complete, first_line, paused_for_refit
+from rollout_fleet.adapters.vllm.refit import (
+    VllmRefit, check_complete, first_line, paused_for_refit,
+)
 from rollout_fleet.adapters.vllm.runtime import VllmRuntime
 from rollout_fleet.core.colocated_refit import (
     CUDA_TRANSPORT,
@@ -61,8 +63,9 @@ class VllmColocated(ColocatedTarget):
 
     async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
         engine = self.runtime.require_engine()
-        if self.refit.refit_ranks() != 1:
-            raise InvalidValue("tensor_parallel_size x pipeline_parallel_size", self.refit.refit_ranks(),
+        ranks = self.refit.refit_ranks()
+        if ranks != 1:
+            raise InvalidValue("tensor_parallel_size x pipeline_parallel_size", ranks,
                                COLOCATED_TP_RULE)
         if self.config.refit_protocol != PACKED_PROTOCOL:
             raise InvalidValue("refit_protocol", self.config.refit_protocol,

@@ -101,7 +101,8 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         finally:
             self._live.pop(request_id, None)
         # vLLM labels each step's tokens with the weight version set while it was paused for
-        # the swap (``VllmRefit.commit_new_weights``): per-token versions, exact whatever the pause mode.
+        # the swap (``VllmRefit.commit_new_weights``): per-token versions, exact whatever the
+        # pause mode.
         return to_served(output, len(prompt), self.runtime.version, top_logprobs)
 
     async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
@@ -223,7 +224,8 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
     def _check_input(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:
             raise EngineRejected("prompt_token_ids is empty")
-        check_vocabulary("prompt_token_ids", prompt, self.runtime.engine.model_config.get_vocab_size())
+        vocab = self.runtime.engine.model_config.get_vocab_size()
+        check_vocabulary("prompt_token_ids", prompt, vocab)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineRejected(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         context = self.runtime.facts.context_length

@@ -85,10 +85,11 @@ class VllmRefit(RefitTarget):
         if not self._joined:
             raise RefitError("update_weights before init_collective")
         check_complete(info, self.runtime.metas, self.runtime.ignored)
-        self.runtime.sleep.check_refit_allowed()  # the weights' memory must be back (wake_up weights)
+        self.runtime.sleep.check_refit_allowed()  # the weights' memory must be back (wake_up)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        async with self.runtime.weight_lock, paused_for_refit(engine, mode), refit_priority(self.config, self.runtime.processes):
+        async with (self.runtime.weight_lock, paused_for_refit(engine, mode),
+                    refit_priority(self.config, self.runtime.processes)):
             started = time.perf_counter()
             try:
                 await engine.start_weight_update()
@@ -146,7 +147,8 @@ class VllmRefit(RefitTarget):
             self.runtime.torn = f"its refit state is unknown: {first_line(error)}"
             return
         if any(rank.get("torn", True) for rank in stats):
-            self.runtime.torn = "a refit failed half way and no copy of the previous weights was kept"
+            self.runtime.torn = ("a refit failed half way and no copy of the previous weights"
+                                 " was kept")
 
     async def commit_new_weights(self, mode: str = DEFAULT_REFIT_MODE,
                                   version: int | None = None) -> int:
