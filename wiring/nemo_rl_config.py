@@ -59,7 +59,8 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
         * int(vllm.get("pipeline_parallel_size") or 1)
     temperature = float(_get(config, "temperature"))
     interval = float(vllm.get("vllm_metrics_logger_interval") or 1.0)
-    on_gpu = cluster is not None and getattr(cluster, "use_gpus", True)  # NeMo-RL's are GPU ones
+    extension = dict(config.get("rollout_fleet") or {})
+    on_gpu = _fleet_device(extension, cluster) == "gpu"
     fleet = {
         "model": _get(config, "model_name"), "served_model_name": _get(config, "model_name"),
         "engine": _engine(vllm, config.get("vllm_kwargs") or {}, on_gpu),
@@ -77,7 +78,6 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
     colocation = _colocation(config.get("colocated"))
     if colocation:
         fleet["colocation"] = colocation
-    extension = dict(config.get("rollout_fleet") or {})
     if "colocation" in extension and isinstance(extension["colocation"], Mapping):
         extension["colocation"] = {**colocation, **extension["colocation"]}
     if "engine" in extension:  # the fleet's own engine options, over those NeMo-RL's keys give
@@ -141,9 +141,12 @@ def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: boo
                               "pipeline_parallel_size": int(vllm.get("pipeline_parallel_size") or 1)}
     if on_gpu:  # what NeMo-RL's trainer sends: vLLM's own packed NCCL broadcast
         engine.update(device="cuda", refit_protocol=VLLM_PROTOCOL)
-    for key in ("gpu_memory_utilization", "enforce_eager"):
+    for key in ("gpu_memory_utilization", "enforce_eager") if on_gpu else ("enforce_eager",):
         if vllm.get(key) is not None:
             engine[key] = vllm[key]
+    # On a CPU fleet a share of GPU memory means nothing (vLLM would take it as a share of host
+    # memory, 13.5 GiB per worker on a 24 GiB machine): the KV cache is sized as any CPU
+    # fleet's (the engine's kv_cache_memory_bytes, or vLLM's CPU default).
     extra = dict(vllm_kwargs)
     extra.update(_passed_to_vllm(vllm, tensor))
     if "max_num_seqs" in extra:
@@ -153,6 +156,17 @@ def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: boo
     if extra:
         engine["extra_engine_args"] = extra
     return engine
+
+
+def _fleet_device(extension: Mapping[str, Any], cluster: Any) -> str:
+    """The fleet's device: ``rollout_fleet.device`` when it says one, else the trainer's
+    cluster's (NeMo-RL's clusters are GPU ones unless they say otherwise), else the CPU."""
+    device = extension.get("device")
+    if device is not None:
+        if device not in ("cpu", "gpu"):
+            raise InvalidValue(f"{PREFIX}.rollout_fleet.device", device, "must be 'cpu' or 'gpu'")
+        return device
+    return "gpu" if cluster is not None and getattr(cluster, "use_gpus", True) else "cpu"
 
 
 def _passed_to_vllm(vllm: Mapping[str, Any], tensor: int) -> dict[str, Any]:

@@ -199,3 +199,26 @@ def test_the_rollout_fleet_section_sets_the_sleep_level_over_nemo_rls_colocation
     config["rollout_fleet"] = {"colocation": {"sleep_level": 2}}
     fleet = read_nemo_rl_config(config, GpuCluster(1)).fleet
     assert fleet.colocation.enabled and fleet.colocation.sleep_level == 2
+
+
+def test_an_explicit_cpu_device_wins_over_a_gpu_cluster_and_the_engine_follows_it(tiny):
+    config = generation_config(tiny, gpu_memory_utilization=0.6)
+    config["rollout_fleet"] = {"device": "cpu"}
+    fleet = read_nemo_rl_config(config, GpuCluster(2)).fleet
+    assert fleet.device == "cpu"
+    # No NCCL transfer engine and no GPU share taken as a share of host memory on the CPU.
+    assert "device" not in fleet.engine and "gpu_memory_utilization" not in fleet.engine
+    assert fleet.sender_spec.protocol == PACKED_PROTOCOL
+    on_gpu = read_nemo_rl_config(generation_config(tiny, gpu_memory_utilization=0.6),
+                                 GpuCluster(2)).fleet
+    assert on_gpu.device == "gpu" and on_gpu.engine["gpu_memory_utilization"] == 0.6
+    assert on_gpu.engine["device"] == "cuda"
+
+
+def test_a_device_that_is_neither_cpu_nor_gpu_is_refused_by_name(tiny):
+    config = generation_config(tiny)
+    config["rollout_fleet"] = {"device": "cuda"}
+    with pytest.raises(InvalidValue) as refused:
+        read_nemo_rl_config(config, GpuCluster(2))
+    assert refused.value.field == "policy.generation.rollout_fleet.device"
+    assert refused.value.value == "cuda"
