@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from tests.support.lost_worker import RoutingProbe, wait_until_lost
 from tests.support.drills import FaultDrills
+from tests.support.lost_worker import RoutingProbe, wait_until_lost
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
 WATCH_AFTER_S = 12.0  # more than two of the frontend's ~5 s retries of a worker it dropped

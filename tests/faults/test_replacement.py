@@ -17,6 +17,7 @@ from rollout_fleet.core.errors import RefitError
 from rollout_fleet.wiring.fleet import call_control
 from tests.driver.conftest import engine_answers
 from tests.faults.conftest import collect_until_error, mixed_batch, run
+from tests.support.drills import FaultDrills
 from tests.support.lost_worker import wait_until_lost
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo, pytest.mark.collective]
@@ -72,7 +73,7 @@ def test_a_replacement_serves_only_once_the_next_refit_loaded_the_current_weight
                                   max_in_flight=16)
     try:
         assert refit(generation, seed=1) == [1, 1]
-        fleet.kill_worker("worker-0")
+        FaultDrills(fleet).kill_worker("worker-0")
         wait_until_lost(fleet, "worker-0")
         replacement = fleet.add_worker(replacing="worker-0")
         assert replacement.name == "worker-2"
@@ -104,7 +105,7 @@ def test_with_replace_lost_workers_the_fleet_starts_a_replacement_by_itself(star
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
                                   max_in_flight=16)
     try:
-        fleet.kill_worker("worker-1")
+        FaultDrills(fleet).kill_worker("worker-1")
         assert list(wait_until_lost(fleet, "worker-1")) == ["worker-1"]
         deadline = time.monotonic() + 120
         while "worker-2" not in [e.worker_id for e in fleet.endpoints(live_only=True)]:

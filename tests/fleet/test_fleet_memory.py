@@ -13,6 +13,7 @@ from tests.driver.conftest import check_sample, collect, engine_answers, mixed_b
 from tests.fleet.helpers import (
     assert_nothing_left, fleet_ports, non_loopback_fleet_listeners, own_children_before,
 )
+from tests.support.drills import FaultDrills
 from tests.support.lost_worker import wait_for_in_flight
 from tests.support.net import listening_sockets
 from tests.support.trust import descendants, open_to_others, secret_leaks
@@ -126,7 +127,7 @@ def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing():
         async def run_batch():
             async def killer():
                 in_flight_at_kill.append(await asyncio.to_thread(wait_for_in_flight, fleet, "worker-0"))
-                await asyncio.to_thread(fleet.kill_worker, "worker-0")
+                await asyncio.to_thread(FaultDrills(fleet).kill_worker, "worker-0")
             kill = asyncio.ensure_future(killer())
             try:
                 async for index, sample in generation.generate_async(data, greedy=True):
