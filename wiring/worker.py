@@ -227,6 +227,10 @@ async def _leave_when_engine_dies(engine: EnginePort, adapter: Any, watch: Progr
         if reason is not None:
             adapter.engine_died(reason)  # every request it held is answered 503 now
             logger.error("worker: leaving the fleet: %s", reason)
+            # Its last word now, not at exit: a stop slowed by load can end in the SIGTERM grace
+            # period's hard exit, which writes none (the fleet then knew only that it exited).
+            kind = (EngineHung if _is_hang(reason) else EngineDead).__name__  # as main() says it
+            print(f"{FAILURE_MARK}{kind}: {reason}", file=sys.stderr, flush=True)
             deadline = time.monotonic() + ANSWERS_FLUSH_S
             while adapter.requests_in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)  # let those answers leave before Dynamo stops
