@@ -112,6 +112,12 @@ class SleepTracker:
 
     def __init__(self) -> None:
         self.state = SleepState()
+        # ``state.serving``, kept as a field: engines read it on every rollout.
+        self.serving = True
+
+    def _moved_to(self, state: SleepState) -> SleepState:
+        self.state, self.serving = state, state.serving
+        return state
 
     def wants_sleep(self, level: Any, mode: Any = None) -> tuple[int, str] | None:
         """The checked ``(level, mode)`` to fall asleep with; None when already asleep at that
@@ -128,9 +134,8 @@ class SleepTracker:
                            " wake it first (wake_up) to sleep at another level")
 
     def fell_asleep(self, level: int) -> SleepState:
-        self.state = SleepState(level, frozenset(WAKE_TAGS),
-                                self.state.weights_lost or level >= 2)
-        return self.state
+        return self._moved_to(SleepState(level, frozenset(WAKE_TAGS),
+                                         self.state.weights_lost or level >= 2))
 
     def wants_wake(self, tags: Any = None) -> tuple[str, ...]:
         """The checked tags still asleep among those asked for; empty: nothing to do."""
@@ -139,9 +144,8 @@ class SleepTracker:
 
     def woke(self, tags: Collection[str]) -> SleepState:
         asleep = self.state.asleep - set(tags)
-        self.state = attrs.evolve(self.state, asleep=asleep, level=self.state.level if asleep
-                                  or self.state.weights_lost else 0)
-        return self.state
+        return self._moved_to(attrs.evolve(self.state, asleep=asleep, level=self.state.level
+                                           if asleep or self.state.weights_lost else 0))
 
     def check_refit_allowed(self) -> None:
         """A refit needs the weights' memory back (``wake_up(tags=["weights"])`` first)."""
@@ -151,8 +155,8 @@ class SleepTracker:
     def refit_loaded(self) -> SleepState:
         """A refit succeeded: the weights are the trainer's again."""
         if self.state.weights_lost:
-            self.state = attrs.evolve(self.state, weights_lost=False,
-                                      level=self.state.level if self.state.asleep else 0)
+            self._moved_to(attrs.evolve(self.state, weights_lost=False,
+                                        level=self.state.level if self.state.asleep else 0))
         return self.state
 
     def refusal(self) -> EngineAsleep | None:

@@ -45,6 +45,7 @@ class StalenessGate:
             check_int_at_least("max_staleness", max_staleness, 0, "must be None or an int >= 0")
         check_int_at_least("current_version", current_version, 0)
         self.max_staleness = max_staleness
+        self.bounded = max_staleness is not None  # read per rollout: a field, not a property
         self.current_version = current_version
         self._clock = clock or SystemClock()
         self._in_flight: collections.Counter[int] = collections.Counter()  # version -> rollouts
@@ -52,10 +53,6 @@ class StalenessGate:
         self._lock = threading.Lock()
         self._waiters: list[Callable[[], None]] = []  # each wakes one waiter to check again
         self.max_lag_seen = 0  # the largest lag this gate let happen (for reports)
-
-    @property
-    def bounded(self) -> bool:
-        return self.max_staleness is not None
 
     @property
     def oldest_in_flight(self) -> int | None:

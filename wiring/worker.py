@@ -180,7 +180,7 @@ async def _front_the_system_port(adapter: Any, env: dict[str, str]) -> Any:
     host = env.get("DYN_SYSTEM_HOST") or "127.0.0.1"
     inner = free_port(host)
     env.update(DYN_SYSTEM_PORT=str(inner), DYN_SYSTEM_HOST=host)
-    front = ControlFront(adapter, f"http://{_url_host(host)}:{inner}")
+    front = ControlFront(adapter.controls, f"http://{_url_host(host)}:{inner}")
     await front.start(host, port)
     return front
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from dynamo.common.backend import (
@@ -34,10 +34,7 @@ from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 from rollout_fleet.adapters.dynamo.controls import (
     CONTROL_SECRET_FIELD, ControlHandler, ServingLedger, WorkerControls,
 )
-from rollout_fleet.adapters.dynamo.plain import (
-    chunks_of, hidden_stop_ids, openai_finish, piece_chunks, PlainOptions, prompt_of,
-    TokenTexts, usage_of,
-)
+from rollout_fleet.adapters.dynamo.plain import piece_chunks, PlainOptions, TokenTexts
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
@@ -98,9 +95,6 @@ class DynamoEngineAdapter(LLMEngine):
     async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
         """Dynamo's entry (its system server answers 200 whatever this says)."""
         return await self.controls.engine_control(control, body)
-
-    async def answer_control(self, control: str, body: Any) -> tuple[int, dict[str, Any]]:
-        return await self.controls.answer_control(control, body)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
@@ -357,3 +351,37 @@ def _asleep_answer(message: str) -> Exception:
     from dynamo.llm.exceptions import HttpError
 
     return HttpError(503, message)
+
+
+def prompt_of(request: Mapping[str, Any]) -> Sequence[int]:
+    prompt = request.get("token_ids")
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidValue("token_ids", prompt, "a prompt needs at least one token ID")
+    return prompt
+
+
+def hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
+    stop = request.get("stop_conditions") or {}
+    return set(stop.get("stop_token_ids_hidden") or ()) | set(request.get("eos_token_ids") or ())
+
+
+async def chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
+    """The chunks of a request kind's answer: an async iterator of chunks, or a coroutine
+    that returns them all."""
+    if hasattr(served, "__aiter__"):
+        async with contextlib.aclosing(served):
+            async for chunk in served:
+                yield chunk
+        return
+    for chunk in await served:
+        yield chunk
+
+
+def openai_finish(reason: FinishReason) -> str:
+    return "cancelled" if reason is FinishReason.ABORT else reason.value
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+

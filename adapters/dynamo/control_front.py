@@ -3,8 +3,8 @@
 Dynamo 1.6.1's system server answers an engine route's result with HTTP 200 whatever it says
 (or 500 when the handler raises), so a control refused for a missing or wrong secret came back
 as 200: a client that checks status codes took the refusal for success. This small server owns
-the system port instead: ``POST /engine/control/<name>`` goes to the adapter, which says the
-status (401 for a missing or wrong secret); every other path (``/health``, ``/live``,
+the system port instead: ``POST /engine/control/<name>`` goes to the worker's controls, which say
+the status (401 for a missing or wrong secret); every other path (``/health``, ``/live``,
 ``/metrics``) is passed on to Dynamo's own system server, moved to another port of the same
 host (which it advertises: the frontend fetches the model's files from it).
 """
@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
-from rollout_fleet.adapters.dynamo.adapter import DynamoEngineAdapter
+from rollout_fleet.adapters.dynamo.controls import WorkerControls
 
 logger = logging.getLogger(__name__)
 _PASSED_HEADERS = ("content-type",)
@@ -27,8 +27,8 @@ class ControlFront:
     """``await start(host, port)`` before Dynamo starts (the port is taken, or this fails);
     ``await close()`` when the worker stops."""
 
-    def __init__(self, adapter: DynamoEngineAdapter, inner_url: str) -> None:
-        self._adapter = adapter
+    def __init__(self, controls: WorkerControls, inner_url: str) -> None:
+        self._controls = controls
         self._inner_url = inner_url.rstrip("/")
         self._runner: web.AppRunner | None = None
         self._session: ClientSession | None = None
@@ -52,7 +52,7 @@ class ControlFront:
 
     async def _control(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        if name not in self._adapter.supported_controls():
+        if name not in self._controls.supported_controls():
             return web.json_response({"error": "Route not found",
                                       "message": f"Route /engine/control/{name} not found"},
                                      status=404)
@@ -62,7 +62,7 @@ class ControlFront:
         except ValueError as exc:
             return web.json_response({"error": "Bad request",
                                       "message": f"the body is not JSON: {exc}"}, status=400)
-        status, answer = await self._adapter.answer_control(name, body)
+        status, answer = await self._controls.answer_control(name, body)
         return web.json_response(answer, status=status)
 
     async def _pass_on(self, request: web.Request) -> web.Response:

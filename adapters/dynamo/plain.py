@@ -1,20 +1,19 @@
-"""Plain OpenAI completions (no rollout annotation) as the Dynamo adapter serves them: the
-prompt and hidden stop tokens of a request, its options checked against what the engine
-offers (one choice; an option the engine cannot honour refused by name), its sampling, and
-the engine's pieces as OpenAI chunks (token texts and logprobs when asked)."""
+"""Plain OpenAI completions (no rollout annotation) as the Dynamo adapter serves them: a
+request's options checked against what the engine offers (one choice; an option the engine
+cannot honour refused by name), its sampling, and the engine's pieces as OpenAI chunks (token
+texts and logprobs when asked). The request helpers both kinds share are the adapter's."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 from dynamo.common.backend import GenerateChunk
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.rollout import FinishReason, SamplingSpec
+from rollout_fleet.core.rollout import SamplingSpec
 from rollout_fleet.core.sampling import NEUTRAL_SAMPLING, extra_sampling
 from rollout_fleet.core.validate import check_int_at_least
 from rollout_fleet.ports.engine import RolloutPiece
@@ -24,18 +23,6 @@ logger = logging.getLogger(__name__)
 # Options of a plain request that the engine port has no way to honour: a non-null value is
 # refused by name (a 400), so a client never gets an answer computed without them.
 _UNOFFERED_SAMPLING = ("length_penalty", "guided_decoding")
-
-
-def prompt_of(request: Mapping[str, Any]) -> Sequence[int]:
-    prompt = request.get("token_ids")
-    if not isinstance(prompt, list) or not prompt:
-        raise InvalidValue("token_ids", prompt, "a prompt needs at least one token ID")
-    return prompt
-
-
-def hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
-    stop = request.get("stop_conditions") or {}
-    return set(stop.get("stop_token_ids_hidden") or ()) | set(request.get("eos_token_ids") or ())
 
 
 @attrs.frozen
@@ -168,24 +155,3 @@ def piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = Fals
          "logprob": alt_logprob}
         for rank, (alt, alt_logprob) in enumerate(top, start=1)] for _, _, top in shown]
     return [chunk]
-
-
-async def chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
-    """The chunks of a request kind's answer: an async iterator of chunks, or a coroutine
-    that returns them all."""
-    if hasattr(served, "__aiter__"):
-        async with contextlib.aclosing(served):
-            async for chunk in served:
-                yield chunk
-        return
-    for chunk in await served:
-        yield chunk
-
-
-def openai_finish(reason: FinishReason) -> str:
-    return "cancelled" if reason is FinishReason.ABORT else reason.value
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -7,9 +7,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients
+from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients, dumps
 from rollout_fleet.adapters.http.settings import HttpSettings
-from rollout_fleet.adapters.http.transport import check_base_url, dumps
+from rollout_fleet.adapters.http.transport import check_base_url
 from rollout_fleet.core.errors import (
     ControlRefused,
     HttpStatusError,

@@ -13,10 +13,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import msgspec
 from rollout_fleet.adapters.http.settings import HttpSettings
-from rollout_fleet.core.errors import TransportError
+from rollout_fleet.core.errors import InvalidValue, TransportError
 
 JSON_CONTENT_TYPE = "application/json"
+# msgspec's encoder: ~10x less CPU than json.dumps for a rollout body, same JSON text.
+_encode = msgspec.json.Encoder().encode
+
+
+def dumps(payload: Mapping[str, Any]) -> bytes:
+    """A request body as JSON bytes; InvalidValue (``body``) when it cannot be encoded."""
+    try:
+        return _encode(payload)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidValue("body", type(payload).__name__, f"must be JSON-encodable: {exc}") from None
 
 
 class RawAnswer(NamedTuple):  # a tuple: built once per request on the hot path

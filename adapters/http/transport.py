@@ -8,16 +8,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
-from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients
+from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients, dumps
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.core.errors import InvalidValue, TransportError
 from rollout_fleet.core.wire import REQUEST_ID_HEADER
 from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse
 
 COMPLETIONS_PATH = "/v1/completions"
-# msgspec's encoder: ~10x less CPU than json.dumps for a rollout body, same JSON text.
-_encode = msgspec.json.Encoder().encode
 
 
 def check_base_url(field: str, url: Any) -> str:
@@ -26,13 +23,6 @@ def check_base_url(field: str, url: Any) -> str:
             or len(url.rstrip("/")) <= len("https://"):
         raise InvalidValue(field, url, "must be an http:// or https:// URL such as http://127.0.0.1:8000")
     return url.rstrip("/")
-
-
-def dumps(payload: Mapping[str, Any]) -> bytes:
-    try:
-        return _encode(payload)
-    except (TypeError, msgspec.EncodeError) as exc:
-        raise InvalidValue("body", type(payload).__name__, f"must be JSON-encodable: {exc}") from None
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:

@@ -107,7 +107,8 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                             stop_token_ids: Sequence[int] = (),
                             extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
         self._check_alive()
-        self.sleeper.check_serving()  # asleep: refused, retryable (EngineAsleep)
+        if not self.sleeper.serving_gate.is_set():
+            self.sleeper.check_serving()  # asleep: refused, retryable (EngineAsleep)
         self._check_input(prompt_token_ids, max_new_tokens)
         if not is_int(top_logprobs) or not 0 <= top_logprobs <= len(VOCAB):
             raise EngineRejected(f"top_logprobs={top_logprobs!r}: must be an int in 0..{len(VOCAB)}")
@@ -306,7 +307,8 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                 await asyncio.sleep(0)  # let aborts and other requests in
             if not self._running.is_set():
                 await self._running.wait()  # frozen: never set again
-            await self.sleeper.wait_while_asleep()  # kept by a sleep: continues after the wake
+            if not self.sleeper.serving_gate.is_set():  # kept by a sleep: continues after the wake
+                await self.sleeper.serving_gate.wait()
             self._check_alive()
             if request_id in self._aborted:
                 finish = FinishReason.ABORT

@@ -31,8 +31,10 @@ class MemorySleep(Sleeper):
     def __init__(self, engine: MemoryEngine) -> None:
         self.engine = engine
         self.tracker = SleepTracker()
-        self._serving_gate = asyncio.Event()  # cleared while asleep: kept rollouts wait at it
-        self._serving_gate.set()
+        # Set exactly while the engine serves; cleared while asleep (kept rollouts wait at it).
+        # The engine reads it on every token, without a call into this part.
+        self.serving_gate = asyncio.Event()
+        self.serving_gate.set()
 
     async def sleep(self, level: int = 1, *, mode: str = DEFAULT_SLEEP_MODE) -> SleepState:
         wanted = self.tracker.wants_sleep(level, mode)
@@ -41,7 +43,7 @@ class MemorySleep(Sleeper):
         level, mode = wanted
         engine = self.engine
         self.tracker.fell_asleep(level)  # new rollouts are refused from here on
-        self._serving_gate.clear()  # kept ones stop at their next token
+        self.serving_gate.clear()  # kept ones stop at their next token
         if mode == "abort":
             for request_id in list(engine.in_flight):
                 await engine.abort(request_id)
@@ -73,10 +75,6 @@ class MemorySleep(Sleeper):
     def check_serving(self) -> None:
         self.tracker.check_serving()
 
-    async def wait_while_asleep(self) -> None:
-        if not self._serving_gate.is_set():
-            await self._serving_gate.wait()
-
     def check_refit_allowed(self, names: Sequence[str]) -> None:
         self.tracker.check_refit_allowed()
         if self.tracker.state.weights_lost and set(names) != {"embed.weight", "lm_head.weight"}:
@@ -89,7 +87,7 @@ class MemorySleep(Sleeper):
 
     def _open_if_serving(self) -> None:
         if self.tracker.state.serving:
-            self._serving_gate.set()
+            self.serving_gate.set()
 
     def sleep_stats(self) -> Mapping[str, Any]:
         return {**self.tracker.state.to_wire(), "resident": self.resident()}
