@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import rollout_fleet.core
@@ -59,6 +60,9 @@ class FileTrace:
         self.recording = True
         try:
             run()
+            # The worker finishes a request after its answer left (the generator's last
+            # resumption, its counts): that tail belongs to this path, not the next one.
+            time.sleep(SETTLE_S)
         finally:
             self.recording = False
         return {"files": sorted(self.files), "functions": sorted(self.functions)}
@@ -72,6 +76,7 @@ def _in_background(frame) -> bool:
     return False
 
 
+SETTLE_S = 1.0
 ENGINE = {"kind": "memory", "seed": 0, "context_length": 128}
 
 
@@ -82,6 +87,10 @@ def start_worker(run_dir: Path, system_port: int, trace: FileTrace):
     config = {"engine": ENGINE,
               "run_dir": str(run_dir), "namespace": "trace", "served_model_name": SERVED,
               "system_port": system_port, "control_secret": SECRET, "worker_id": "worker-0"}
+
+    # Dynamo's canary health check sends the worker a request now and then, whatever else
+    # runs: off, so that no such request lands in the refit's window.
+    os.environ["DYN_HEALTH_CHECK_ENABLED"] = "false"
 
     def serve() -> None:
         sys.setprofile(trace)
@@ -116,8 +125,10 @@ def main() -> int:
     system_port = free_port()
     start_worker(run_dir, system_port, trace)
     frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
+    # Its own process group: named, so whoever runs this can stop it should this be killed.
+    print(f"frontend process group {frontend.process.pid}", file=sys.stderr, flush=True)
     try:
-        frontend.wait_for_model(SERVED, timeout_s=300)
+        frontend.wait_for_model(SERVED, timeout_s=180)
         generation = build_generation(
             GenerationConfig(model=SERVED, max_model_len=128, max_new_tokens=8),
             frontend_url=frontend.url, control_secret=SECRET,
