@@ -384,4 +384,3 @@ def openai_finish(reason: FinishReason) -> str:
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
