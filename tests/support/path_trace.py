@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -35,6 +36,8 @@ LAYERS = ("core/", "ports/", "adapters/", "wiring/")  # the product's own code
 # sampler): what they call is not part of a rollout or a refit.
 BACKGROUND = frozenset({"_leave_when_engine_dies", "_sample_forever"})
 SERVED = "traced"
+ENGINE = {"kind": "memory", "seed": 0, "context_length": 128}
+SETTLE_S = 1.0  # how long a window stays open after its call returned
 SECRET = "path-trace-secret"
 
 
@@ -76,10 +79,6 @@ def _in_background(frame) -> bool:
     return False
 
 
-SETTLE_S = 1.0
-ENGINE = {"kind": "memory", "seed": 0, "context_length": 128}
-
-
 def start_worker(run_dir: Path, system_port: int, trace: FileTrace):
     """``serve_worker`` on a thread of its own (Dynamo's worker serves until this process ends)."""
     from rollout_fleet.wiring.worker import serve_worker
@@ -88,8 +87,8 @@ def start_worker(run_dir: Path, system_port: int, trace: FileTrace):
               "run_dir": str(run_dir), "namespace": "trace", "served_model_name": SERVED,
               "system_port": system_port, "control_secret": SECRET, "worker_id": "worker-0"}
 
-    # Dynamo's canary health check sends the worker a request now and then, whatever else
-    # runs: off, so that no such request lands in the refit's window.
+    # Dynamo's canary health check would send the worker requests of its own, whatever else
+    # runs: off, so that none lands in a window.
     os.environ["DYN_HEALTH_CHECK_ENABLED"] = "false"
 
     def serve() -> None:
@@ -166,6 +165,7 @@ def main() -> int:
         generation.shutdown()
     finally:
         frontend.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
     print(json.dumps(paths), flush=True)
     # Dynamo's worker serves on its thread until a signal; this process leaves without it.
     os._exit(0)
