@@ -47,7 +47,7 @@ from rollout_fleet.adapters.collective.colocated import open_buffer  # noqa: E40
 from rollout_fleet.adapters.collective.colocated_sender import ColocatedSender  # noqa: E402
 from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
 from rollout_fleet.adapters.collective.transfer import TorchWeightSender  # noqa: E402
-from rollout_fleet.adapters.vllm.colocated_engine import ColocatedTransferEngine  # noqa: E402
+from rollout_fleet.adapters.vllm.colocated_engine import compose_colocated_engine  # noqa: E402
 from rollout_fleet.adapters.vllm.transfer_engine import PackedInitInfo  # noqa: E402
 from rollout_fleet.core.colocated_service import WorkerColocatedRefit  # noqa: E402
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin  # noqa: E402
@@ -58,14 +58,20 @@ MODELS = {**MODELS, "cpu": ("llama-like, 4 layers, hidden 1024, 32k vocabulary",
                             16, 4, 4, 32000, False)}
 
 
+def colocated_engine_over(model, device):
+    """``ColocatedTransferEngine`` composed as wiring/vllm_transfer.py composes it (the collective
+    adapter's receiver and buffer opener), but on no vLLM base class, so it runs where vLLM is not
+    installed. Given no vLLM config, it loads each tensor into the model in place."""
+    return compose_colocated_engine(object, join_receiver, open_buffer)(None, None, device, model)
+
+
 class StandaloneColocated(ColocatedTarget):
     """The engine side without vLLM: the transfer engine over a plain model (vLLM's adapter
     does the same begin/bucket/end through vLLM's worker)."""
 
     def __init__(self, model, device):
         self.model = model
-        self.transfer = ColocatedTransferEngine(None, None, device, model)
-        self.transfer.open_buffer = staticmethod(open_buffer)
+        self.transfer = colocated_engine_over(model, device)
         self.version = 0
 
     def colocated_transports(self):
@@ -232,7 +238,7 @@ def engine(args, connection):
             join = GroupJoin(host="127.0.0.1", port=message[1], world_size=2, train_world_size=1,
                              first_rank=1, ranks_per_worker=1, sender_spec=spec, backend="gloo",
                              timeout_s=120.0)
-            packed = ColocatedTransferEngine.standalone(model, device, join_receiver=join_receiver)
+            packed = colocated_engine_over(model, device)
             packed.init_transfer_engine(PackedInitInfo(join=join.to_wire(), rollback="none"))
         elif message[0] == "packed":
             packed.start_weight_update()

@@ -53,7 +53,7 @@ from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E40
 from rollout_fleet.adapters.collective.transfer import TorchWeightSender  # noqa: E402
 from rollout_fleet.adapters.vllm.transfer_engine import (  # noqa: E402
     PackedInitInfo,
-    PackedTransferEngine,
+    compose_transfer_engine,
 )
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin  # noqa: E402
 
@@ -264,7 +264,7 @@ def engine(args, size, ports, results) -> None:
         join = GroupJoin(host="127.0.0.1", port=ports.get(), world_size=2, train_world_size=1,
                          first_rank=1, ranks_per_worker=1, sender_spec=spec, backend=backend,
                          timeout_s=120.0)
-        transfer = PackedTransferEngine.standalone(model, device, join_receiver=join_receiver)
+        transfer = transfer_engine_over(model, device)
         transfer.init_transfer_engine(PackedInitInfo(join=join.to_wire(), rollback="none"))
         group = transfer.receiver.group
         times = {"flat": [], "packed": [], "refit": []}
@@ -294,6 +294,13 @@ def engine(args, size, ports, results) -> None:
         rows.append(_row(mib, flight, info.total_bytes, times, exact))
         print(_format(rows[-1]), flush=True)
     results.put((name, info.total_bytes, len(info.tensors), rows))
+
+
+def transfer_engine_over(model, device):
+    """``PackedTransferEngine`` composed as wiring/vllm_transfer.py composes it (the collective
+    adapter's receiver), but on no vLLM base class: the GPU hosts this runs on have no vLLM.
+    Given no vLLM config, it loads each tensor into the model in place."""
+    return compose_transfer_engine(object, join_receiver)(None, None, device, model)
 
 
 def _refit(transfer, model, info) -> None:

@@ -33,9 +33,10 @@ used when vLLM has it; without it the model's ``load_weights`` copies each tenso
 parameters directly (``InPlaceReload``), which is right for unquantized checkpoints, whose
 loaded tensors need no processing after loading.
 
-vLLM is imported lazily: the class runs without it (``standalone``, with ``InPlaceReload``), which
-is how bench/bench_gpu_refit.py proves this very receiver on GPUs where vLLM is not installed.
-The composition root registers it with vLLM under ``BACKEND_NAME`` and sets ``join_receiver``.
+vLLM is imported lazily: the class runs without it (built with no vLLM config, over a plain
+torch model, it loads in place with ``InPlaceReload``), which is how bench/bench_gpu_refit.py
+proves this very receiver on GPUs where vLLM is not installed. The composition root registers it
+with vLLM under ``BACKEND_NAME`` and sets ``join_receiver``.
 """
 
 from __future__ import annotations
@@ -174,14 +175,6 @@ class PackedTransferEngine:
         self.stats = RefitStats()
         self._last_good: list[tuple[str, Any]] | None = None  # the previous refit's tensors
         self._updating = False
-
-    @classmethod
-    def standalone(cls, model: Any, device: Any, *, engine_rank: int = 0,
-                   join_receiver: Callable[[GroupJoin, int], WeightReceiver]) -> "PackedTransferEngine":
-        """This engine outside vLLM: a plain torch model that loads in place."""
-        engine = cls(None, None, device, model)
-        engine.reload, engine.engine_rank, engine.join_receiver = InPlaceReload(), engine_rank, join_receiver
-        return engine
 
     # -- vLLM's interface ---------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> PackedInitInfo:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rollout_fleet.adapters.collective import join_receiver
-from rollout_fleet.adapters.vllm.transfer_engine import PackedTransferEngine
 from tests.collective.test_transfer_engine import SPEC, refit
+from tests.support.transfer_engine import transfer_engine_over
 
 pytestmark = pytest.mark.collective
 # 8 tensors of 2 KiB, 4 KiB buffers: 4 buckets of 2 tensors; a "layer" is 3 tensors in a row,
@@ -48,7 +48,7 @@ class CountingModel:
 
 
 def engine_for(model, folder):
-    engine = PackedTransferEngine.standalone(model, torch.device("cpu"), join_receiver=join_receiver)
+    engine = transfer_engine_over(model, torch.device("cpu"), join_receiver)
     engine.model_config = SimpleNamespace(model=str(folder))
     model.engine = engine
     keep = engine.shutdown

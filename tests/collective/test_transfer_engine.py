@@ -13,10 +13,11 @@ import torch
 
 from rollout_fleet.adapters.collective import TorchWeightSender, init_group, join_receiver
 from rollout_fleet.adapters.collective.trainer import refit_info_of
-from rollout_fleet.adapters.vllm.transfer_engine import PackedInitInfo, PackedTransferEngine
+from rollout_fleet.adapters.vllm.transfer_engine import PackedInitInfo
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
 from tests.collective.harness import free_port
+from tests.support.transfer_engine import transfer_engine_over
 
 pytestmark = pytest.mark.collective
 SPEC = CollectiveSenderSpec(buffer_bytes=4096, num_buffers=2)
@@ -45,7 +46,7 @@ def folder_of_seed_0(tmp_path):
 
 
 def engine_for(model, folder):
-    engine = PackedTransferEngine.standalone(model, torch.device("cpu"), join_receiver=join_receiver)
+    engine = transfer_engine_over(model, torch.device("cpu"), join_receiver)
     engine.model_config = SimpleNamespace(model=str(folder))
     return engine
 
