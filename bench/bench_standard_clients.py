@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -54,6 +55,7 @@ from pathlib import Path
 
 import httpx
 from rollout_fleet.adapters.shared import free_port, stop_process_group
+from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_stdin
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,11 +70,15 @@ GPU_MEMORY_SHARE = 0.35  # of the GPU, for each server (both are up at once)
 TARGETS = {"cpu": (0.8, 2.0), "gpu": (0.95, 1.3)}  # tokens/s at least, median TTFT at most
 
 
-def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+def start(command: list[str], log: Path, env: dict | None = None,
+          secret: str | None = None) -> subprocess.Popen:
+    """``command`` in its own process group; ``secret``, if given, as its first line of input."""
     with open(log, "ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=None if env is None else {**os.environ, **env})
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=secret_stdin(secret), start_new_session=True,
+                                   env=None if env is None else {**os.environ, **env})
+    hand_over_secret(process, secret)
+    return process
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -128,12 +134,13 @@ def start_fleet(run_dir: Path, model: Path, nice: int | None, args):
               **engine_options(args)}
     config = {"engine": engine, "run_dir": str(run_dir),
               "namespace": f"bench-clients-{run_dir.name}", "served_model_name": SERVED_MODEL,
-              "system_port": free_port(),  # in 20000-32767: Dynamo reads it as a signed 16-bit int
-              "insecure_controls": True}
+              "system_port": free_port()}  # in 20000-32767: Dynamo reads it as a signed 16-bit int
     (run_dir / "worker.json").write_text(json.dumps(config))
     log = run_dir / "worker.log"
+    # As the fleet starts one: the control secret (no control is called here) on standard input.
     worker = start([sys.executable, "-m", "rollout_fleet.wiring.worker", "--config",
-                    str(run_dir / "worker.json")], log, own_caches(run_dir))
+                    str(run_dir / "worker.json"), "--control-secret-stdin"], log,
+                   own_caches(run_dir), secret=secrets.token_hex(32))
     frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
     return frontend.url, worker, frontend, log
 

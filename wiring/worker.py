@@ -16,7 +16,6 @@ name), written by the fleet as a JSON object::
       "model_path": null,              # optional: the memory engine writes its own folder
       "system_port": 18081,            # POST /engine/control/<name> is served here
       "control_secret": null,          # every control body must carry it (or --control-secret-stdin)
-      "insecure_controls": false,      # true: no secret, controls open to anyone (tests only)
       "kv_routing": false,             # publish the engine's KV events to a KV router
       "bind_host": "127.0.0.1",        # where its servers listen ($ROLLOUT_FLEET_BIND_HOST wins)
       "sigterm_grace_s": 15,           # after SIGTERM, exit anyway if still running by then
@@ -28,10 +27,10 @@ The engine's kind is found by name in the entry-point group ``rollout_fleet.engi
 worker should serve. The worker runs until SIGTERM (Dynamo drains and
 unregisters, then this returns).
 
-The control secret is required: a worker without one refuses to start unless its config says
-``insecure_controls``. The fleet never writes it into the config (a file) nor the command line
-or environment (which other users of the node can read): with ``--control-secret-stdin`` the
-worker reads it as the first line of its standard input, which the placement writes.
+The control secret is required: a worker without one refuses to start. The fleet never writes
+it into the config (a file) nor the command line or environment (which other users of the node
+can read): with ``--control-secret-stdin`` the worker reads it as the first line of its standard
+input, which the placement writes.
 """
 
 from __future__ import annotations
@@ -239,20 +238,16 @@ async def _leave_when_engine_dies(engine: EnginePort, adapter: Any, watch: Progr
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
 
 
-def control_secret(config: WorkerConfig) -> str | None:
-    """The secret every control must carry; None only with ``insecure_controls = true``."""
-    secret, insecure = config.control_secret, config.insecure_controls
-    if secret is None and insecure:
-        return None
+def control_secret(config: WorkerConfig) -> str:
+    """The secret every control must carry."""
+    secret = config.control_secret
     if secret is None:
         raise InvalidValue("control_secret", None,
                            "is required: without it anyone who reaches the worker's system port "
-                           "could refit or abort it (set insecure_controls = true to run without, "
-                           "in tests only)")
+                           "could refit or abort it (start the worker with --control-secret-stdin "
+                           "and write the secret as the first line of its standard input)")
     if not isinstance(secret, str) or not secret.strip():
         raise InvalidValue("control_secret", "(hidden)", "must be a non-empty string")
-    if insecure:
-        raise InvalidValue("insecure_controls", insecure, "contradicts the control_secret given")
     return secret
 
 

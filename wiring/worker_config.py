@@ -63,7 +63,6 @@ class WorkerConfig:
     model_path: str | None = attrs.field(default=None, validator=_optional_str)
     system_port: int | None = attrs.field(default=None, validator=_optional_port)  # controls
     control_secret: str | None = attrs.field(default=None, repr=False)  # checked by the worker
-    insecure_controls: bool = attrs.field(default=False, validator=_bool)  # tests only
     kv_routing: bool = attrs.field(default=False, validator=_bool)  # publish KV events
     bind_host: str | None = attrs.field(default=None, validator=_optional_str)
     sigterm_grace_s: float = attrs.field(default=DEFAULT_SIGTERM_GRACE_S,

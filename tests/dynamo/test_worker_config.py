@@ -9,7 +9,8 @@ import pytest
 from rollout_fleet.adapters.memory.engine import VOCAB, MemoryEngine
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.wiring.engines import registered_kinds
-from rollout_fleet.wiring.worker import build_engine, load_config, worker_env
+from rollout_fleet.wiring.worker import build_engine, control_secret, load_config, worker_env
+from rollout_fleet.wiring.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.dynamo
 
@@ -69,10 +70,7 @@ def _worker(config: dict, *flags: str, stdin: str = "", timeout_s: float = 120):
     ({}, (), "", "control_secret=None: is required"),                      # no secret at all
     ({}, ("--control-secret-stdin",), "", "standard input held no secret"),
     ({"control_secret": ""}, (), "", "control_secret=(hidden): must be a non-empty string"),
-    ({"insecure_controls": "yes"}, (), "", "insecure_controls=yes: must be true or false"),
-    ({"insecure_controls": True}, ("--control-secret-stdin",), "s3cr3t-value\n",
-     "insecure_controls=True: contradicts"),
-], ids=["missing", "empty-stdin", "empty", "not-a-bool", "both"])
+], ids=["missing", "empty-stdin", "empty"])
 def test_a_worker_without_a_usable_secret_refuses_to_start_naming_the_field(
         tmp_path, extra, flags, stdin, field):
     config = {"engine": {"kind": "memory"}, "run_dir": str(tmp_path), "served_model_name": "m",
@@ -85,10 +83,15 @@ def test_a_worker_without_a_usable_secret_refuses_to_start_naming_the_field(
     assert not (tmp_path / "home").exists()  # refused before anything started
 
 
+def test_a_missing_secret_is_refused_saying_how_to_hand_one_over():
+    with pytest.raises(InvalidValue, match="start the worker with --control-secret-stdin"):
+        control_secret(WorkerConfig(run_dir="/tmp/r"))
+
+
 def test_a_hold_until_refit_that_is_not_a_bool_is_refused_before_anything_starts(tmp_path):
     config = {"engine": {"kind": "memory"}, "run_dir": str(tmp_path), "served_model_name": "m",
-              "insecure_controls": True, "hold_until_refit": "yes"}
-    result = _worker(config)
+              "hold_until_refit": "yes"}
+    result = _worker(config, "--control-secret-stdin", stdin="s3cr3t-value\n")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "InvalidValue: hold_until_refit=yes: must be true or false" in lines[0]

@@ -5,6 +5,7 @@ from tests.support.processes import (
     group_members,
     leftover_processes,
     start_child,
+    start_worker,
     stop_child,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "listening_sockets",
     "non_loopback_listeners",
     "start_child",
+    "start_worker",
     "stop_child",
 ]

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
+from rollout_fleet.adapters.shared.processes import hand_over_secret
 
 
 def start_child(command: Sequence[str], *, log_path: str | Path, env: Mapping[str, str] | None = None,
@@ -18,6 +21,20 @@ def start_child(command: Sequence[str], *, log_path: str | Path, env: Mapping[st
         return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=None if env is None else dict(env),
                                 cwd=cwd, start_new_session=True)
+
+
+def start_worker(config_path: str | Path, *, secret: str, log_path: str | Path,
+                 env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """A bare fleet worker on ``config_path``, in its own process group, handed its control
+    secret as the fleet's placement hands it: the first line of its standard input."""
+    command = [sys.executable, "-m", "rollout_fleet.wiring.worker", "--config", str(config_path),
+               "--control-secret-stdin"]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.PIPE, env=None if env is None else dict(env),
+                                   start_new_session=True)
+    hand_over_secret(process, secret)
+    return process
 
 
 def stop_child(process: subprocess.Popen, *, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:

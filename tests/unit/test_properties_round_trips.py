@@ -118,8 +118,8 @@ optional_names = st.none() | names
 worker_configs = st.builds(
     WorkerConfig, run_dir=names, engine=st.dictionaries(names, json_values, max_size=4),
     served_model_name=optional_names, namespace=names, model_path=optional_names,
-    system_port=st.none() | st.integers(1, 65535), insecure_controls=st.booleans(),
-    kv_routing=st.booleans(), bind_host=optional_names,
+    system_port=st.none() | st.integers(1, 65535), kv_routing=st.booleans(),
+    bind_host=optional_names,
     sigterm_grace_s=st.floats(0, 1e6), hang_timeout_s=st.none() | st.floats(1e-3, 1e6),
     collective_backend=names, log_level=names, env=st.dictionaries(names, names, max_size=3),
     hold_until_refit=st.booleans())

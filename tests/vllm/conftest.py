@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 
-from tests.support import free_port, leftover_processes, start_child, stop_child
+from tests.support import free_port, leftover_processes, start_worker, stop_child
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -99,6 +98,7 @@ def weights(tiny_models):
 
 SERVED_MODEL = "tiny-vllm"
 EOS_TOKEN_ID = 2
+CONTROL_SECRET = "vllm-tier-control-secret"  # every control call to the worker carries it
 WORKER_START_TIMEOUT_S = 300  # vLLM on 2 shared cores: 20-40 s idle, minutes under load
 
 
@@ -137,10 +137,10 @@ def vllm_fleet(tmp_path_factory, tiny_models):
     run_dir = tmp_path_factory.mktemp("vllm-dynamo-run")
     config = {"engine": {"kind": "vllm", "model": str(tiny_models[MODEL_SEED])},
               "run_dir": str(run_dir), "namespace": "vllm-test", "served_model_name": SERVED_MODEL,
-              "system_port": free_port(), "insecure_controls": True}
+              "system_port": free_port()}
     (run_dir / "worker.json").write_text(json.dumps(config))
-    worker = start_child([sys.executable, "-m", "rollout_fleet.wiring.worker",
-                          "--config", str(run_dir / "worker.json")], log_path=run_dir / "worker.log")
+    worker = start_worker(run_dir / "worker.json", secret=CONTROL_SECRET,
+                          log_path=run_dir / "worker.log")
     frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
     groups = [worker.pid, frontend.process.pid]
     try:

@@ -17,7 +17,7 @@ import pytest
 from rollout_fleet.core.rollout import FinishReason, RolloutRequest, SamplingSpec
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 
-from .conftest import EOS_TOKEN_ID, SERVED_MODEL, VllmFleet
+from .conftest import CONTROL_SECRET, EOS_TOKEN_ID, SERVED_MODEL, VllmFleet
 
 
 def through_frontend(fleet: VllmFleet, request: RolloutRequest):
@@ -238,7 +238,8 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
     started = time.monotonic()
     whole = through_frontend(vllm_fleet, uncut[longest])
     whole_s = time.monotonic() - started
-    control = HttpWorkerControl("w0", f"http://127.0.0.1:{_system_port(vllm_fleet)}", secret="")
+    control = HttpWorkerControl("w0", f"http://127.0.0.1:{_system_port(vllm_fleet)}",
+                                secret=CONTROL_SECRET)
 
     async def cut_then_continue(request, delay_s):
         client = RolloutClient(HttpCompletionsTransport(vllm_fleet.url()), model=SERVED_MODEL)
@@ -288,9 +289,10 @@ def test_sleep_is_refused_on_the_cpu_naming_the_platform_and_the_worker_still_se
                              max_new_tokens=12)
     url = f"http://127.0.0.1:{_system_port(vllm_fleet)}/engine/control"
     vllm_fleet.url()  # the worker is up
-    refused = httpx.post(f"{url}/sleep", json={"level": 1}, timeout=60).json()
+    secret = {"control_secret": CONTROL_SECRET}
+    refused = httpx.post(f"{url}/sleep", json={"level": 1, **secret}, timeout=60).json()
     assert refused["status"] == "error", refused
     assert "no sleep mode on the cpu platform" in refused["message"], refused
-    state = httpx.post(f"{url}/is_sleeping", json={}, timeout=60).json()
+    state = httpx.post(f"{url}/is_sleeping", json=secret, timeout=60).json()
     assert state["status"] == "ok" and not state["sleeping"] and state["serving"], state
     assert_same(through_frontend(vllm_fleet, request), direct(vllm_engine, request))
