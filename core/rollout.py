@@ -235,6 +235,30 @@ class ServedRollout:
             raise InvalidValue("usage.completion_tokens", self.usage.completion_tokens,
                                f"must equal the number of generated tokens ({len(self.token_ids)})")
 
+    @classmethod
+    def from_decoded(cls, token_ids: tuple[int, ...], logprobs: tuple[float, ...],
+                     finish_reason: FinishReason, prompt_tokens: int, *,
+                     routed_experts: Any = None, weight_version: int | None = None,
+                     weight_versions: Sequence[Sequence[int]] | None = None) -> "ServedRollout":
+        """A served rollout from a typed decoder that has checked every element as this class
+        would: the token IDs a tuple of ints >= 0, the logprobs a tuple of finite floats <= 0,
+        the counts ints >= 0 (a weight version may be None). Those per-element checks are not
+        run twice on the driver's hot path; the checks across fields (one logprob per token,
+        runs that tag every token once) still are, and the runs are merged as usual."""
+        served = object.__new__(cls)
+        runs = None if weight_versions is None else version_runs("weight_versions")(weight_versions)
+        for name, value in (("token_ids", token_ids), ("logprobs", logprobs),
+                            ("finish_reason", finish_reason),
+                            ("usage", Usage(prompt_tokens, len(token_ids))),
+                            ("routed_experts", routed_experts), ("weight_version", weight_version),
+                            ("top_logprobs", None)):
+            object.__setattr__(served, name, value)
+        object.__setattr__(served, "weight_versions",
+                           _whole_rollout_runs(served) if runs is None else runs)
+        _check_generation(token_ids, logprobs)
+        _check_version_runs(token_ids, served.weight_versions)
+        return served
+
 
 @attrs.frozen
 class RolloutResult:

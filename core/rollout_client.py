@@ -22,6 +22,7 @@ from rollout_fleet.core.rollout import (
     RolloutRequest,
     RolloutResult,
     SamplingSpec,
+    ServedRollout,
 )
 from rollout_fleet.core.partial import continuation_request, join_rollouts
 from rollout_fleet.core.stop_strings import merge_stop_strings
@@ -80,6 +81,12 @@ class CompletionsTransport(ABC):
     async def aclose(self) -> None:
         """Release connections; safe to call twice."""
 
+    def read_answer(self, body: bytes) -> ServedRollout:
+        """The served rollout in a 2xx answer's ``body``: ``core.wire.parse_completion_answer``.
+        A transport with a faster decoder of its own wire overrides this; it must give the
+        same value, or raise the same error."""
+        return parse_completion_answer(body)
+
 
 def _cause(error: BaseException) -> str:
     """A retried attempt's cause, coarse enough to count: the HTTP status, else the error's type."""
@@ -118,7 +125,7 @@ class RolloutClient:
                 retry_after = response.retry_after_s
                 if not 200 <= response.status < 300:
                     raise HttpStatusError(response.status, response.body[:2000])
-                served = parse_completion_answer(response.body)
+                served = self._transport.read_answer(response.body)
                 return RolloutResult.from_served(request.request_id, served, attempts=attempt)
             except RolloutFleetError as error:
                 if self._retry.should_retry(attempt, error):

@@ -106,3 +106,24 @@ def test_result_from_served_sets_every_field_and_refuses_a_bad_attempt_count():
     with pytest.raises(InvalidValue) as refused:
         RolloutResult.from_served("r", served(), attempts=0)
     assert refused.value.field == "attempts"
+
+
+@pytest.mark.parametrize("runs", [None, ((4, 2),), ((4, 1), (4, 1)), ((4, 1), (5, 1))])
+def test_a_decoded_rollout_equals_the_checked_one(runs):
+    extra = {} if runs is None else {"weight_versions": runs}
+    checked = ServedRollout((1, 2), (-0.1, -0.2), FinishReason.STOP, Usage(3, 2),
+                            routed_experts=[[1]], weight_version=4, **extra)
+    decoded = ServedRollout.from_decoded((1, 2), (-0.1, -0.2), FinishReason.STOP, 3,
+                                         routed_experts=[[1]], weight_version=4, weight_versions=runs)
+    assert decoded == checked
+
+
+@pytest.mark.parametrize("logprobs, runs, field", [
+    ((-0.1,), None, "logprobs"),
+    ((-0.1, -0.2), ((4, 1),), "weight_versions"),
+    ((-0.1, -0.2), ((4, 0), (5, 2)), "weight_versions[0][1]"),
+])
+def test_a_decoded_rollout_still_checks_across_its_fields(logprobs, runs, field):
+    with pytest.raises(InvalidValue) as info:
+        ServedRollout.from_decoded((1, 2), logprobs, FinishReason.STOP, 3, weight_versions=runs)
+    assert info.value.field == field
