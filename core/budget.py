@@ -22,16 +22,13 @@ def token_budget(
     policy: ContextLimitPolicy = ContextLimitPolicy.REJECT,
 ) -> int:
     """``min(max_new_tokens, max_model_len - prompt_len)``; 0 only under the EMPTY policy."""
-    for field, value in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
-                         ("max_model_len", max_model_len)):
-        check_int_at_least(field, value, 0)
+    check_int_at_least("prompt_len", prompt_len, 0)
+    check_int_at_least("max_new_tokens", max_new_tokens, 0)
+    check_int_at_least("max_model_len", max_model_len, 0)
     if max_model_len < 1:
         raise InvalidValue("max_model_len", max_model_len, "must be >= 1")
-    try:
-        policy = ContextLimitPolicy(policy)
-    except ValueError:
-        allowed = ", ".join(p.value for p in ContextLimitPolicy)
-        raise InvalidValue("context_limit_policy", policy, f"must be one of {allowed}") from None
+    if type(policy) is not ContextLimitPolicy:  # a member already is one: once per rollout
+        policy = _parse_policy(policy)
     room = max_model_len - prompt_len
     if room <= 0:
         if policy is ContextLimitPolicy.REJECT:
@@ -42,3 +39,11 @@ def token_budget(
             )
         return 0
     return min(max_new_tokens, room)
+
+
+def _parse_policy(value: object) -> ContextLimitPolicy:
+    try:
+        return ContextLimitPolicy(value)
+    except ValueError:
+        allowed = ", ".join(p.value for p in ContextLimitPolicy)
+        raise InvalidValue("context_limit_policy", value, f"must be one of {allowed}") from None

@@ -55,7 +55,8 @@ class RolloutLimits:
             prompt_token_ids=prompt_token_ids,
             max_new_tokens=budget,
             sampling=sampling,
-            stop_strings=merge_stop_strings(self.stop_strings, stop_strings),
+            stop_strings=(merge_stop_strings(self.stop_strings, stop_strings)
+                          if self.stop_strings or stop_strings is not None else ()),
             stop_token_ids=self.stop_token_ids,
         )
 

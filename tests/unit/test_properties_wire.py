@@ -160,6 +160,21 @@ def test_annotation_round_trips_every_valid_request(request):
     assert spec.to_request(request.prompt_token_ids) == request
 
 
+@settings(max_examples=200)
+@given(requests, st.lists(st.integers(0, 2**40), max_size=3))
+def test_the_annotation_is_the_text_json_dumps_writes(request, stop_token_ids):
+    request = RolloutRequest(request.request_id, request.prompt_token_ids, request.max_new_tokens,
+                             request.sampling, request.stop_strings, stop_token_ids)
+    s = request.sampling
+    spec = {"v": 1, "request_id": request.request_id, "max_new_tokens": request.max_new_tokens,
+            "greedy": s.greedy, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "seed": s.seed, "stop_strings": list(request.stop_strings)}
+    if stop_token_ids:
+        spec["stop_token_ids"] = stop_token_ids
+    expected = ROLLOUT_ANNOTATION_PREFIX + json.dumps(spec, separators=(",", ":"))
+    assert encode_rollout_annotation(request) == expected
+
+
 @settings(max_examples=100)
 @given(requests, st.text(max_size=10))
 def test_completion_body_is_strict_json_carrying_the_request(request, model):
