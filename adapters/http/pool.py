@@ -73,16 +73,30 @@ class AiohttpLoopClient(LoopClient):
             auto_decompress=False,
         )
 
+        # A rollout's answer comes whole when its generation ends, so a POST's read bound is
+        # one deadline on its answer: one timer per request, where the session's socket-read
+        # bound re-arms a timer on every chunk read (control and metrics GETs keep that one).
+        self._answer_timeout = {"timeout": self._deadline(settings.read_timeout_s)}
+        self._deadlines: dict[float, dict] = {}
+
+    def _deadline(self, timeout_s: float):
+        return self._aiohttp.ClientTimeout(
+            total=timeout_s, sock_connect=min(timeout_s, self._settings.connect_timeout_s))
+
     def _timeout(self, timeout_s: float | None) -> dict:
         if timeout_s is None:
             return {}  # the session's own timeouts
-        return {"timeout": self._aiohttp.ClientTimeout(
-            total=timeout_s, sock_connect=min(timeout_s, self._settings.connect_timeout_s))}
+        bound = self._deadlines.get(timeout_s)
+        if bound is None:  # few distinct bounds (one per token budget): built once each
+            if len(self._deadlines) >= 4096:
+                self._deadlines.clear()
+            bound = self._deadlines[timeout_s] = {"timeout": self._deadline(timeout_s)}
+        return bound
 
     async def post_json(self, url, payload, headers, timeout_s=None) -> RawAnswer:
+        timeout = self._answer_timeout if timeout_s is None else self._timeout(timeout_s)
         try:
-            async with self.session.post(url, data=payload, headers=headers,
-                                         **self._timeout(timeout_s)) as response:
+            async with self.session.post(url, data=payload, headers=headers, **timeout) as response:
                 body = await response.read()
                 return RawAnswer(response.status, body, response.headers.get("Retry-After"))
         except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
