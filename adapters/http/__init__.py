@@ -12,13 +12,14 @@ from rollout_fleet.adapters.http.metrics import (
     parse_prometheus_text,
 )
 from rollout_fleet.adapters.http.pool import LoopClients
-from rollout_fleet.adapters.http.settings import CLIENT_KINDS, HttpSettings
+from rollout_fleet.adapters.http.settings import CLIENT_KINDS, ClientKind, HttpSettings
 from rollout_fleet.adapters.http.transport import (
     HttpCompletionsTransport,
     parse_retry_after,
 )
 
 __all__ = [
-    "CLIENT_KINDS", "HttpSettings", "LoopClients", "HttpCompletionsTransport", "HttpWorkerControl",
-    "HttpWorkerMetrics", "MetricNames", "parse_prometheus_text", "parse_retry_after",
+    "CLIENT_KINDS", "ClientKind", "HttpSettings", "LoopClients", "HttpCompletionsTransport",
+    "HttpWorkerControl", "HttpWorkerMetrics", "MetricNames", "parse_prometheus_text",
+    "parse_retry_after",
 ]

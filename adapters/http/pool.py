@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgspec
-from rollout_fleet.adapters.http.settings import HttpSettings
+from rollout_fleet.adapters.http.settings import ClientKind, HttpSettings
 from rollout_fleet.core.errors import InvalidValue, TransportError
 
 JSON_CONTENT_TYPE = "application/json"
@@ -128,7 +128,7 @@ class HttpxLoopClient(LoopClient):
         timeout = httpx.Timeout(connect=settings.connect_timeout_s, read=settings.read_timeout_s,
                                 write=settings.read_timeout_s, pool=None)
         transport = None
-        if settings.client == "httpx-aiohttp":
+        if settings.client is ClientKind.HTTPX_AIOHTTP:
             from httpx_aiohttp import AiohttpTransport
 
             self._aiohttp_session = AiohttpLoopClient(settings)
@@ -162,7 +162,7 @@ class HttpxLoopClient(LoopClient):
 
 
 def make_loop_client(settings: HttpSettings) -> LoopClient:
-    if settings.client == "aiohttp":
+    if settings.client is ClientKind.AIOHTTP:
         return AiohttpLoopClient(settings)
     return HttpxLoopClient(settings)
 

@@ -104,7 +104,7 @@ class HttpCompletionsTransport(CompletionsTransport):
         await self.clients.aclose()
 
     def __repr__(self) -> str:
-        return f"HttpCompletionsTransport({self.url!r}, client={self.settings.client!r})"
+        return f"HttpCompletionsTransport({self.url!r}, client={self.settings.client.value!r})"
 
 
 # -- the answer, decoded straight into its typed value ----------------------------------------

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rollout_fleet.adapters.http import (
-    CLIENT_KINDS, HttpCompletionsTransport, HttpSettings, LoopClients, parse_retry_after,
+    CLIENT_KINDS, ClientKind, HttpCompletionsTransport, HttpSettings, LoopClients, parse_retry_after,
 )
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import (
@@ -257,6 +257,21 @@ def test_bad_settings_name_the_field_and_value(field, value):
     with pytest.raises(InvalidValue) as caught:
         HttpSettings(**{field: value})
     assert str(caught.value).startswith(f"http.{field}={value}")
+
+
+@pytest.mark.parametrize("spelling", CLIENT_KINDS)
+def test_the_client_stack_is_read_from_its_spelling_into_its_kind(spelling):
+    settings = HttpSettings(client=spelling)
+    assert settings.client is ClientKind(spelling) and settings.client == spelling
+    assert f"{settings.client}" == str(settings.client) == spelling
+    assert pickle.loads(pickle.dumps(settings)) == settings
+    assert HttpSettings().client is ClientKind.AIOHTTP
+
+
+@pytest.mark.parametrize("value", ["urllib", ["aiohttp"], None])
+def test_an_unknown_client_stack_is_refused_listing_the_spellings(value):
+    with pytest.raises(InvalidValue, match="must be one of aiohttp, httpx-aiohttp, httpx$"):
+        HttpSettings(client=value)
 
 
 def test_a_bad_frontend_url_is_refused_by_name():
