@@ -37,16 +37,14 @@ def read_batch(data: Any) -> PromptBatch:
     if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 \
             or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise InvalidValue("input_lengths", _describe(lengths), "must be an integer tensor [B]")
-    batch_size, width = input_ids.shape
+    batch_size = input_ids.shape[0]
     if batch_size < 1:
         raise InvalidValue("input_ids", _describe(input_ids), "must hold at least one prompt")
     if lengths.shape[0] != batch_size:
         raise InvalidValue("input_lengths", _describe(lengths),
                            f"must have one length per prompt ({batch_size})")
+    check_prompts(input_ids, lengths)
     rows, lens = input_ids.tolist(), lengths.tolist()
-    for index, length in enumerate(lens):
-        if not 1 <= length <= width:
-            raise InvalidValue(f"input_lengths[{index}]", length, f"must be in [1, {width}]")
     stops = data.get("stop_strings") if hasattr(data, "get") else None
     if stops is None:
         stops = (None,) * batch_size
@@ -55,32 +53,58 @@ def read_batch(data: Any) -> PromptBatch:
     return PromptBatch(tuple(row[:n] for row, n in zip(rows, lens)), tuple(stops))
 
 
+def check_prompts(input_ids: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Every length in [1, S] and every prompt token ID >= 0 (padding is never read), checked
+    once for the whole batch by tensor ops; the first culprit is named with its value."""
+    width = input_ids.shape[1]
+    out_of_range = (lengths < 1) | (lengths > width)
+    if out_of_range.any():
+        index = int(out_of_range.nonzero()[0, 0])
+        raise InvalidValue(f"input_lengths[{index}]", lengths[index].item(), f"must be in [1, {width}]")
+    positions = torch.arange(width, device=input_ids.device)
+    negative = (input_ids < 0) & (positions < lengths.to(input_ids.device).unsqueeze(1))
+    if negative.any():
+        row, column = negative.nonzero()[0].tolist()
+        raise InvalidValue(f"input_ids[{row}, {column}]", input_ids[row, column].item(),
+                           "token IDs are non-negative ints")
+
+
 def sample_output(prompt: list[int], result: RolloutResult) -> dict[str, torch.Tensor]:
     """One sample in the contract's layout: L = prompt + generated, logprobs 0 at the prompt.
 
-    Built through typed arrays (C loops) rather than torch.tensor(list), which infers a type
-    per element: this runs once per rollout on the driver's hot path.
+    Each tensor is a view of a typed array filled by C loops (``torch.frombuffer``), not
+    ``torch.tensor(list)``, which infers a type per element, nor ``torch.full``: this runs once
+    per rollout on the driver's hot path, where each torch call costs about a microsecond.
     """
     generated = result.token_ids
+    prompt_len = len(prompt)
+    total = prompt_len + len(generated)
     ids = array.array("q", prompt)
     ids.extend(generated)
-    logprobs = array.array("f", bytes(4 * len(prompt)))
+    logprobs = array.array("f", bytes(4 * prompt_len))
     logprobs.extend(result.logprobs)
-    versions = array.array("q", [NO_VERSION]) * len(ids)
-    at = len(prompt)
-    for version, count in result.weight_versions:  # the run-length tags, one per token here
-        versions[at:at + count] = array.array("q", [version]) * count
-        at += count
     return {
-        "output_ids": torch.frombuffer(ids, dtype=torch.long).unsqueeze(0),
-        "logprobs": torch.frombuffer(logprobs, dtype=torch.float32).unsqueeze(0),
-        "generation_lengths": torch.full((1,), len(generated), dtype=torch.long),
-        "unpadded_sequence_lengths": torch.full((1,), len(ids), dtype=torch.long),
-        "truncated": torch.full((1,), result.truncated, dtype=torch.bool),
+        "output_ids": torch.frombuffer(ids, dtype=torch.long).view(1, total),
+        "logprobs": torch.frombuffer(logprobs, dtype=torch.float32).view(1, total),
+        "generation_lengths": torch.frombuffer(array.array("q", (len(generated),)), dtype=torch.long),
+        "unpadded_sequence_lengths": torch.frombuffer(array.array("q", (total,)), dtype=torch.long),
+        "truncated": torch.frombuffer(bytearray((result.truncated,)), dtype=torch.bool),
         # The weight version that sampled each generated token, aligned with output_ids (a
         # trainer masks or weights off-policy tokens by it); NO_VERSION elsewhere.
-        "weight_versions": torch.frombuffer(versions, dtype=torch.long).unsqueeze(0),
+        "weight_versions": torch.frombuffer(token_versions(prompt_len, result),
+                                            dtype=torch.long).view(1, total),
     }
+
+
+def token_versions(prompt_len: int, result: RolloutResult) -> array.array:
+    """The weight version of each position: NO_VERSION over the prompt (and every generated
+    token when the answer carries no versions), then the run-length tags expanded."""
+    versions = array.array("q", (NO_VERSION,)) * prompt_len
+    if not result.weight_versions:
+        return versions + array.array("q", (NO_VERSION,)) * len(result.token_ids)
+    for version, count in result.weight_versions:  # usually one run
+        versions.extend(array.array("q", (version,)) * count)
+    return versions
 
 
 def like(data: Any, out: dict[str, Any]) -> Any:

@@ -122,8 +122,8 @@ class FleetGeneration:
             # rollout. The semaphore still bounds every generate_async on this loop together.
             for index, request in pending:
                 try:
-                    async with semaphore, self._admission():
-                        result = await self._client.rollout(request)
+                    async with semaphore:
+                        result = await self._rollout(request)
                 except Exception as exc:  # handed to the consumer, which raises it
                     finished.put_nowait((index, exc))
                     return
@@ -142,9 +142,12 @@ class FleetGeneration:
             for sender in senders:
                 sender.cancel()
 
-    def _admission(self):
-        """The staleness bound's hold on one rollout (nothing to hold when there is none)."""
-        return self._gate.rollout() if self._gate.bounded else _NO_HOLD
+    async def _rollout(self, request: RolloutRequest) -> RolloutResult:
+        """One rollout, held by the staleness bound when there is one."""
+        if not self._gate.bounded:
+            return await self._client.rollout(request)
+        async with self._gate.rollout():
+            return await self._client.rollout(request)
 
     def _requests(self, batch, sampling) -> list[RolloutRequest]:
         requests = []
@@ -367,17 +370,6 @@ class FleetGeneration:
     def __repr__(self) -> str:
         kind = "copy" if self.is_copy else "owner"
         return f"FleetGeneration({self.frontend_url!r}, workers={list(self.worker_ids)}, {kind})"
-
-
-class _NoHold:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        return None
-
-
-_NO_HOLD = _NoHold()
 
 
 def _seeded_for(sampling: SamplingSpec, number: int) -> SamplingSpec:

@@ -150,12 +150,22 @@ def test_a_prompt_that_fills_the_context_is_refused_before_anything_is_sent(gene
     ({"input_ids": torch.ones((2, 4), dtype=torch.long)}, "input_lengths"),
     ({"input_ids": torch.ones((2, 4), dtype=torch.long), "input_lengths": torch.tensor([1, 2]),
       "stop_strings": ["a"]}, "stop_strings"),
+    ({"input_ids": torch.tensor([[3, 4, 0], [5, 6, -7]]), "input_lengths": torch.tensor([2, 3])},
+     r"^input_ids\[1, 2\]=-7: token IDs are non-negative ints$"),
+    ({"input_ids": torch.ones((2, 4), dtype=torch.long), "input_lengths": torch.tensor([0, 2])},
+     r"^input_lengths\[0\]=0: must be in \[1, 4\]$"),
 ])
 def test_bad_batches_are_refused_by_field(generation, data, field):
     with pytest.raises(InvalidValue, match=field):
         asyncio.run(collect(generation, data))
     _, good = mixed_batch(2)
     assert len(asyncio.run(collect(generation, good))) == 2  # still serving
+
+
+def test_padding_is_never_read_as_prompt(generation):
+    data = {"input_ids": torch.tensor([[3, 4, -1], [5, 6, 7]]), "input_lengths": torch.tensor([2, 3])}
+    samples = dict(asyncio.run(collect(generation, data)))
+    assert samples[0]["output_ids"][0, :2].tolist() == [3, 4]
 
 
 def test_generate_refuses_and_points_to_generate_async(generation):
