@@ -39,16 +39,21 @@ BUCKETS = ["request building", "validation (attrs value objects)", "HTTP (aiohtt
            "event loop + sockets (asyncio)", "parsing the answer", "NeMo-RL tensor assembly",
            "rollout client + retries", "driver loop (generate_async, queue)", "other"]
 RULES = [
-    ("request building", "/core/wire.py", {"completion_body", "encode_rollout_annotation"}),
-    ("request building", "/adapters/http/transport.py", {"dumps"}),
+    ("request building", "/core/wire.py", {"completion_body", "encode_rollout_annotation", "_json"}),
+    ("request building", "/adapters/http/pool.py", {"dumps"}),
+    ("request building", "msgspec.json.Encoder", None),
     ("request building", "/adapters/nemo_rl/generation.py", {"_requests", "_seeded_for"}),
     ("request building", "/core/rollout_client.py", {"request"}),
     ("request building", "/adapters/nemo_rl/batch.py", {"read_batch"}),
     ("parsing the answer", "/core/wire.py", None),
+    ("parsing the answer", "/adapters/http/transport.py",
+     {"read_answer", "read_completion_answer", "served_or_none"}),
+    ("parsing the answer", "msgspec.json.Decoder", None),
     ("validation (attrs value objects)", "/core/rollout.py", None),
     ("validation (attrs value objects)", "/core/validate.py", None),
     ("validation (attrs value objects)", "<attrs generated", None),
     ("validation (attrs value objects)", "/adapters/nemo_rl/generation.py", {"_check_result"}),
+    ("validation (attrs value objects)", "/adapters/nemo_rl/batch.py", {"check_prompts"}),
     ("NeMo-RL tensor assembly", "/adapters/nemo_rl/batch.py", None),
     ("NeMo-RL tensor assembly", "/torch/", None),
     ("NeMo-RL tensor assembly", "torch.", None),  # built-in torch methods
