@@ -33,13 +33,13 @@ from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import (
     Bucket,
     RefitInfo,
+    RefitProtocol,
     max_bucket_bytes,
     next_version,
     plan_buckets,
 )
-from rollout_fleet.core.validate import is_int, one_of, positive_int
+from rollout_fleet.core.validate import Vocabulary, is_int, one_of, positive_int
 
-COLOCATED_PROTOCOL = "rollout-fleet-colocated-v1"
 SHM_TRANSPORT = "shm"  # a named POSIX shared-memory segment (CPU)
 CUDA_TRANSPORT = "cuda"  # a CUDA IPC handle of the buffer's storage (GPU)
 TRANSPORTS = (SHM_TRANSPORT, CUDA_TRANSPORT)
@@ -51,6 +51,15 @@ _CUDA_FIELDS = ("device_uuid", "storage_handle", "storage_size_bytes", "storage_
                 "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
 
 
+class ColocatedStep(Vocabulary):
+    """A step of the colocated refit as a worker hands it to each of its engine's ranks (the
+    key of ``{"colocated": {step: body}}`` in vLLM's ``update_weights``)."""
+
+    BEGIN = "begin"  # the refit info, the tensors not to load and the rollback
+    BUCKET = "bucket"  # one bucket's tensors and offsets, and the handle of its buffer
+    END = "end"  # every bucket sent: check that every tensor arrived
+    ABORT = "abort"  # the refit gave up (the reason): recover the weights
+
 
 @attrs.frozen
 class ColocatedManifest:
@@ -60,8 +69,9 @@ class ColocatedManifest:
     buffer_bytes: int = attrs.field(validator=positive_int("buffer_bytes"))
     num_buffers: int = attrs.field(validator=positive_int("num_buffers"))
     transport: str = attrs.field(validator=one_of("transport", TRANSPORTS))
-    protocol: str = attrs.field(default=COLOCATED_PROTOCOL,
-                                validator=one_of("protocol", (COLOCATED_PROTOCOL,)))
+    protocol: RefitProtocol = attrs.field(
+        default=RefitProtocol.COLOCATED,
+        converter=RefitProtocol.converter("protocol", (RefitProtocol.COLOCATED,)))
 
     @property
     def plan(self) -> tuple[Bucket, ...]:
@@ -79,7 +89,7 @@ class ColocatedManifest:
         return self.num_buffers * self.slot_bytes
 
     def to_wire(self) -> dict[str, Any]:
-        return {"protocol": self.protocol, "refit_info": self.info.to_wire(),
+        return {"protocol": self.protocol.value, "refit_info": self.info.to_wire(),
                 "buffer_bytes": self.buffer_bytes, "num_buffers": self.num_buffers,
                 "transport": self.transport}
 
@@ -94,7 +104,7 @@ class ColocatedManifest:
             raise InvalidValue("manifest", unknown or missing,
                                "unknown keys" if unknown else "missing keys")
         return cls(RefitInfo.from_wire(data["refit_info"]), data["buffer_bytes"],
-                   data["num_buffers"], data["transport"], data.get("protocol", COLOCATED_PROTOCOL))
+                   data["num_buffers"], data["transport"], data.get("protocol", RefitProtocol.COLOCATED))
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 from rollout_fleet.core.errors import InvalidValue, WorldSizeMismatch, shown
 from rollout_fleet.core.validate import (
+    Vocabulary,
     check_bool,
     check_int_at_least,
     finite_at_least,
@@ -24,10 +25,29 @@ DTYPE_BYTES: Mapping[str, int] = {
     "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
-PACKED_PROTOCOL = "rollout-fleet-packed-v1"
-VLLM_PROTOCOL = "vllm"  # vLLM's own NCCL weight-transfer engine (NeMo-RL's trainers speak it)
-SHARDED_PROTOCOL = "rollout-fleet-sharded-v1"  # every trainer rank sends, each engine rank its slices
-PROTOCOLS = (PACKED_PROTOCOL, VLLM_PROTOCOL, SHARDED_PROTOCOL)
+
+
+class RefitProtocol(Vocabulary):
+    """How a refit's bytes travel: a sender spec's ``protocol``, an engine's ``refit_protocol``."""
+
+    PACKED = "rollout-fleet-packed-v1"  # one trainer rank sends packed buffers over the group
+    VLLM = "vllm"  # vLLM's own NCCL weight-transfer engine (NeMo-RL's trainers speak it)
+    SHARDED = "rollout-fleet-sharded-v1"  # every trainer rank sends, each engine rank its slices
+    COLOCATED = "rollout-fleet-colocated-v1"  # read in place from a trainer's shared buffers
+
+
+# The protocols a refit group carries (an engine's refit_protocol names one of them); the
+# colocated protocol has no group: it is chosen by the [colocation] section instead.
+GROUP_PROTOCOLS = (RefitProtocol.PACKED, RefitProtocol.VLLM, RefitProtocol.SHARDED)
+
+
+class RefitRollback(Vocabulary):
+    """What an engine does after a refit that died half way (its ``refit_rollback``)."""
+
+    NONE = "none"  # keep no copy: the weights are torn, rollouts refused until a refit succeeds
+    LAST_GOOD = "last_good"  # restore the previous refit's weights from a copy kept for it
+
+
 TRANSFER_BACKENDS = ("gloo", "nccl")
 # What a refit does with the rollouts in flight (each engine maps them onto its own pauses):
 #   drain      new rollouts wait, those in flight finish on the old weights, then the swap
@@ -170,12 +190,14 @@ class RefitInfo:
 class CollectiveSenderSpec:
     """The packed-buffer geometry both ends of a refit must share."""
 
-    protocol: str = attrs.field(default=PACKED_PROTOCOL, validator=non_empty_str("protocol"))
+    protocol: RefitProtocol = attrs.field(default=RefitProtocol.PACKED,
+                                          converter=RefitProtocol.converter("protocol"))
     buffer_bytes: int = attrs.field(default=1 << 30, validator=positive_int("buffer_bytes"))
     num_buffers: int = attrs.field(default=2, validator=positive_int("num_buffers"))
 
     def to_wire(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        return {"protocol": self.protocol.value, "buffer_bytes": self.buffer_bytes,
+                "num_buffers": self.num_buffers}
 
     @classmethod
     def from_wire(cls, data: Any) -> "CollectiveSenderSpec":

@@ -22,10 +22,10 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit import SHARDED_PROTOCOL, DTYPE_BYTES, RefitInfo, TensorMeta, plan_buckets
+from rollout_fleet.core.refit import DTYPE_BYTES, RefitInfo, TensorMeta, plan_buckets
 from rollout_fleet.core.validate import is_int
 
-__all__ = ["SHARDED_PROTOCOL", "EngineLayout", "TrainerLayout", "plan_sharded_refit", "tensor_slice"]
+__all__ = ["EngineLayout", "TrainerLayout", "plan_sharded_refit", "tensor_slice"]
 VOCAB_PADDING = 64  # vLLM pads a vocabulary-parallel embedding's rows to a multiple of this
 ALIGN = 256
 

@@ -5,11 +5,14 @@ Plain functions (``check_*``) raise at once; the attrs validators wrap them.
 
 from __future__ import annotations
 
+import enum
 import math
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from rollout_fleet.core.errors import InvalidValue
+
+V = TypeVar("V", bound="Vocabulary")
 
 
 def is_finite_number(value: Any) -> bool:
@@ -106,3 +109,42 @@ def check_known_keys(data: Mapping[str, Any], known: Collection[str], prefix: st
         if key not in known:
             raise InvalidValue(f"{prefix}{key}", data[key], "unknown key (known: "
                                f"{', '.join(sorted(known))})")
+
+
+class Vocabulary(str, enum.Enum):
+    """A closed set of names a setting or a wire field takes (subclass it with the members).
+
+    A value is parsed into its member once, where it arrives (a config file, a wire message),
+    and compared as the member from then on. The members are the strings the files and messages
+    spell, so each still reads, writes, hashes and compares as that string; ``str(member)`` and
+    f-strings give the spelling too (a plain ``str`` mixin gives ``Class.MEMBER`` there)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def parse(cls: type[V], value: Any, field: str, allowed: Iterable[V] | None = None) -> V:
+        """The member spelt ``value`` (among ``allowed``, default all); otherwise InvalidValue
+        naming ``field`` and the value, and listing the spellings allowed."""
+        members = tuple(cls if allowed is None else allowed)
+        try:
+            member = cls(value)
+        except (ValueError, TypeError):  # TypeError: an unhashable value (a list, a dict)
+            member = None
+        if member is None or member not in members:
+            raise InvalidValue(field, value, f"must be one of {spellings(members)}")
+        return member
+
+    @classmethod
+    def converter(cls: type[V], field: str, allowed: Iterable[V] | None = None):
+        """An attrs converter that parses the field's value (``allowed``: as for ``parse``)."""
+        members = tuple(cls if allowed is None else allowed)
+
+        def convert(value: Any) -> V:
+            return cls.parse(value, field, members)
+        return convert
+
+
+def spellings(members: Iterable[Vocabulary]) -> str:
+    """The members as a config file or a message spells them, for an error message."""
+    return ", ".join(member.value for member in members)

@@ -20,7 +20,7 @@ from rollout_fleet.adapters.dynamo.env import check_bind_host
 from rollout_fleet.adapters.shared import is_loopback
 from rollout_fleet.core.attempt_timeout import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
-from rollout_fleet.core.refit import PACKED_PROTOCOL, CollectiveSenderSpec
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.ports.engine_kind import FleetFacts
@@ -87,7 +87,7 @@ class RefitSection(_Strict):
         "auto", description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "
         "gloo on GPUs: a trainer that shares the workers' GPU (NCCL refuses two ranks on one GPU)")
 
-    def spec(self, protocol: str = PACKED_PROTOCOL) -> CollectiveSenderSpec:
+    def spec(self, protocol: RefitProtocol = RefitProtocol.PACKED) -> CollectiveSenderSpec:
         return CollectiveSenderSpec(protocol=protocol, buffer_bytes=self.buffer_bytes,
                                     num_buffers=self.num_buffers)
 
@@ -219,7 +219,7 @@ class FleetConfig(_Strict):
     @property
     def sender_spec(self) -> CollectiveSenderSpec:
         """The refit geometry, in the protocol the workers' engines receive in."""
-        return self.refit.spec(self.engine.get("refit_protocol", PACKED_PROTOCOL))
+        return self.refit.spec(self.engine.get("refit_protocol", RefitProtocol.PACKED))
 
     @property
     def spans_nodes(self) -> bool:

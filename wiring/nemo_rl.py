@@ -136,7 +136,7 @@ class DynamoGeneration:
 
     def get_collective_sender_spec(self) -> CollectiveSenderSpec:
         spec = self.native.get_collective_sender_spec()
-        return CollectiveSenderSpec(nccl_peer=spec.protocol, buffer_size_bytes=spec.buffer_bytes,
+        return CollectiveSenderSpec(nccl_peer=spec.protocol.value, buffer_size_bytes=spec.buffer_bytes,
                                     num_buffers=spec.num_buffers)
 
     # -- metrics ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit import VLLM_PROTOCOL
+from rollout_fleet.core.refit import RefitProtocol
 from rollout_fleet.core.validate import check_bool
 from rollout_fleet.wiring.config import FleetConfig, parse_config
 
@@ -140,7 +140,7 @@ def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: boo
                               "tensor_parallel_size": tensor,
                               "pipeline_parallel_size": int(vllm.get("pipeline_parallel_size") or 1)}
     if on_gpu:  # what NeMo-RL's trainer sends: vLLM's own packed NCCL broadcast
-        engine.update(device="cuda", refit_protocol=VLLM_PROTOCOL)
+        engine.update(device="cuda", refit_protocol=RefitProtocol.VLLM.value)
     for key in ("gpu_memory_utilization", "enforce_eager") if on_gpu else ("enforce_eager",):
         if vllm.get(key) is not None:
             engine[key] = vllm[key]

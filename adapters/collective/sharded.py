@@ -28,9 +28,8 @@ from rollout_fleet.adapters.collective.group import CollectiveGroup
 from rollout_fleet.adapters.collective.packing import as_bytes, torch_dtype
 from rollout_fleet.adapters.collective.transfer import hash63, wait_all
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import CollectiveSenderSpec
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
 from rollout_fleet.core.sharded_refit import (
-    SHARDED_PROTOCOL,
     EngineLayout,
     ShardedPlan,
     TrainerLayout,
@@ -52,7 +51,7 @@ def exchange_headers(group: CollectiveGroup, spec: CollectiveSenderSpec, plan: S
                      refused: bool = False) -> None:
     """Every rank learns every header; any difference raises the same RefitError on all."""
     role = REFUSED if refused else SENDER if group.rank < group.train_world_size else RECEIVER
-    row = [hash63(SHARDED_PROTOCOL), spec.buffer_bytes, spec.num_buffers, plan.digest,
+    row = [hash63(RefitProtocol.SHARDED.value), spec.buffer_bytes, spec.num_buffers, plan.digest,
            plan.info.total_bytes, plan.trainer.train_world_size, role]
     table = torch.zeros((group.world_size, len(HEADER_FIELDS)), dtype=torch.int64,
                         device=group.device)

@@ -125,7 +125,7 @@ def wire_pieces(bucket: Bucket, backend: str) -> tuple[Piece, ...]:
 
 def header_row(spec: CollectiveSenderSpec, info: RefitInfo, role: int,
                chunk_bytes: int = 0) -> list[int]:
-    return [HEADER_FORMAT, hash63(spec.protocol), spec.buffer_bytes, spec.num_buffers,
+    return [HEADER_FORMAT, hash63(spec.protocol.value), spec.buffer_bytes, spec.num_buffers,
             info_digest(info), info.total_bytes, chunk_bytes, role]
 
 

@@ -25,9 +25,9 @@ from rollout_fleet.adapters.memory.sleep import MemorySleep
 from rollout_fleet.core.errors import EngineDead, EngineRejected, InvalidValue, RefitError
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
-    PACKED_PROTOCOL,
     GroupJoin,
     RefitInfo,
+    RefitProtocol,
     TensorMeta,
     next_version,
     refit_mode,
@@ -199,9 +199,10 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         if join.ranks_per_worker != self._refit_ranks:
             raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
                                f"this engine holds {self._refit_ranks} rank(s)")
-        if join.sender_spec.protocol != PACKED_PROTOCOL:
-            raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol,
-                               f"the memory engine receives refits in {PACKED_PROTOCOL!r} only")
+        if join.sender_spec.protocol is not RefitProtocol.PACKED:
+            raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol.value,
+                               f"the memory engine receives refits in {RefitProtocol.PACKED.value!r}"
+                               " only")
         if self._join_receiver is None:
             raise RefitError("this memory engine was built without a transfer backend (join_receiver)")
         self.close_receivers()

@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from rollout_fleet.adapters.vllm.colocated_engine import COLOCATED_KEY
 from rollout_fleet.adapters.vllm.process import refit_priority
 from rollout_fleet.adapters.vllm.refit import (
     VllmRefit, check_complete, first_line, paused_for_refit,
@@ -30,9 +31,10 @@ from rollout_fleet.core.colocated_refit import (
     SHM_TRANSPORT,
     BufferHandle,
     ColocatedManifest,
+    ColocatedStep,
 )
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import PACKED_PROTOCOL, Bucket, TensorMeta
+from rollout_fleet.core.refit import Bucket, RefitProtocol, TensorMeta
 from rollout_fleet.ports.colocated import ColocatedTarget
 
 COLOCATED_TP_RULE = ("a colocated refit hands the trainer's buffers to the one engine rank on"
@@ -67,10 +69,10 @@ class VllmColocated(ColocatedTarget):
         if ranks != 1:
             raise InvalidValue("tensor_parallel_size x pipeline_parallel_size", ranks,
                                COLOCATED_TP_RULE)
-        if self.config.refit_protocol != PACKED_PROTOCOL:
-            raise InvalidValue("refit_protocol", self.config.refit_protocol,
+        if self.config.refit_protocol is not RefitProtocol.PACKED:
+            raise InvalidValue("refit_protocol", self.config.refit_protocol.value,
                                f"vLLM's own transfer engine takes no colocated refit; workers"
-                               f" with {PACKED_PROTOCOL!r} (the default) do")
+                               f" with {RefitProtocol.PACKED.value!r} (the default) do")
         if mode not in self.runtime.features.refit_modes:
             raise InvalidValue("mode", mode, f"this vLLM keeps labels exact only in"
                                f" {', '.join(self.runtime.features.refit_modes)}")
@@ -84,9 +86,9 @@ class VllmColocated(ColocatedTarget):
             await stack.enter_async_context(refit_priority(self.config, self.runtime.processes))
             await engine.start_weight_update()
             started = True
-            await self._request({"begin": {
+            await self._request(ColocatedStep.BEGIN, {
                 "refit_info": manifest.info.to_wire(), "skip": sorted(sent & set(self.runtime.ignored)),
-                "rollback": self.config.rollback}})
+                "rollback": self.config.rollback.value})
         except BaseException:
             if started:
                 await _quietly(engine.finish_weight_update)
@@ -97,15 +99,15 @@ class VllmColocated(ColocatedTarget):
         self._rank_failed = False
 
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
-        await self._request({"bucket": {
+        await self._request(ColocatedStep.BUCKET, {
             "tensors": [[e.meta.name, e.offset] for e in bucket.entries], "nbytes": bucket.nbytes,
-            "handle": handle.to_wire()}})
+            "handle": handle.to_wire()})
 
     async def end_colocated(self, *, version: int | None) -> int:
         """Finish vLLM's update and commit (cache, version) still paused, then resume. A
         failure here reaches ``abandon_colocated`` with the stack still open."""
         stack = self._open_stack()
-        await self._request({"end": {}})
+        await self._request(ColocatedStep.END, {})
         await self.runtime.require_engine().finish_weight_update()
         self.runtime.torn = None
         version = await self.refit.commit_new_weights(self._mode, version)
@@ -124,7 +126,7 @@ class VllmColocated(ColocatedTarget):
             return
         if not self._rank_failed:  # else the rank recovered already and vLLM ended
             with contextlib.suppress(RefitError):  # the update when the step failed there
-                await self._request({"abort": reason})
+                await self._request(ColocatedStep.ABORT, reason)
             await _quietly(self.runtime.require_engine().finish_weight_update)
         await self.refit.note_failed_refit()
         await stack.aclose()  # resume generation, release the weight lock
@@ -132,15 +134,15 @@ class VllmColocated(ColocatedTarget):
     def colocated_stats(self) -> dict[str, Any]:
         return dict(self._stats)
 
-    async def _request(self, step: dict[str, Any]) -> None:
+    async def _request(self, step: ColocatedStep, body: Any) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        try:
+        try:  # the step by its spelling: the request crosses into vLLM's worker processes
             await self.runtime.require_engine().update_weights(
-                WeightTransferUpdateRequest(update_info={"colocated": step}))
+                WeightTransferUpdateRequest(update_info={COLOCATED_KEY: {step.value: body}}))
         except Exception as error:
             self._rank_failed = True
-            raise RefitError(f"colocated {next(iter(step))} failed inside vLLM:"
+            raise RefitError(f"colocated {step.value} failed inside vLLM:"
                              f" {first_line(error)}") from error
 
     def _open_stack(self) -> contextlib.AsyncExitStack:

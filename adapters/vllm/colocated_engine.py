@@ -4,8 +4,9 @@ trainer's shared buffers (``core.colocated_refit``) and loads each bucket straig
 vLLM keeps one weight-transfer engine per worker, chosen when the engine starts; this class is
 that engine for the project's workers, so one worker takes packed refits over its group (the
 parent class, unchanged) and colocated ones, told apart by the update request: a colocated
-step is ``{"colocated": {"begin" | "bucket" | "end" | "abort": ...}}``, each one
-``update_weights`` call between vLLM's ``start_weight_update`` and ``finish_weight_update``.
+step is ``{"colocated": {"begin" | "bucket" | "end" | "abort": ...}}`` (a ``ColocatedStep``),
+each one ``update_weights`` call between vLLM's ``start_weight_update`` and
+``finish_weight_update``.
 
 A bucket is loaded through the same ``load_weights`` and layerwise reload as a packed one, from
 tensors that view the trainer's buffer (no copy on the way in). vLLM's reload keeps the parts
@@ -30,11 +31,11 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rollout_fleet.adapters.vllm.transfer_engine import ROLLBACKS, PackedTransferEngine, RefitStats
+from rollout_fleet.adapters.vllm.transfer_engine import PackedTransferEngine, RefitStats
 from rollout_fleet.adapters.vllm.transfer_support import synchronize
-from rollout_fleet.core.colocated_refit import BufferHandle
+from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedStep
 from rollout_fleet.core.errors import RefitError
-from rollout_fleet.core.refit import Bucket, BucketEntry, RefitInfo
+from rollout_fleet.core.refit import Bucket, BucketEntry, RefitInfo, RefitRollback
 
 COLOCATED_KEY = "colocated"
 
@@ -99,17 +100,16 @@ class ColocatedTransferEngine(PackedTransferEngine):
         synchronize(self.device)  # every copy out of the buffer is done before the answer
 
     def colocated_step(self, step: dict[str, Any]) -> None:
-        (kind, body), = step.items()
-        if kind == "begin":
+        (spelt, body), = step.items()
+        kind = ColocatedStep.parse(spelt, "colocated step")
+        if kind is ColocatedStep.BEGIN:
             self._colocated_begin(body)
-        elif kind == "bucket":
+        elif kind is ColocatedStep.BUCKET:
             self._colocated_bucket(body)
-        elif kind == "end":
+        elif kind is ColocatedStep.END:
             self._colocated_end()
-        elif kind == "abort":
+        else:  # ColocatedStep.ABORT, the last there is
             self._colocated_abort(str(body))
-        else:
-            raise RefitError(f"unknown colocated step {kind!r}")
 
     # -- steps ----------------------------------------------------------------------------------
     def _colocated_begin(self, body: dict[str, Any]) -> None:
@@ -117,13 +117,11 @@ class ColocatedTransferEngine(PackedTransferEngine):
             raise RefitError(f"{type(self).__name__}.open_buffer is not set: register the engine"
                              " through the composition root")
         self._close_buffers()
-        rollback = body.get("rollback", self.rollback)
-        if rollback not in ROLLBACKS:
-            raise RefitError(f"rollback={rollback!r}: must be one of {', '.join(ROLLBACKS)}")
-        self.rollback = rollback
+        self.rollback = RefitRollback.parse(body.get("rollback", self.rollback), "rollback")
         self._colocated = _Session(RefitInfo.from_wire(body["refit_info"]),
                                    frozenset(body.get("skip", ())),
-                                   [] if self.rollback == "last_good" else None, time.perf_counter())
+                                   [] if self.rollback is RefitRollback.LAST_GOOD else None,
+                                   time.perf_counter())
 
     def _colocated_bucket(self, body: dict[str, Any]) -> None:
         session = self._session()

@@ -10,14 +10,14 @@ from typing import Any
 
 import attrs
 from rollout_fleet.adapters.vllm.sharded_transfer_engine import SHARDED_BACKEND_NAME
-from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME, ROLLBACKS
+from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit import PACKED_PROTOCOL, PROTOCOLS, SHARDED_PROTOCOL, VLLM_PROTOCOL
+from rollout_fleet.core.refit import GROUP_PROTOCOLS, RefitProtocol, RefitRollback
 from rollout_fleet.core.validate import a_bool
 
 # refit protocol -> the weight-transfer backend vLLM's workers build for it
-TRANSFER_BACKENDS = {PACKED_PROTOCOL: BACKEND_NAME, SHARDED_PROTOCOL: SHARDED_BACKEND_NAME,
-                     VLLM_PROTOCOL: "nccl"}
+TRANSFER_BACKENDS = {RefitProtocol.PACKED: BACKEND_NAME, RefitProtocol.SHARDED: SHARDED_BACKEND_NAME,
+                     RefitProtocol.VLLM: "nccl"}
 
 WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
 DEVICES = ("cpu", "cuda")
@@ -96,11 +96,14 @@ class VllmEngineConfig:
     # (gloo or NCCL, CPU or GPU; one trainer rank sends), its many-source sharded one (every
     # trainer rank sends, each engine rank receives its tensor-parallel slices), or "vllm":
     # vLLM's own NCCL engine (GPUs only).
-    refit_protocol: str = attrs.field(default=PACKED_PROTOCOL)
+    refit_protocol: RefitProtocol = attrs.field(
+        default=RefitProtocol.PACKED,
+        converter=RefitProtocol.converter("refit_protocol", GROUP_PROTOCOLS))
     # After a refit that died half way: "last_good" restores the previous weights from a copy
     # kept inside vLLM's workers; "none" keeps no copy and refuses rollouts until a refit
     # succeeds. None: "last_good" on the CPU, "none" on GPUs (no room for a second model).
-    refit_rollback: str | None = attrs.field(default=None)
+    refit_rollback: RefitRollback | None = attrs.field(
+        default=None, converter=attrs.converters.optional(RefitRollback.converter("refit_rollback")))
     seed: int = 0
     enable_prefix_caching: bool = True
     cpu_worker_nice: int | None = attrs.field(default=CPU_WORKER_NICE, validator=_nice)
@@ -120,11 +123,9 @@ class VllmEngineConfig:
 
     @refit_protocol.validator
     def _protocol(self, _attr: Any, value: Any) -> None:
-        if value not in PROTOCOLS:
-            raise InvalidValue("refit_protocol", value, f"must be one of {', '.join(PROTOCOLS)}")
-        if value == VLLM_PROTOCOL and self.device != "cuda":
-            raise InvalidValue("refit_protocol", value, "vLLM's own transfer engine needs GPUs"
-                               f" (device={self.device!r}); use {PACKED_PROTOCOL!r}")
+        if value is RefitProtocol.VLLM and self.device != "cuda":
+            raise InvalidValue("refit_protocol", value.value, "vLLM's own transfer engine needs GPUs"
+                               f" (device={self.device!r}); use {RefitProtocol.PACKED.value!r}")
 
     @enable_sleep_mode.validator
     def _sleep_mode(self, _attr: Any, value: Any) -> None:
@@ -133,19 +134,14 @@ class VllmEngineConfig:
                                f" {self.device} platform (Platform.is_sleep_mode_available() is"
                                " False there); it needs device='cuda'")
 
-    @refit_rollback.validator
-    def _rollback(self, _attr: Any, value: Any) -> None:
-        if value is not None and value not in ROLLBACKS:
-            raise InvalidValue("refit_rollback", value, f"must be None or one of {', '.join(ROLLBACKS)}")
-
     @property
     def refit_ranks(self) -> int:
         """Ranks of one engine in the refit group: every tensor and pipeline parallel rank."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
-    def rollback(self) -> str:
-        return self.refit_rollback or ("last_good" if self.device == "cpu" else "none")
+    def rollback(self) -> RefitRollback:
+        return self.refit_rollback or (RefitRollback.LAST_GOOD if self.device == "cpu" else RefitRollback.NONE)
 
     def cpu_binding(self, available: list[int]) -> str | None:
         """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: the cores of each engine rank, ranks split by

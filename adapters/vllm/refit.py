@@ -16,10 +16,9 @@ from rollout_fleet.adapters.vllm.runtime import VllmRuntime
 from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
-    PACKED_PROTOCOL,
-    SHARDED_PROTOCOL,
     GroupJoin,
     RefitInfo,
+    RefitProtocol,
     TensorMeta,
     next_version,
     refit_mode,
@@ -27,7 +26,7 @@ from rollout_fleet.core.refit import (
 from rollout_fleet.ports.engine import RefitTarget
 
 log = logging.getLogger(__name__)
-PROJECT_PROTOCOLS = (PACKED_PROTOCOL, SHARDED_PROTOCOL)  # received by the project's engines
+PROJECT_PROTOCOLS = (RefitProtocol.PACKED, RefitProtocol.SHARDED)  # received by the project's engines
 
 
 class VllmRefit(RefitTarget):
@@ -55,10 +54,10 @@ class VllmRefit(RefitTarget):
             raise InvalidValue("ranks_per_worker", join.ranks_per_worker,
                                f"this engine has tensor_parallel_size x pipeline_parallel_size ="
                                f" {self.refit_ranks()} ranks")
-        if join.sender_spec.protocol != self.config.refit_protocol:
-            raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol,
+        if join.sender_spec.protocol is not self.config.refit_protocol:
+            raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol.value,
                                "this worker's vLLM engine receives refits in"
-                               f" {self.config.refit_protocol!r} (its refit_protocol, fixed when"
+                               f" {self.config.refit_protocol.value!r} (its refit_protocol, fixed when"
                                " the engine starts)")
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
@@ -130,7 +129,7 @@ class VllmRefit(RefitTarget):
 
     def _init_info(self, join: GroupJoin) -> dict[str, Any]:
         if self.config.refit_protocol in PROJECT_PROTOCOLS:
-            return {"join": join.to_wire(), "rollback": self.config.rollback}
+            return {"join": join.to_wire(), "rollback": self.config.rollback.value}
         return native_init_info(join)
 
     def _update_info(self, info: RefitInfo) -> dict[str, Any]:

@@ -58,13 +58,12 @@ from rollout_fleet.adapters.vllm.transfer_support import (
     synchronize,
 )
 from rollout_fleet.core.errors import RefitError
-from rollout_fleet.core.refit import GroupJoin, RefitInfo
+from rollout_fleet.core.refit import GroupJoin, RefitInfo, RefitRollback
 from rollout_fleet.ports.collective import WeightReceiver
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "rollout_fleet_packed"
-ROLLBACKS = ("last_good", "none")
 
 
 @dataclasses.dataclass
@@ -72,13 +71,12 @@ class PackedInitInfo:
     """``init_weight_transfer_engine``'s dict for this backend: a ``GroupJoin`` plus the rollback."""
 
     join: dict[str, Any]
-    rollback: str = "none"
+    rollback: RefitRollback = RefitRollback.NONE  # its spelling on the way in, parsed here
     # The join, parsed once here (a bad one is refused before joining) and handed on typed.
     group_join: GroupJoin = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.rollback not in ROLLBACKS:
-            raise ValueError(f"rollback={self.rollback!r}: must be one of {', '.join(ROLLBACKS)}")
+        self.rollback = RefitRollback.parse(self.rollback, "rollback")
         self.group_join = GroupJoin.from_wire(self.join)
 
 
@@ -171,7 +169,7 @@ class PackedTransferEngine:
             else InPlaceReload()
         self.engine_rank = _engine_rank(self.parallel_config)
         self.receiver: WeightReceiver | None = None
-        self.rollback = "none"
+        self.rollback = RefitRollback.NONE
         self.stats = RefitStats()
         self._last_good: list[tuple[str, Any]] | None = None  # the previous refit's tensors
         self._updating = False
@@ -197,7 +195,7 @@ class PackedTransferEngine:
         self.shutdown()
         self.rollback = init_info.rollback
         self.receiver = self.join_receiver(init_info.group_join, self.engine_rank)
-        if self.rollback == "last_good" and hasattr(self.receiver, "hold_previous"):
+        if self.rollback is RefitRollback.LAST_GOOD and hasattr(self.receiver, "hold_previous"):
             self.receiver.hold_previous = True  # the kept set stays warm beside the next one
 
     def start_weight_update(self) -> None:
@@ -217,7 +215,7 @@ class PackedTransferEngine:
         started = time.perf_counter()
         # Only the rollback copy keeps the received tensors; otherwise each is dropped once
         # loaded, so its block goes back to the receiver (see receive_memory).
-        kept: list[tuple[str, Any]] | None = [] if self.rollback == "last_good" else None
+        kept: list[tuple[str, Any]] | None = [] if self.rollback is RefitRollback.LAST_GOOD else None
         spec = getattr(self.receiver, "spec", None)
         progress = Progress(trim=host_trimmer(self.device),
                              trim_every=getattr(spec, "buffer_bytes", 0))
@@ -293,7 +291,7 @@ class PackedTransferEngine:
         if loaded == 0:  # failed before the first tensor (a header mismatch): nothing changed
             self.stats = RefitStats()
             return
-        if self.rollback == "none":
+        if self.rollback is RefitRollback.NONE:
             self.stats = RefitStats(torn=True)
             log.error("refit failed after %d tensors (%s); the weights are torn until a refit"
                       " succeeds", loaded, error)

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import pytest
 from rollout_fleet.core.errors import RolloutFleetError
-from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo, RefitProtocol
 from rollout_fleet.ports.contracts.engine import EngineUnderTest
 from rollout_fleet.ports.engine import RefitTarget
 
@@ -127,7 +127,8 @@ class RefitTargetContract:
         ranks = target.refit_ranks()
         join = GroupJoin(host="127.0.0.1", port=1, world_size=1 + ranks, train_world_size=1,
                          first_rank=1, ranks_per_worker=ranks, timeout_s=2.0, backend="gloo",
-                         sender_spec=CollectiveSenderSpec(protocol="no-such-protocol"))
+                         # no engine receives the colocated protocol over a refit group
+                         sender_spec=CollectiveSenderSpec(protocol=RefitProtocol.COLOCATED))
         with pytest.raises(RolloutFleetError, match="protocol"):
             engine_under_test.loop.run(target.init_collective(join))
 

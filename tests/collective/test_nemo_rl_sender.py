@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rollout_fleet.adapters.memory.control import LocalWorkerControl
 from rollout_fleet.adapters.vllm.refit import native_init_info, native_update_info
-from rollout_fleet.core.refit import VLLM_PROTOCOL, CollectiveSenderSpec, GroupJoin, RefitInfo
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo, RefitProtocol
 from rollout_fleet.core.refit_service import RefitCoordinator
 from tests.collective.harness import free_port, run_ranks
 from tests.support.nemo_rl_sender import digest, trainer_rank, trainer_state_dict
@@ -32,7 +32,7 @@ def planned_joins(port: int, spec: CollectiveSenderSpec) -> list[GroupJoin]:
 def test_vllm_protocol_workers_receive_exactly_what_nemo_rls_trainer_sends():
     import vllm  # noqa: F401 - a missing vLLM fails here, by name
 
-    spec = CollectiveSenderSpec(protocol=VLLM_PROTOCOL, buffer_bytes=100_000, num_buffers=2)
+    spec = CollectiveSenderSpec(protocol=RefitProtocol.VLLM, buffer_bytes=100_000, num_buffers=2)
     port = free_port()
     world_size = TRAINER_RANKS + WORKERS * ENGINE_RANKS
     weights = trainer_state_dict(SEED)

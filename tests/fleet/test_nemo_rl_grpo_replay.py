@@ -16,7 +16,6 @@ import torch
 
 from rollout_fleet.adapters.memory.engine import EOS_TOKEN_ID, MemoryEngine, TinyBigramModel
 from rollout_fleet.adapters.memory.model_folder import write_model_folder
-from rollout_fleet.core.refit import PACKED_PROTOCOL
 from rollout_fleet.core.rollout import GREEDY
 from tests.driver.conftest import PAD, mixed_batch
 from tests.support.grpo_replay import InferenceCluster, Policy, configure_generation_config, replay
@@ -80,7 +79,7 @@ def test_grpo_replay_with_nemo_rls_example_config(inference_groups, tmp_path):
     outcome = replay(config, cluster, Policy(weights_of(5)), prompts=prompts, pad=PAD,
                      steps=[weights_of(7), weights_of(8)], check=check)
     assert set(placement_group_table()) == groups_before  # the cluster's groups, none of its own
-    assert outcome["spec"].nccl_peer == PACKED_PROTOCOL  # no NeMo-RL sender on the CPU
+    assert outcome["spec"].nccl_peer == "rollout-fleet-packed-v1"  # no NeMo-RL sender on the CPU
     assert set(outcome["versions"].values()) == {3}  # the first sync, then one per step
     assert set(outcome["metrics"]) == {"inflight_batch_sizes", "num_pending_samples",
                                        "kv_cache_usage_perc", "generation_tokens"}

@@ -20,7 +20,7 @@ def main() -> int:
 
     from rollout_fleet.adapters.collective.sharded_trainer import ShardedTrainerSession
     from rollout_fleet.adapters.collective.trainer import refit_info_of
-    from rollout_fleet.core.refit import SHARDED_PROTOCOL, CollectiveSenderSpec
+    from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
     from rollout_fleet.core.sharded_refit import TrainerLayout
 
     state = load_file(os.path.join(model, "model.safetensors"))
@@ -32,7 +32,7 @@ def main() -> int:
         local[meta.name] = state[meta.name] if rows is None else \
             state[meta.name][start:start + rows[rank]].clone()
     del state  # this rank holds only its shards from here on
-    spec = CollectiveSenderSpec(protocol=SHARDED_PROTOCOL, buffer_bytes=int(buffer_bytes),
+    spec = CollectiveSenderSpec(protocol=RefitProtocol.SHARDED, buffer_bytes=int(buffer_bytes),
                                 num_buffers=int(num_buffers))
     with ShardedTrainerSession(host, int(port), rank, int(world), train_world_size=trainers,
                                spec=spec, timeout_s=float(timeout_s)) as session:

@@ -58,11 +58,11 @@ def sharded_reference(sharded_models):
 @pytest.fixture(scope="module")
 def tp2_sharded_engine(sharded_models):
     from rollout_fleet.adapters.vllm import VllmEngine, VllmEngineConfig
-    from rollout_fleet.core.refit import SHARDED_PROTOCOL
+    from rollout_fleet.core.refit import RefitProtocol
     from rollout_fleet.ports.contracts.engine import EngineUnderTest
 
     config = VllmEngineConfig(model=str(sharded_models[0]), tensor_parallel_size=2,
-                              refit_protocol=SHARDED_PROTOCOL, max_model_len=256)
+                              refit_protocol=RefitProtocol.SHARDED, max_model_len=256)
     harness = EngineUnderTest.start(lambda: VllmEngine(config), decode=str, prompts=[[5, 6], [7, 8]],
                                     close_engine=lambda engine: engine.close())
     yield harness
@@ -93,7 +93,7 @@ def _expected_plan(model_dir):
 def test_two_trainer_ranks_refit_a_tp2_vllm_engine_with_slices_and_it_serves_them_exactly(
         tp2_sharded_engine, sharded_models, sharded_reference):
     from rollout_fleet.adapters.shared import free_port
-    from rollout_fleet.core.refit import SHARDED_PROTOCOL, CollectiveSenderSpec, GroupJoin
+    from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitProtocol
     from tests.support.processes import stop_child
 
     harness, engine = tp2_sharded_engine, tp2_sharded_engine.engine
@@ -101,7 +101,7 @@ def test_two_trainer_ranks_refit_a_tp2_vllm_engine_with_slices_and_it_serves_the
     port = free_port("127.0.0.1")
     trainers = _trainers(port, sharded_models[1])
     try:
-        spec = CollectiveSenderSpec(protocol=SHARDED_PROTOCOL, buffer_bytes=BUFFER_BYTES,
+        spec = CollectiveSenderSpec(protocol=RefitProtocol.SHARDED, buffer_bytes=BUFFER_BYTES,
                                     num_buffers=NUM_BUFFERS)
         harness.loop.run(engine.init_collective(GroupJoin(
             host="127.0.0.1", port=port, world_size=WORLD, train_world_size=TRAINERS,

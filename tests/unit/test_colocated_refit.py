@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel
 from rollout_fleet.core.colocated_refit import (
-    COLOCATED_PROTOCOL,
     SEGMENT_PREFIX,
     BufferHandle,
     ColocatedManifest,
@@ -39,7 +38,7 @@ def handle(slot=0, nbytes=1 << 12):
 def test_the_manifest_round_trips_and_sizes_buffers_as_the_packed_plan():
     m = manifest()
     assert ColocatedManifest.from_wire(m.to_wire()) == m
-    assert m.to_wire()["protocol"] == COLOCATED_PROTOCOL
+    assert m.to_wire()["protocol"] == "rollout-fleet-colocated-v1"
     assert m.slot_bytes == max(b.nbytes for b in m.plan)
     assert m.bound_bytes == 2 * m.slot_bytes
     assert len(m.plan) > 1

@@ -9,7 +9,7 @@ import pytest
 from rollout_fleet.adapters.memory.model_folder import write_model_folder
 from rollout_fleet.adapters.tiny_model import build_tiny_model
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit import PACKED_PROTOCOL, VLLM_PROTOCOL
+from rollout_fleet.core.refit import RefitProtocol
 from rollout_fleet.wiring.config import ROUTER_MODES, ConfigError, parse_config
 from rollout_fleet.wiring.fleet import Fleet
 from rollout_fleet.wiring.nemo_rl import read_nemo_rl_config
@@ -131,13 +131,13 @@ def test_a_hub_id_missing_from_the_cache_is_named(tmp_path, monkeypatch):
 
 def test_gpu_fleets_receive_what_nemo_rls_trainer_sends_cpu_ones_the_packed_protocol(tiny):
     on_gpu = read_nemo_rl_config(generation_config(tiny), GpuCluster(2)).fleet
-    assert on_gpu.sender_spec.protocol == VLLM_PROTOCOL == "vllm"
+    assert on_gpu.sender_spec.protocol is RefitProtocol.VLLM
     assert (on_gpu.sender_spec.buffer_bytes, on_gpu.sender_spec.num_buffers) == (1 << 30, 2)
-    assert read_nemo_rl_config(generation_config(tiny)).fleet.sender_spec.protocol == PACKED_PROTOCOL
+    assert read_nemo_rl_config(generation_config(tiny)).fleet.sender_spec.protocol is RefitProtocol.PACKED
     chosen = generation_config(tiny)
-    chosen["rollout_fleet"] = {"engine": {"refit_protocol": PACKED_PROTOCOL}}
+    chosen["rollout_fleet"] = {"engine": {"refit_protocol": "rollout-fleet-packed-v1"}}
     fleet = read_nemo_rl_config(chosen, GpuCluster(2)).fleet
-    assert fleet.sender_spec.protocol == PACKED_PROTOCOL  # chosen in policy.generation
+    assert fleet.sender_spec.protocol is RefitProtocol.PACKED  # chosen in policy.generation
     assert fleet.engine["pipeline_parallel_size"] == 1  # NeMo-RL's options kept beside it
 
 
@@ -208,7 +208,7 @@ def test_an_explicit_cpu_device_wins_over_a_gpu_cluster_and_the_engine_follows_i
     assert fleet.device == "cpu"
     # No NCCL transfer engine and no GPU share taken as a share of host memory on the CPU.
     assert "device" not in fleet.engine and "gpu_memory_utilization" not in fleet.engine
-    assert fleet.sender_spec.protocol == PACKED_PROTOCOL
+    assert fleet.sender_spec.protocol is RefitProtocol.PACKED
     on_gpu = read_nemo_rl_config(generation_config(tiny, gpu_memory_utilization=0.6),
                                  GpuCluster(2)).fleet
     assert on_gpu.device == "gpu" and on_gpu.engine["gpu_memory_utilization"] == 0.6

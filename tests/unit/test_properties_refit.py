@@ -19,6 +19,7 @@ from rollout_fleet.core.refit import (
     CollectiveSenderSpec,
     RankLayout,
     RefitInfo,
+    RefitProtocol,
     TensorMeta,
     dtype_name,
     max_bucket_bytes,
@@ -130,11 +131,17 @@ def test_sender_spec_with_keys_of_mixed_types_names_them():
         CollectiveSenderSpec.from_wire({1: 2, "x": 3, **VALID_SENDER})
 
 
-@pytest.mark.parametrize("protocol", [5, "", None, ["rollout-fleet-packed-v1"]])
-def test_sender_spec_protocol_is_a_non_empty_string(protocol):
+@pytest.mark.parametrize("protocol", [5, "", None, ["rollout-fleet-packed-v1"], "no-such-protocol"])
+def test_sender_spec_protocol_is_a_known_protocol(protocol):
     # Found by the property above: any value was taken as the protocol.
-    with pytest.raises(InvalidValue, match="protocol"):
+    with pytest.raises(InvalidValue, match="protocol=.*must be one of rollout-fleet-packed-v1, vllm"):
         CollectiveSenderSpec.from_wire({**VALID_SENDER, "protocol": protocol})
+
+
+def test_a_sender_spec_reads_its_protocol_by_the_wire_spelling_and_writes_it_back():
+    spec = CollectiveSenderSpec.from_wire({**VALID_SENDER, "protocol": "vllm"})
+    assert spec.protocol is RefitProtocol.VLLM
+    assert type(spec.to_wire()["protocol"]) is str and spec.to_wire()["protocol"] == "vllm"
 
 
 # ---------------------------------------------------------------- packing plan

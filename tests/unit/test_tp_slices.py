@@ -140,12 +140,12 @@ def test_marking_tells_each_sliced_parameter_its_tensors_come_cut():
 
 def test_the_sharded_protocol_is_a_cpu_refit_protocol_and_a_wrong_name_is_refused():
     from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-    from rollout_fleet.core.refit import SHARDED_PROTOCOL
+    from rollout_fleet.core.refit import RefitProtocol
     from rollout_fleet.wiring.config import parse_config
 
-    engine = VllmEngineConfig(model="/m", tensor_parallel_size=2, refit_protocol=SHARDED_PROTOCOL)
+    engine = VllmEngineConfig(model="/m", tensor_parallel_size=2, refit_protocol=RefitProtocol.SHARDED)
     assert engine.engine_kwargs()["weight_transfer_config"] == {"backend": "rollout_fleet_sharded"}
-    fleet = parse_config({"engine": {"kind": "vllm", "refit_protocol": SHARDED_PROTOCOL}})
-    assert fleet.sender_spec.protocol == SHARDED_PROTOCOL
+    fleet = parse_config({"engine": {"kind": "vllm", "refit_protocol": "rollout-fleet-sharded-v1"}})
+    assert fleet.sender_spec.protocol is RefitProtocol.SHARDED
     with pytest.raises(InvalidValue, match="refit_protocol.*sharded.*must be one of"):
         VllmEngineConfig(model="/m", refit_protocol="sharded")
