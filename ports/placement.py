@@ -13,6 +13,14 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.validate import Vocabulary
+
+
+class PlacementKind(Vocabulary):
+    """The placements a fleet config may name (its ``placement``)."""
+
+    RAY = "ray"  # a Ray placement group, on one node or a cluster (adapters/ray)
+    LOCAL = "local"  # child processes of this one, on this machine (adapters/local)
 
 
 @attrs.frozen

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from rollout_fleet.adapters.shared.processes import interrupt
+from rollout_fleet.ports.placement import PlacementKind
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -33,7 +34,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     # Before our handlers: ray.init replaces SIGTERM's.
-    ray_started = _start_ray(config) if config.placement == "ray" else False
+    ray_started = _start_ray(config) if config.placement is PlacementKind.RAY else False
     try:
         _stop_on_signals(stop)
         fleet = Fleet.start(config)  # stops what it started if it fails or is interrupted

@@ -24,6 +24,7 @@ from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.ports.engine_kind import FleetFacts
+from rollout_fleet.ports.placement import PlacementKind
 from rollout_fleet.wiring.colocation import ColocationConfig
 from rollout_fleet.wiring.engines import engine_kind, without_kind
 
@@ -103,8 +104,8 @@ class FleetConfig(_Strict):
     ranks_per_worker: int = Field(1, ge=1, description="tensor x pipeline parallel ranks")
     device: Literal["cpu", "gpu"] = "cpu"
     cpus_per_worker: float = Field(1.0, gt=0)
-    placement: Literal["ray", "local"] = Field(
-        "ray", description="ray: a placement group (one node or a cluster); local: child "
+    placement: PlacementKind = Field(
+        PlacementKind.RAY, description="ray: a placement group (one node or a cluster); local: child "
         "processes on this machine")
     env: dict[str, str] = Field(default_factory=dict,
                                 description="extra DYN_* settings for the frontend and every worker")
@@ -165,7 +166,7 @@ class FleetConfig(_Strict):
             raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
         self._check_ranks()
         self.colocated_workers  # refuses a trainer_ranks mapping the fleet cannot have
-        if self.placement == "local" and self.ray_address is not None:
+        if self.placement is PlacementKind.LOCAL and self.ray_address is not None:
             raise ValueError(f"ray_address={_shown(self.ray_address)}: a local placement uses no Ray")
         try:
             check_bind_host("bind_host", self.bind_host)
@@ -227,7 +228,7 @@ class FleetConfig(_Strict):
         there (found by Ray on that node), discovery is etcd, and the driver's node serves
         the frontend, etcd and the trainer's end of the refit group on ``bind_host``. A fleet
         on loopback stays on this machine."""
-        return self.placement == "ray" and self.ray_address is not None \
+        return self.placement is PlacementKind.RAY and self.ray_address is not None \
             and not is_loopback(self.bind_host)
 
     @property

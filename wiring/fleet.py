@@ -37,7 +37,7 @@ from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.shared import free_port
-from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
+from rollout_fleet.ports.placement import Placement, PlacementKind, WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import FleetConfig
 from rollout_fleet.wiring.control_client import call_control
 from rollout_fleet.wiring.fleet_discovery import (LostWorkerCleanup, discovery_env,
@@ -64,7 +64,7 @@ logger = logging.getLogger("rollout_fleet.fleet")
 def placement_for(config: FleetConfig, groups: Sequence[Any] = ()) -> Placement:
     """The placement the config names; ``groups``: Ray placement groups reserved already, one
     bundle per engine rank, that the workers go into (none of its own is then reserved)."""
-    if config.placement == "local":
+    if config.placement is PlacementKind.LOCAL:
         from rollout_fleet.adapters.local import LocalPlacement
 
         return LocalPlacement(bind_host=config.bind_host, stop_grace_s=config.timeouts.shutdown_s)

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 
+from rollout_fleet.ports.placement import PlacementKind
 from rollout_fleet.wiring.config import ConfigError, FleetConfig, port_in_use
 
 logger = logging.getLogger("rollout_fleet.fleet")
@@ -32,7 +33,7 @@ def loopback_only() -> bool:
 def wide_binds(config: FleetConfig) -> list[str]:
     """What this fleet starts that listens on every interface, each with what guards it."""
     found = []
-    if config.placement == "ray" and config.ray_address is None:
+    if config.placement is PlacementKind.RAY and config.ray_address is None:
         auth = os.environ.get("RAY_AUTH_MODE", "token").lower()
         guard = ("Ray's token authentication guards them" if auth == "token" else
                  f"RAY_AUTH_MODE={auth}: Ray's token authentication is OFF, anyone who reaches "
