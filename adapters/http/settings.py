@@ -50,7 +50,9 @@ class HttpSettings:
                                          validator=int_at_least("http.extra_connections", 0))
     connect_timeout_s: float = attrs.field(default=10.0,
                                            validator=finite_at_least("http.connect_timeout_s", strictly=True))
-    # A rollout answers only when its whole generation is done: minutes, not seconds.
+    # A rollout answers only when its whole generation is done: minutes, not seconds. A rollout
+    # POST takes it as one deadline on its answer; control and metrics GETs, as a bound on each
+    # socket read.
     read_timeout_s: float = attrs.field(default=900.0,
                                         validator=finite_at_least("http.read_timeout_s", strictly=True))
     # The longest one rollout attempt may take, connect to last byte (None: no total deadline,
