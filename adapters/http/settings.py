@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 from rollout_fleet.core.attempt_timeout import AttemptTimeout
-from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
-from rollout_fleet.core.validate import finite_at_least, int_at_least, positive_int
+from rollout_fleet.core.validate import Vocabulary, finite_at_least, int_at_least, positive_int
 
 
-class ClientKind(str, enum.Enum):
+class ClientKind(Vocabulary):
     """The client stack the adapter runs on, spelt as a caller writes it (``client="httpx"``).
     AIOHTTP (one pooled aiohttp session, no httpx objects on the hot path) is the default
     because it measured fastest: see bench/bench_driver.py."""
@@ -20,19 +17,8 @@ class ClientKind(str, enum.Enum):
     HTTPX_AIOHTTP = "httpx-aiohttp"  # httpx's API over httpx-aiohttp's transport
     HTTPX = "httpx"  # httpx on its own transport
 
-    __str__ = str.__str__  # the spelling, in messages and f-strings
-    __format__ = str.__format__
-
 
 CLIENT_KINDS = tuple(kind.value for kind in ClientKind)
-
-
-def client_kind(value: object) -> ClientKind:
-    """The kind spelt ``value``; InvalidValue naming ``http.client`` and the spellings otherwise."""
-    try:
-        return ClientKind(value)
-    except (ValueError, TypeError):  # TypeError: an unhashable value
-        raise InvalidValue("http.client", value, f"must be one of {', '.join(CLIENT_KINDS)}") from None
 
 
 @attrs.frozen
@@ -70,7 +56,8 @@ class HttpSettings:
         default=None, validator=attrs.validators.optional(
             finite_at_least("http.attempt_per_token_s")))
     keepalive_s: float = attrs.field(default=120.0, validator=finite_at_least("http.keepalive_s", strictly=True))
-    client: ClientKind = attrs.field(default=ClientKind.AIOHTTP, converter=client_kind)
+    client: ClientKind = attrs.field(default=ClientKind.AIOHTTP,
+                                     converter=ClientKind.converter("http.client"))
 
     @property
     def max_connections(self) -> int:

@@ -18,6 +18,7 @@ from rollout_fleet.core.errors import (
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.rollout_client import RolloutClient
+from rollout_fleet.core.validate import Vocabulary
 from rollout_fleet.ports.contracts.completions import CompletionsContract, CompletionsUnderTest
 from rollout_fleet.ports.contracts.loop import LoopThread
 from tests.http.loopback_frontend import MODEL, Fault, LoopbackFrontend
@@ -262,6 +263,7 @@ def test_bad_settings_name_the_field_and_value(field, value):
 @pytest.mark.parametrize("spelling", CLIENT_KINDS)
 def test_the_client_stack_is_read_from_its_spelling_into_its_kind(spelling):
     settings = HttpSettings(client=spelling)
+    assert issubclass(ClientKind, Vocabulary)
     assert settings.client is ClientKind(spelling) and settings.client == spelling
     assert f"{settings.client}" == str(settings.client) == spelling
     assert pickle.loads(pickle.dumps(settings)) == settings
