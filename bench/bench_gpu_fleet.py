@@ -116,13 +116,13 @@ def _thread_name(pid: int, tid: int) -> str:
 
 def worker_engine_kwargs(config) -> dict:
     """The keyword arguments the fleet's worker gives vLLM for this config."""
-    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+    import attrs
     from rollout_fleet.wiring.config import fleet_facts
-    from rollout_fleet.wiring.engines import engine_kind, without_kind
+    from rollout_fleet.wiring.engines import EngineChoice
 
-    options = engine_kind("vllm").worker_options(without_kind(config.engine), fleet_facts(config),
-                                                 slot=0, free_port=lambda: 0)
-    return VllmEngineConfig.from_mapping({"model": config.model, **options}).engine_kwargs()
+    table = config.engine_choice.worker_table(fleet_facts(config), slot=0, free_port=lambda: 0)
+    engine = EngineChoice.parse(table, None).settings.engine  # as the worker reads it
+    return attrs.evolve(engine, model=config.model).engine_kwargs()
 
 
 def own_caches(root: Path, side: str) -> None:

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from rollout_fleet.core.errors import EngineError, InvalidValue
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.ports.engine import EngineFacts, EnginePort, KvEventSource
@@ -74,20 +76,31 @@ class CountingEngine(EnginePort):
         return ()
 
 
-class CountingKind(EngineKind):
-    """How a fleet makes a CountingEngine: one option, ``context_length``."""
+@attrs.frozen
+class CountingSettings:
+    """The counting engine's one option, checked once where the config is read."""
 
-    def check(self, options: Mapping[str, Any], fleet: FleetFacts) -> None:
+    context_length: int = attrs.field(default=64)
+
+    @context_length.validator
+    def _at_least_two(self, _attr: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise InvalidValue("context_length", value, "must be an int >= 2")
+
+
+class CountingKind(EngineKind[CountingSettings]):
+    """How a fleet makes a CountingEngine, from its typed settings."""
+
+    def parse(self, options: Mapping[str, Any], fleet: FleetFacts | None) -> CountingSettings:
         for key, value in options.items():
             if key != "context_length":
                 raise InvalidValue(key, value, "not an option of the counting engine")
-            if not isinstance(value, int) or value < 2:
-                raise InvalidValue(key, value, "must be an int >= 2")
+        return CountingSettings(**options)
 
-    def build(self, options: Mapping[str, Any], *, run_dir: Path,
+    def build(self, settings: CountingSettings, *, run_dir: Path,
               model_path: str | None) -> BuiltEngine:
         # model_path: the fleet's model folder (its tokenizer serves the text side)
-        return BuiltEngine(CountingEngine(**options), model_path)
+        return BuiltEngine(CountingEngine(settings.context_length), model_path)
 
 
 if __name__ == "__main__":

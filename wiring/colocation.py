@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.sleep import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
 from rollout_fleet.core.validate import a_bool, check_known_keys, is_int
@@ -103,11 +104,11 @@ class ColocationConfig:
                                f"trainer rank {twice[0]} shares a device with two engine ranks")
         return dict(self.trainer_ranks)
 
-    def reminders(self, device: str, engine: Mapping[str, Any]) -> list[str]:
+    def reminders(self, device: Device, engine: Mapping[str, Any]) -> list[str]:
         """What a colocated fleet's user should know (logged when the fleet starts)."""
         if not self.enabled:
             return []
-        if device != "gpu":
+        if Device.parse(device, "device") is not Device.GPU:
             return ["colocation.enabled on a CPU fleet: the workers sleep and wake as the"
                     " trainer asks where their engine can (the memory engine; vLLM has no sleep"
                     " mode on the CPU and refuses)"]

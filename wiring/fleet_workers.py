@@ -12,11 +12,11 @@ from pathlib import Path
 
 from rollout_fleet.adapters.dynamo.env import dynamo_env
 from rollout_fleet.adapters.shared import free_port, read_tail
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import ConfigError, FleetConfig, fleet_facts
 from rollout_fleet.wiring.control_client import call_control, health_ready
-from rollout_fleet.wiring.engines import engine_kind, without_kind
 from rollout_fleet.wiring.fleet_roster import worker_name
 from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK
 from rollout_fleet.wiring.worker_config import WorkerConfig
@@ -33,8 +33,7 @@ def model_folder(config: FleetConfig, run_dir: Path) -> str:
     its engine kind writes, else the tiny model built once into the run folder."""
     if config.model != "tiny":
         return str(Path(config.model).resolve())
-    engine = config.engine
-    own = engine_kind(engine["kind"]).model_folder(without_kind(engine), run_dir)
+    own = config.engine_choice.model_folder(run_dir)
     if own is not None:
         return own
     from rollout_fleet.adapters.tiny_model import build_tiny_model
@@ -50,7 +49,7 @@ def collective_backend(config: FleetConfig) -> str:
     ``refit.backend`` says)."""
     if config.refit.backend != "auto":
         return config.refit.backend
-    return "nccl" if config.device == "gpu" else "gloo"
+    return "nccl" if config.device is Device.GPU else "gloo"
 
 
 def worker_config(config: FleetConfig, index: int, *, run_dir: Path, model_path: str,
@@ -60,11 +59,9 @@ def worker_config(config: FleetConfig, index: int, *, run_dir: Path, model_path:
     ``joins_running``: it joins a fleet that may have been refit, so it serves only after its
     first refit. ``slot``: whose share of this host's cores it takes (a replacement takes the
     lost worker's)."""
-    kind_name = config.engine["kind"]
     slot = (index if slot is None else slot) % config.num_workers
-    engine = {"kind": kind_name, **engine_kind(kind_name).worker_options(
-        without_kind(config.engine), fleet_facts(config), slot=slot,
-        free_port=lambda: free_port(config.bind_host))}
+    engine = config.engine_choice.worker_table(fleet_facts(config), slot=slot,
+                                               free_port=lambda: free_port(config.bind_host))
     kv_routing = config.router == "kv"
     return WorkerConfig(
         engine=engine, run_dir=str(run_dir), kv_routing=kv_routing,

@@ -140,7 +140,7 @@ def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: boo
                               "tensor_parallel_size": tensor,
                               "pipeline_parallel_size": int(vllm.get("pipeline_parallel_size") or 1)}
     if on_gpu:  # what NeMo-RL's trainer sends: vLLM's own packed NCCL broadcast
-        engine.update(device="cuda", refit_protocol=RefitProtocol.VLLM.value)
+        engine.update(device="gpu", refit_protocol=RefitProtocol.VLLM.value)
     for key in ("gpu_memory_utilization", "enforce_eager") if on_gpu else ("enforce_eager",):
         if vllm.get(key) is not None:
             engine[key] = vllm[key]

@@ -51,7 +51,7 @@ from rollout_fleet.core.engine import EnginePort
 from rollout_fleet.core.errors import EngineDead, EngineHung, InvalidValue
 from rollout_fleet.core.progress_watch import ProgressWatch
 from rollout_fleet.ports.engine_kind import BuiltEngine, Control
-from rollout_fleet.wiring.engines import engine_kind, without_kind
+from rollout_fleet.wiring.engines import EngineChoice
 from rollout_fleet.wiring.worker_config import WorkerConfig
 
 logger = logging.getLogger("rollout_fleet.worker")
@@ -71,9 +71,8 @@ def build_engine(config: WorkerConfig | Mapping[str, Any]) -> BuiltEngine:
     """The engine of ``config.engine``, made by its kind (an entry point of the group
     ``rollout_fleet.engines``)."""
     config = WorkerConfig.from_mapping(config)
-    kind = engine_kind(config.engine.get("kind"))
-    return kind.build(without_kind(config.engine), run_dir=Path(config.run_dir),
-                      model_path=config.model_path)
+    return EngineChoice.parse(config.engine, None).build(run_dir=Path(config.run_dir),
+                                                         model_path=config.model_path)
 
 
 def refit_controls(engine: Any, config: WorkerConfig) -> dict[str, Control]:

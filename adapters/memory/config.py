@@ -19,8 +19,8 @@ class MemoryEngineConfig:
     max_num_seqs: int = attrs.field(default=1024, validator=positive_int("max_num_seqs"))
     kv_block_size: int = attrs.field(default=16, validator=positive_int("kv_block_size"))
     refit_ranks: int = attrs.field(default=1, validator=positive_int("refit_ranks"))
-    # The worker also serves the engine's fault drills (kill_engine, freeze_engine): tests only.
-    fault_drills: bool = attrs.field(default=False, validator=a_bool("fault_drills"))
+    # The worker also serves the engine's test controls (adapters/memory/testing_controls.py).
+    test_controls: bool = attrs.field(default=False, validator=a_bool("test_controls"))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "MemoryEngineConfig":

@@ -26,6 +26,7 @@ from rollout_fleet.adapters.vllm.refit import (
     VllmRefit, check_complete, first_line, paused_for_refit,
 )
 from rollout_fleet.adapters.vllm.runtime import VllmRuntime
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.colocated_refit import (
     CUDA_TRANSPORT,
     SHM_TRANSPORT,
@@ -61,7 +62,7 @@ class VllmColocated(ColocatedTarget):
         return self.refit.weight_metas()
 
     def colocated_transports(self) -> tuple[str, ...]:
-        return (CUDA_TRANSPORT,) if self.config.device == "cuda" else (SHM_TRANSPORT,)
+        return (CUDA_TRANSPORT,) if self.config.device is Device.GPU else (SHM_TRANSPORT,)
 
     async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
         engine = self.runtime.require_engine()

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 from rollout_fleet.adapters.vllm.sharded_transfer_engine import SHARDED_BACKEND_NAME
 from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import GROUP_PROTOCOLS, RefitProtocol, RefitRollback
 from rollout_fleet.core.validate import a_bool
@@ -20,7 +21,6 @@ TRANSFER_BACKENDS = {RefitProtocol.PACKED: BACKEND_NAME, RefitProtocol.SHARDED: 
                      RefitProtocol.VLLM: "nccl"}
 
 WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
-DEVICES = ("cpu", "cuda")
 CPU_KV_CACHE_BYTES = 64 * 2**20  # room for 256 blocks of the tiny model; a laptop-sized cache
 CPU_WORKER_NICE = 10  # see VllmEngineConfig.cpu_worker_nice
 MAX_NICE = 19
@@ -28,11 +28,6 @@ KV_EVENTS_TOPIC = "kv-events"
 # config.json's dtype (transformers >= 4.56 writes "dtype", older ones "torch_dtype") -> vLLM's
 _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
                       "float32": "float32", "float": "float32"}
-
-
-def _device(_inst: Any, _attr: Any, value: Any) -> None:
-    if value not in DEVICES:
-        raise InvalidValue("device", value, f"must be one of {', '.join(DEVICES)}")
 
 
 def _nice(_inst: Any, _attr: Any, value: Any) -> None:
@@ -80,7 +75,7 @@ class VllmEngineConfig:
     """
 
     model: str = attrs.field()
-    device: str = attrs.field(default="cpu", validator=_device)
+    device: Device = attrs.field(default=Device.CPU, converter=Device.converter("device"))
     served_model_name: str | None = None
     dtype: str | None = None
     max_model_len: int | None = attrs.field(default=None, validator=_optional_positive_int("max_model_len"))
@@ -123,16 +118,16 @@ class VllmEngineConfig:
 
     @refit_protocol.validator
     def _protocol(self, _attr: Any, value: Any) -> None:
-        if value is RefitProtocol.VLLM and self.device != "cuda":
+        if value is RefitProtocol.VLLM and self.device is not Device.GPU:
             raise InvalidValue("refit_protocol", value.value, "vLLM's own transfer engine needs GPUs"
-                               f" (device={self.device!r}); use {RefitProtocol.PACKED.value!r}")
+                               f" (device={self.device.value!r}); use {RefitProtocol.PACKED.value!r}")
 
     @enable_sleep_mode.validator
     def _sleep_mode(self, _attr: Any, value: Any) -> None:
-        if value and self.device != "cuda":
+        if value and self.device is not Device.GPU:
             raise InvalidValue("enable_sleep_mode", value, f"vLLM has no sleep mode on the"
                                f" {self.device} platform (Platform.is_sleep_mode_available() is"
-                               " False there); it needs device='cuda'")
+                               " False there); it needs device='gpu'")
 
     @property
     def refit_ranks(self) -> int:
@@ -141,7 +136,7 @@ class VllmEngineConfig:
 
     @property
     def rollback(self) -> RefitRollback:
-        return self.refit_rollback or (RefitRollback.LAST_GOOD if self.device == "cpu" else RefitRollback.NONE)
+        return self.refit_rollback or (RefitRollback.LAST_GOOD if self.device is Device.CPU else RefitRollback.NONE)
 
     def cpu_binding(self, available: list[int]) -> str | None:
         """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: the cores of each engine rank, ranks split by
@@ -162,11 +157,12 @@ class VllmEngineConfig:
     def from_mapping(cls, data: Mapping[str, Any]) -> "VllmEngineConfig":
         """From a config dict; unknown keys are refused by name."""
         if not isinstance(data, Mapping):
-            raise InvalidValue("vllm config", type(data).__name__, "must be a mapping")
+            raise InvalidValue("engine", type(data).__name__, "must be a mapping")
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise InvalidValue("vllm config", unknown, f"unknown keys; known: {', '.join(sorted(known))}")
+            raise InvalidValue(str(unknown[0]), data[unknown[0]], "not an option of the vLLM engine;"
+                               f" known: {', '.join(sorted(known))}")
         return cls(**data)
 
     @property
@@ -195,13 +191,13 @@ class VllmEngineConfig:
         checkpoint's dtype on GPUs ("auto", vLLM's own rule, when the folder names none)."""
         if self.dtype is not None:
             return self.dtype
-        if self.device == "cpu":
+        if self.device is Device.CPU:
             return "float32"
         return self.checkpoint_dtype() or "auto"
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
-        on_cpu = self.device == "cpu"
+        on_cpu = self.device is Device.CPU
         kwargs: dict[str, Any] = dict(
             model=self.model,
             served_model_name=self.served_model_name,
@@ -240,7 +236,7 @@ def precision_env(config: VllmEngineConfig) -> dict[str, str]:
     ``VLLM_FLOAT32_MATMUL_PRECISION``; Triton kernels (vLLM's attention for float32) read their
     float32 dot default from ``TRITON_F32_DEFAULT`` (else TF32); the project's vLLM plugin
     turns cuBLAS and cuDNN TF32 off from ``ROLLOUT_FLEET_ALLOW_TF32``. Nothing for the CPU."""
-    if config.device == "cpu":
+    if config.device is Device.CPU:
         return {}
     if config.allow_tf32:
         return {"VLLM_FLOAT32_MATMUL_PRECISION": "high", "TRITON_F32_DEFAULT": "tf32",

@@ -17,6 +17,7 @@ from typing import Any
 
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+from rollout_fleet.core.device import Device
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def _settle(future: asyncio.Future, outcome: list) -> None:
 def pinned_to_cpus(config: VllmEngineConfig):
     """While the engine starts, tell vLLM which cores to bind its model threads to: its
     engine-core process reads the variable from the environment it inherits."""
-    binding = config.cpu_binding(sorted(os.sched_getaffinity(0))) if config.device == "cpu" else None
+    binding = config.cpu_binding(sorted(os.sched_getaffinity(0))) if config.device is Device.CPU else None
     if binding is None:
         yield
         return
@@ -139,7 +140,7 @@ async def refit_priority(config: VllmEngineConfig, engine_processes: Collection[
     received inside them now: at nice 10 on a busy host the receive waited for cores (a
     200 MiB refit took 1-8 s against 0.2 s for the flat broadcast). Normal priority while
     the refit runs; niced again after."""
-    nice = config.cpu_worker_nice if config.device == "cpu" else None
+    nice = config.cpu_worker_nice if config.device is Device.CPU else None
     if not nice:
         yield
         return

@@ -25,6 +25,7 @@ from rollout_fleet.adapters.vllm.process import (
     set_worker_priority, track_segments, unfreeze_and_collect,
 )
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas, tied_metas
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import EngineError
 from rollout_fleet.core.refit import TensorMeta
 from rollout_fleet.core.sleep import SleepTracker
@@ -77,7 +78,7 @@ class VllmRuntime:
         self.processes = child_pids() - children_before
         self._count_steps(self.engine)
         self.segments = track_segments(self.processes)
-        if config.device == "cpu" and config.cpu_worker_nice is not None:
+        if config.device is Device.CPU and config.cpu_worker_nice is not None:
             set_worker_priority(config.cpu_worker_nice, self.processes)
         await self.label_weight_version()
         self.facts = read_facts(self.engine)

@@ -56,7 +56,7 @@ num_workers = {workers}
 max_model_len = {max_model_len}
 max_new_tokens = {max_new_tokens}
 run_dir = "{root / 'run'}"
-engine = {{ kind = "memory", seed = 0, context_length = {max_model_len}, fault_drills = true }}
+engine = {{ kind = "memory", seed = 0, context_length = {max_model_len}, test_controls = true }}
 refit = {{ buffer_bytes = 65536, num_buffers = 2 }}
 {extra}
 [timeouts]

@@ -36,7 +36,8 @@ class Fleet:
 
 def worker_config(run_dir: Path, system_port: int, served: str, **engine: object) -> dict:
     return {
-        "engine": {"kind": "memory", "seed": ENGINE_SEED, "context_length": CONTEXT_LENGTH, **engine},
+        "engine": {"kind": "memory", "seed": ENGINE_SEED, "context_length": CONTEXT_LENGTH,
+                   "test_controls": True, **engine},
         "run_dir": str(run_dir),
         "namespace": "test",
         "served_model_name": served,

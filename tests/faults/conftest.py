@@ -24,7 +24,7 @@ def local_memory_config(run_dir, *, workers: int = 2, token_delay_s: float = 0.0
     return parse_config({**more,
         "placement": "local", "num_workers": workers, "served_model_name": "mem",
         "engine": {"kind": "memory", "seed": SEED, "context_length": CONTEXT_LENGTH,
-                   "token_delay_s": token_delay_s, "fault_drills": True},
+                   "token_delay_s": token_delay_s, "test_controls": True},
         "max_model_len": CONTEXT_LENGTH, "max_new_tokens": 16, "router": router,
         "env": env or {}, "run_dir": str(run_dir), "timeouts": timeouts})
 

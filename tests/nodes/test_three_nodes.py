@@ -40,7 +40,7 @@ def run():
             config = {
                 # a token takes 10 ms: rollouts are still in flight when the node is lost
                 "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN,
-                           "token_delay_s": 0.01},
+                           "token_delay_s": 0.01, "test_controls": True},
                 # the frontend tries a lost worker until the fleet sees it lost and takes it out of
                 # etcd (about a second here): retries outlast that
                 "retry": {"max_attempts": 10, "base_delay_s": 0.2},

@@ -62,12 +62,10 @@ def test_the_colocated_demos_gpu_fleet_starts_its_engine_with_sleep_mode():
     from rollout_fleet.wiring.config import fleet_facts
     from rollout_fleet.wiring.demo.colocated import _config
     from rollout_fleet.wiring.demo.run import DemoSettings
-    from rollout_fleet.wiring.engines import engine_kind, without_kind
 
     gpu = _config(DemoSettings(), "gpu")
     assert gpu.colocation.enabled and gpu.num_workers == 1 and gpu.device == "gpu"
-    options = engine_kind("vllm").worker_options(without_kind(gpu.engine), fleet_facts(gpu),
-                                                 slot=0, free_port=lambda: 0)
-    assert options["enable_sleep_mode"] is True and options["device"] == "cuda"
+    options = gpu.engine_choice.worker_table(fleet_facts(gpu), slot=0, free_port=lambda: 0)
+    assert options["enable_sleep_mode"] is True and options["device"] == "gpu"
     assert options["dtype"] == "float32" and options["gpu_memory_utilization"] < 0.5
     assert not _config(DemoSettings(), "cpu").colocation.enabled

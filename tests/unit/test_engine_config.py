@@ -93,21 +93,22 @@ def test_the_vllm_kinds_tiny_model_follows_tiny_model_seed(tmp_path):
     once; an engine that names its own model folder is served from that folder."""
     import json
 
-    from rollout_fleet.wiring.engines import engine_kind
+    from rollout_fleet.wiring.engines import EngineChoice
 
-    kind = engine_kind("vllm")
-    seed_3 = kind.model_folder({"tiny_model_seed": 3}, tmp_path)
+    def folder(table, run_dir):
+        return EngineChoice.parse({"kind": "vllm", **table}, None).model_folder(run_dir)
+
+    seed_3 = folder({"tiny_model_seed": 3}, tmp_path)
     assert seed_3.endswith("model-tiny-3") and json.loads(
         (tmp_path / "model-tiny-3" / "config.json").read_text())["model_type"] == "llama"
-    assert kind.model_folder({"tiny_model_seed": 3}, tmp_path) == seed_3  # built once
-    assert kind.model_folder({"model": seed_3}, tmp_path / "elsewhere") == seed_3
+    assert folder({"tiny_model_seed": 3}, tmp_path) == seed_3  # built once
+    assert folder({"model": seed_3}, tmp_path / "elsewhere") == seed_3
 
 
 def test_the_engines_context_is_the_fleets_and_never_less(tmp_path):
     """The driver admits a rollout by the fleet's max_model_len: an engine with a shorter
     context would refuse rollouts the driver sent; unset, the engine takes the fleet's."""
     from rollout_fleet.wiring.config import fleet_facts
-    from rollout_fleet.wiring.engines import engine_kind
 
     message = refused(tmp_path, {"engine": {"kind": "vllm", "max_model_len": 256},
                                  "max_model_len": 1024})
@@ -115,8 +116,7 @@ def test_the_engines_context_is_the_fleets_and_never_less(tmp_path):
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps({"engine": {"kind": "vllm"}, "max_model_len": 1024}))
     config = load_config(path)
-    options = engine_kind("vllm").worker_options({}, fleet_facts(config), slot=0,
-                                                 free_port=lambda: 0)
+    options = config.engine_choice.worker_table(fleet_facts(config), slot=0, free_port=lambda: 0)
     assert options["max_model_len"] == 1024
     path.write_text(json.dumps({"engine": {"kind": "vllm", "max_model_len": 2048},
                                 "max_model_len": 1024}))

@@ -212,7 +212,7 @@ def test_an_explicit_cpu_device_wins_over_a_gpu_cluster_and_the_engine_follows_i
     on_gpu = read_nemo_rl_config(generation_config(tiny, gpu_memory_utilization=0.6),
                                  GpuCluster(2)).fleet
     assert on_gpu.device == "gpu" and on_gpu.engine["gpu_memory_utilization"] == 0.6
-    assert on_gpu.engine["device"] == "cuda"
+    assert on_gpu.engine["device"] == "gpu"
 
 
 def test_a_device_that_is_neither_cpu_nor_gpu_is_refused_by_name(tiny):

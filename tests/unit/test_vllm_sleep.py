@@ -60,7 +60,7 @@ class AsyncLLMSleepWithoutMode(AsyncLLMWithSleep):
 
 
 def engine_over(fake, platform=None) -> VllmEngine:
-    engine = VllmEngine(VllmEngineConfig(model="m", device="cuda", enable_sleep_mode=True))
+    engine = VllmEngine(VllmEngineConfig(model="m", device="gpu", enable_sleep_mode=True))
     engine.runtime.engine = fake
     engine.sleeper.platform = platform or CudaPlatform()
     return engine
@@ -127,9 +127,9 @@ def test_an_engine_started_without_sleep_mode_says_how_to_get_it():
 
 
 def test_sleep_mode_is_asked_of_vllm_at_start_on_gpus_and_refused_on_the_cpu():
-    assert VllmEngineConfig(model="m", device="cuda", enable_sleep_mode=True) \
+    assert VllmEngineConfig(model="m", device="gpu", enable_sleep_mode=True) \
         .engine_kwargs()["enable_sleep_mode"] is True
-    assert "enable_sleep_mode" not in VllmEngineConfig(model="m", device="cuda").engine_kwargs()
+    assert "enable_sleep_mode" not in VllmEngineConfig(model="m", device="gpu").engine_kwargs()
     with pytest.raises(InvalidValue) as refused:
         VllmEngineConfig(model="m", enable_sleep_mode=True)
     assert refused.value.field == "enable_sleep_mode" and "cpu platform" in refused.value.rule

@@ -21,10 +21,11 @@ from rollout_fleet.adapters.vllm.features import detect_features
 from rollout_fleet.adapters.vllm.transfer_engine import (
     InPlaceReload, LayerwiseReload, compose_transfer_engine, reload_strategy,
 )
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import RefitInfo
 from rollout_fleet.wiring.config import fleet_facts, parse_config
-from rollout_fleet.wiring.engines import engine_kind, without_kind
+from rollout_fleet.wiring.engines import EngineChoice
 
 
 # -- a fake vLLM surface: 0.25's shapes and 0.32's -------------------------------------------
@@ -209,23 +210,23 @@ def folder_with_dtype(tmp_path, key, dtype):
     ("dtype", "float16", "float16"), ("dtype", None, "auto"),
 ])
 def test_the_gpu_default_dtype_is_the_checkpoints(tmp_path, key, checkpoint, served):
-    config = VllmEngineConfig(model=folder_with_dtype(tmp_path, key, checkpoint), device="cuda")
+    config = VllmEngineConfig(model=folder_with_dtype(tmp_path, key, checkpoint), device="gpu")
     assert config.engine_kwargs()["dtype"] == served
 
 
 def test_an_explicit_dtype_wins_and_the_cpu_serves_float32(tmp_path):
     folder = folder_with_dtype(tmp_path, "dtype", "bfloat16")
-    assert VllmEngineConfig(model=folder, device="cuda", dtype="float16").served_dtype() == "float16"
+    assert VllmEngineConfig(model=folder, device="gpu", dtype="float16").served_dtype() == "float16"
     assert VllmEngineConfig(model=folder).served_dtype() == "float32"
-    assert VllmEngineConfig(model="org/hub-name", device="cuda").served_dtype() == "auto"
+    assert VllmEngineConfig(model="org/hub-name", device="gpu").served_dtype() == "auto"
 
 
 def test_float32_on_a_gpu_turns_tf32_off_unless_allowed():
     assert precision_env(VllmEngineConfig(model="m")) == {}
-    strict = precision_env(VllmEngineConfig(model="m", device="cuda"))
+    strict = precision_env(VllmEngineConfig(model="m", device="gpu"))
     assert strict == {"VLLM_FLOAT32_MATMUL_PRECISION": "highest", "TRITON_F32_DEFAULT": "ieee",
                       "ROLLOUT_FLEET_ALLOW_TF32": "0"}
-    loose = precision_env(VllmEngineConfig(model="m", device="cuda", allow_tf32=True))
+    loose = precision_env(VllmEngineConfig(model="m", device="gpu", allow_tf32=True))
     assert loose["TRITON_F32_DEFAULT"] == "tf32" and loose["ROLLOUT_FLEET_ALLOW_TF32"] == "1"
     with pytest.raises(InvalidValue, match="allow_tf32"):
         VllmEngineConfig(model="m", allow_tf32="yes")
@@ -250,10 +251,9 @@ def test_the_plugin_sets_torchs_tf32_switches_from_the_environment(monkeypatch):
 # -- the fleet's device reaches the engine config ------------------------------------------------
 def test_a_gpu_fleet_with_vllms_own_refit_protocol_loads():
     config = parse_config({"device": "gpu", "engine": {"kind": "vllm", "refit_protocol": "vllm"}})
-    options = engine_kind("vllm").worker_options(without_kind(config.engine), fleet_facts(config),
-                                                 slot=0, free_port=lambda: 0)
-    engine = VllmEngineConfig.from_mapping({"model": config.model, **options})
-    assert engine.device == "cuda" and engine.refit_protocol == "vllm"
+    table = config.engine_choice.worker_table(fleet_facts(config), slot=0, free_port=lambda: 0)
+    engine = EngineChoice.parse(table, None).settings.engine  # as the worker reads it
+    assert engine.device is Device.GPU and engine.refit_protocol == "vllm"
 
 
 def test_a_cpu_fleet_still_refuses_vllms_own_refit_protocol():

@@ -119,12 +119,12 @@ def test_config_defaults_per_device():
     assert (cpu["dtype"], cpu["enforce_eager"], cpu["max_model_len"]) == ("float32", True, 512)
     assert cpu["kv_cache_memory_bytes"] == 64 * 2**20
     assert cpu["weight_transfer_config"] == {"backend": "rollout_fleet_packed"}
-    gpu = VllmEngineConfig(model="/m", device="cuda").engine_kwargs()
+    gpu = VllmEngineConfig(model="/m", device="gpu").engine_kwargs()
     assert (gpu["dtype"], gpu["enforce_eager"]) == ("auto", False)
     assert "max_model_len" not in gpu and gpu["weight_transfer_config"] == {"backend": "rollout_fleet_packed"}
-    native = VllmEngineConfig(model="/m", device="cuda", refit_protocol="vllm").engine_kwargs()
+    native = VllmEngineConfig(model="/m", device="gpu", refit_protocol="vllm").engine_kwargs()
     assert native["weight_transfer_config"] == {"backend": "nccl"}
-    assert (VllmEngineConfig(model="/m").rollback, VllmEngineConfig(model="/m", device="cuda").rollback
+    assert (VllmEngineConfig(model="/m").rollback, VllmEngineConfig(model="/m", device="gpu").rollback
             ) == ("last_good", "none")
     events = VllmEngineConfig(model="/m", kv_events_port=5600).engine_kwargs()["kv_events_config"]
     assert events["endpoint"].startswith("ipc://")  # a local socket, never vLLM's tcp://*
@@ -134,7 +134,7 @@ def test_config_defaults_per_device():
 @pytest.mark.parametrize("config, field", [
     ({"model": "/m", "max_model_len": 0}, "max_model_len"),
     ({"model": "/m", "device": "tpu"}, "device"),
-    ({"model": "/m", "no_such_key": 1}, "vllm config"),
+    ({"model": "/m", "no_such_key": 1}, "no_such_key"),
     ({"model": ""}, "model"),
     ({"model": "/m", "cpu_worker_nice": -5}, "cpu_worker_nice"),
     ({"model": "/m", "cpu_worker_nice": 20}, "cpu_worker_nice"),
@@ -157,5 +157,5 @@ def test_cpu_cores_reach_vllm_only_while_its_engine_starts(monkeypatch):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    with pinned_to_cpus(VllmEngineConfig(model="/m", device="cuda", cpu_cores=[2])):
+    with pinned_to_cpus(VllmEngineConfig(model="/m", device="gpu", cpu_cores=[2])):
         assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # only the CPU backend binds

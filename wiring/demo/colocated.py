@@ -32,11 +32,13 @@ BUFFER_BYTES = 1 << 20  # several buckets per refit even for the tiny model
 
 def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict[str, Any]]:
     import torch
+    from rollout_fleet.core.device import Device
     from rollout_fleet.wiring.demo.trainer import PolicyTrainer, TargetTokenReward
     from rollout_fleet.wiring.fleet import Fleet
 
     torch.set_num_threads(1)  # the worker needs the cores more than the tiny trainer does
-    on_gpu = device == "gpu"  # vLLM sleeps only there
+    device = Device.parse(device, "device")
+    on_gpu = device is Device.GPU  # vLLM sleeps only there
     print(f"starting one colocated {settings.engine} worker on the {device} ...", flush=True)
     started = time.perf_counter()
     fleet = Fleet.start(_config(settings, device))
@@ -47,10 +49,10 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
               f"{'level 1' if on_gpu else 'off (vLLM has no sleep mode on the CPU)'}", flush=True)
         generation = fleet.generation()
         trainer = PolicyTrainer(fleet.model_path, learning_rate=settings.learning_rate,
-                                seed=settings.seed, device="cuda" if on_gpu else "cpu")
+                                seed=settings.seed, device=device.torch_type)
         reward = TargetTokenReward(trainer.model.config.vocab_size, seed=settings.seed)
         prompts = demo_prompts(settings, trainer.model.config.vocab_size)
-        sender = fleet_sender(fleet, "cuda" if on_gpu else "cpu")
+        sender = fleet_sender(fleet, device.torch_type)
         slept = sleep_check(generation, prompts, settings, fleet.run_dir) if on_gpu else None
         if slept:
             print(_sleep_line(slept), flush=True)
