@@ -1,0 +1,208 @@
+"""The fleet's tokens/s at this checkout against another commit's, side by side in one run.
+
+Two fleets resident at once, one per version, each in a child process of its own: a real
+Dynamo frontend and in-memory-engine workers (local placement, loopback, inside this bench's
+own network namespace), driven by the project's driver (``build_generation`` and
+``generate_async``, greedy) in the same child. The other commit's four layer folders come from
+``git archive`` into a temporary folder and shadow the installed ones on that child's
+``PYTHONPATH`` (and its workers', which inherit it); each child prints where its code came
+from. Rounds alternate between the two, the order rotating each round; the medians and their
+ratio are printed, with the driver's CPU seconds per rollout beside them. The memory engine
+makes the figure the fleet's own cost (frontend, worker host, driver), not an engine's.
+
+    .venv/bin/python bench/bench_versions.py --against c867ee6 [--rounds 4] [--requests 512]
+        [--concurrency 64] [--tokens 32] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+LAYERS = ("core", "ports", "adapters", "wiring")
+SERVED_MODEL = "mem"
+MAX_MODEL_LEN = 256
+
+
+# -- the child: one resident fleet and its driver -----------------------------------------------
+def serve(workers: int, tokens: int, run_dir: str) -> None:
+    import rollout_fleet.core as core
+    from rollout_fleet.wiring.config import parse_config
+    from rollout_fleet.wiring.fleet import Fleet
+
+    fleet = Fleet.start(parse_config({
+        "placement": "local", "num_workers": workers, "served_model_name": SERVED_MODEL,
+        "engine": {"kind": "memory", "seed": 0, "context_length": MAX_MODEL_LEN},
+        "max_model_len": MAX_MODEL_LEN, "max_new_tokens": tokens, "run_dir": run_dir,
+        "timeouts": {"start_s": 180}}))
+    try:
+        print(json.dumps({"ready": True, "code": str(Path(core.__file__).parent.parent)}), flush=True)
+        asyncio.run(answer_rounds(fleet, tokens))
+    finally:
+        fleet.shutdown()
+
+
+async def answer_rounds(fleet, tokens: int) -> None:
+    """One line in per round (``requests concurrency seed``), one JSON line out."""
+    import torch
+    from rollout_fleet.adapters.http import HttpSettings
+    from rollout_fleet.adapters.nemo_rl import GenerationConfig
+    from rollout_fleet.wiring.driver import build_generation
+
+    generation = None
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        requests, concurrency, seed = map(int, line.split())
+        if generation is None:
+            generation = build_generation(
+                GenerationConfig(model=SERVED_MODEL, max_model_len=MAX_MODEL_LEN,
+                                 max_new_tokens=tokens, max_in_flight=concurrency),
+                frontend_url=fleet.frontend_url, control_secret=fleet.secret,
+                workers=fleet.endpoints(), http=HttpSettings(max_in_flight=concurrency))
+        batch = as_batch(torch, prompts(requests, seed))
+        started, cpu = time.perf_counter(), time.process_time()
+        generated = 0
+        async for _index, sample in generation.generate_async(batch, greedy=True):
+            generated += int(sample["generation_lengths"][0])
+        print(json.dumps({"seconds": time.perf_counter() - started, "tokens": generated,
+                          "cpu_s": time.process_time() - cpu}), flush=True)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 47) for _ in range(rng.randint(8, 24))] for _ in range(count)]
+
+
+def as_batch(torch, batch: list[list[int]]) -> dict:
+    ids = torch.zeros((len(batch), max(map(len, batch))), dtype=torch.long)
+    for row, prompt in enumerate(batch):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    return {"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in batch])}
+
+
+# -- the parent: the other commit's code, both children, interleaved rounds ----------------------
+def shadow_tree(commit: str, work: Path) -> Path:
+    """A folder that, first on PYTHONPATH, makes ``rollout_fleet`` the commit's code."""
+    source = work / "source"
+    source.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *LAYERS],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    package = work / "shadow" / "rollout_fleet"
+    package.mkdir(parents=True)
+    for layer in LAYERS:
+        (package / layer).symlink_to(source / layer)
+    return package.parent
+
+
+class Child:
+    """One version's fleet and driver in a process group of its own."""
+
+    def __init__(self, name: str, pythonpath: str | None, args, run_dir: Path) -> None:
+        env = dict(os.environ)
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve", "--workers", str(args.workers),
+             "--tokens", str(args.tokens), "--run-dir", str(run_dir)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            start_new_session=True)
+        self.code = self.read()["code"]
+
+    def read(self) -> dict:
+        while line := self.process.stdout.readline():
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"{self.name}: its fleet stopped (exit {self.process.wait()})")
+
+    def round(self, requests: int, concurrency: int, seed: int) -> dict:
+        self.process.stdin.write(f"{requests} {concurrency} {seed}\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def stop(self) -> None:
+        from rollout_fleet.adapters.shared import stop_process_group
+
+        if self.process.stdin:
+            self.process.stdin.close()  # the child shuts its fleet down at end of input
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stop_process_group(self.process)
+
+
+def measure(children: list[Child], args) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {child.name: [] for child in children}
+    for child in children:  # warm-up: connections, first requests
+        child.round(args.concurrency, args.concurrency, seed=999)
+    for index in range(args.rounds):
+        order = children if index % 2 == 0 else children[::-1]
+        for child in order:
+            results[child.name].append(child.round(args.requests, args.concurrency, seed=index))
+    return results
+
+
+def report(results: dict[str, list[dict]], args) -> None:
+    medians = {}
+    for name, rounds in results.items():
+        rates = [r["tokens"] / r["seconds"] for r in rounds]
+        cpu_us = [1e6 * r["cpu_s"] / args.requests for r in rounds]
+        medians[name] = (statistics.median(rates), statistics.median(cpu_us))
+        print(f"{name:>8}: tokens/s " + " ".join(f"{rate:,.0f}" for rate in rates)
+              + f"  (median {medians[name][0]:,.0f}); driver CPU per rollout median "
+              f"{medians[name][1]:,.0f} us")
+    (new_rate, new_cpu), (old_rate, old_cpu) = medians["this"], medians["against"]
+    print(f"this / against: tokens/s {new_rate / old_rate:.3f}x; driver CPU per rollout "
+          f"{new_cpu / old_cpu:.3f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", default="c867ee6", help="the commit to compare with")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.workers, args.tokens, args.run_dir)
+        return 0
+    from private_netns import reexec_in_private_netns
+
+    reexec_in_private_netns()
+    work = Path(tempfile.mkdtemp(prefix="rollout-fleet-versions-"))
+    children: list[Child] = []
+    try:
+        shadow = shadow_tree(args.against, work)
+        children.append(Child("this", None, args, work / "run-this"))
+        children.append(Child("against", str(shadow), args, work / "run-against"))
+        for child in children:
+            print(f"{child.name:>8}: code from {child.code}")
+        report(measure(children, args), args)
+    finally:
+        for child in children:
+            child.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
