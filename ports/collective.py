@@ -26,6 +26,15 @@ class WeightReceiver(ABC):
     """Worker side: one per worker rank."""
 
     spec: CollectiveSenderSpec
+    # Set by a consumer that keeps the previous refit's tensors (a rollback copy) while the
+    # next arrives: a receiver that reuses buffers keeps both sets warm. Ignored by default.
+    hold_previous: bool = False
+
+    @property
+    def account(self) -> Any | None:
+        """What counts the receive buffers' bytes (``live_bytes``, ``peak_bytes``,
+        ``reset_peak()``); None (the default) for a receiver that does not count them."""
+        return None
 
     @abstractmethod
     def receive(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:

@@ -195,7 +195,7 @@ class PackedTransferEngine:
         self.shutdown()
         self.rollback = init_info.rollback
         self.receiver = self.join_receiver(init_info.group_join, self.engine_rank)
-        if self.rollback is RefitRollback.LAST_GOOD and hasattr(self.receiver, "hold_previous"):
+        if self.rollback is RefitRollback.LAST_GOOD:
             self.receiver.hold_previous = True  # the kept set stays warm beside the next one
 
     def start_weight_update(self) -> None:
@@ -216,9 +216,8 @@ class PackedTransferEngine:
         # Only the rollback copy keeps the received tensors; otherwise each is dropped once
         # loaded, so its block goes back to the receiver (see receive_memory).
         kept: list[tuple[str, Any]] | None = [] if self.rollback is RefitRollback.LAST_GOOD else None
-        spec = getattr(self.receiver, "spec", None)
         progress = Progress(trim=host_trimmer(self.device),
-                             trim_every=getattr(spec, "buffer_bytes", 0))
+                             trim_every=self.receiver.spec.buffer_bytes)
         memory_before = cuda_memory_start(self.device)
         try:
             skip = frozenset(update_info.skip)
@@ -245,8 +244,7 @@ class PackedTransferEngine:
     def receive_memory(self) -> dict[str, int]:
         """Receive bytes alive now and at most since the last call, the bound for the last
         refit's plan, and the rollback copy's bytes (counted apart: it is the model's size)."""
-        receiver = self.receiver
-        account = getattr(receiver, "account", None)
+        account = self.receiver.account if self.receiver is not None else None
         if account is None:
             return {}
         memory = {"live_bytes": account.live_bytes, "peak_bytes": account.peak_bytes,
