@@ -130,15 +130,18 @@ class RefitCoordinator:
             calls.append(ControlCall(control, "init_collective", join.to_wire()))
         return calls
 
-    def update_weights_plan(self, mode: str | None = None, *,
-                            weight_version: int | None = None) -> list[ControlCall]:
+    def update_weights_plan(self, mode: str | None = None, *, weight_version: int | None = None,
+                            deadline_s: float | None = None) -> list[ControlCall]:
         """One call per worker. ``weight_version``: what every worker is set to (needed once
-        workers joined: theirs started at 0). Refused when the fleet changed since the group
-        was formed: the trainer forms it again first."""
+        workers joined: theirs started at 0). ``deadline_s``: how long each worker may take
+        before it abandons the update (``worker_deadline_s``). Refused when the fleet changed
+        since the group was formed: the trainer forms it again first."""
         self.check_group_current()
         body: dict[str, Any] = {} if mode is None else {"mode": refit_mode(mode)}
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if deadline_s is not None:
+            body["deadline_s"] = worker_deadline_s(deadline_s)
         return [ControlCall(control, "update_weights", body) for control in self._controls]
 
     def check_group_current(self) -> None:
@@ -198,6 +201,39 @@ class RefitCoordinator:
         return await gather_workers(step, {
             c.worker_id: run_control_call(ControlCall(c, step, body), self.control_timeout_s)
             for c in self._controls})
+
+
+def worker_deadline_s(deadline_s: float) -> float:
+    """A worker abandons an update a little before the trainer's deadline, so that by the
+    deadline its previous weights serve again and its own reason has reached the driver."""
+    return deadline_s * 0.9
+
+
+class RefitDeadline:
+    """The trainer's deadline on one update, shared by every worker's call: a call that ends
+    past the workers' bound fails naming the deadline and every worker not finished by then."""
+
+    def __init__(self, deadline_s: float, worker_ids: Collection[str], *,
+                 clock: Clock | None = None) -> None:
+        if not isinstance(deadline_s, (int, float)) or not 0 < deadline_s < float("inf"):
+            raise InvalidValue("refit_timeout_s", deadline_s, "must be a finite number > 0, or None")
+        self.deadline_s = float(deadline_s)
+        self._unfinished = set(worker_ids)
+        self._clock = clock or SystemClock()
+        self._started = self._clock.monotonic()
+
+    async def run(self, call: ControlCall) -> Mapping[str, Any]:
+        try:
+            answer = await run_control_call(call, self.deadline_s)
+        except Exception as exc:
+            if self._clock.monotonic() - self._started < worker_deadline_s(self.deadline_s):
+                raise  # failed for a reason of its own, before any deadline
+            raise RefitError(
+                f"the refit passed its deadline (refit_timeout_s={self.deadline_s:g} s): worker(s)"
+                f" {sorted(self._unfinished)} did not finish; each abandons it and keeps serving"
+                f" the weights it had ({call.worker_id}: {exc})") from None
+        self._unfinished.discard(call.worker_id)
+        return answer
 
 
 async def gather_workers(step: str, calls: Mapping[str, Awaitable[Any]]) -> dict[str, Any]:
@@ -260,7 +296,9 @@ class WorkerRefit:
         next_version(self._target.weight_version(), wanted)  # refuse before any transfer
         async with self._lock:
             started = self._clock.monotonic()
-            version = await self._target.update_weights(self._info, mode=mode, version=wanted)
+            version = await _by_deadline(
+                self._target.update_weights(self._info, mode=mode, version=wanted),
+                body.get("deadline_s"))
         return {"weight_version": version, "seconds": round(self._clock.monotonic() - started, 6)}
 
     async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -269,6 +307,18 @@ class WorkerRefit:
 
     async def weight_version(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return {"weight_version": self._target.weight_version()}
+
+
+async def _by_deadline(update: Awaitable[int], deadline_s: Any) -> int:
+    """The engine's update, abandoned (cancelled) past ``deadline_s``: an engine swaps its
+    weights only once everything arrived, so an abandoned update leaves the previous ones."""
+    if deadline_s is None:
+        return await update
+    try:
+        return await asyncio.wait_for(update, float(deadline_s))
+    except (asyncio.TimeoutError, TimeoutError):
+        raise RefitError(f"update_weights abandoned at this worker's deadline of "
+                         f"{float(deadline_s):g} s; the previous weights serve") from None
 
 
 def _field(body: Mapping[str, Any], key: str) -> Any:

@@ -48,6 +48,13 @@ class CollectiveSenderSpec:
 class DynamoGeneration:
     """NeMo-RL's ``DynamoGeneration(cluster, config, tokenizer, tokenizer_config)``."""
 
+    @classmethod
+    def validate_settings(cls, master_config: Any) -> None:
+        """Refuse a ``policy.generation`` this backend cannot honour before anything is built:
+        the same checks as the constructor's, no fleet started."""
+        policy = master_config["policy"] if isinstance(master_config, Mapping) else master_config.policy
+        read_nemo_rl_config(policy["generation"], None)
+
     def __init__(self, cluster: Any, config: Mapping[str, Any], tokenizer: Any = None,
                  tokenizer_config: Mapping[str, Any] | None = None) -> None:
         self.cfg = dict(config)
@@ -163,6 +170,21 @@ class DynamoGeneration:
     def clear_logger_metrics(self) -> None:
         self.native.clear_logger_metrics()
 
+    def drain_latest_logger_metrics(self) -> dict[str, dict[int, list[float]]]:
+        """Each worker's newest sample per key (``generation_tokens``: its running count), in
+        ``get_logger_metrics``' shape; every older sample is dropped."""
+        latest = self.native.drain_latest_logger_metrics()
+        ordinals = self._ordinals()
+        return {key: {ordinals[worker]: [value for _at, value in points]
+                      for worker, points in latest[native].items() if worker in ordinals}
+                for key, native in LOGGER_METRICS.items()}
+
+    def snapshot_step_metrics(self) -> None:
+        self.native.snapshot_step_metrics()
+
+    def get_step_metrics(self) -> dict[str, float]:
+        return self.native.get_step_metrics()
+
     # -- refit --------------------------------------------------------------------------------
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
         return self.native.init_collective(ip, port, world_size, train_world_size=train_world_size)
@@ -172,8 +194,23 @@ class DynamoGeneration:
         ``refit_info`` (for a sender of the project's packed protocol)."""
         self.refit_info = self.native.prepare_refit_info(state_dict_info)
 
-    def update_weights_from_collective(self) -> list:
-        return self.native.update_weights_from_collective()
+    def update_weights_from_collective(self, refit_timeout_s: float | None = None) -> list:
+        return self.native.update_weights_from_collective(refit_timeout_s)
+
+    def get_refit_payload_mode(self) -> str:
+        return self.native.get_refit_payload_mode()
+
+    def pause_generation_for_refit(self, *, clear_cache: bool) -> bool:
+        return self.native.pause_generation_for_refit(clear_cache=clear_cache)
+
+    def resume_generation_after_refit(self) -> bool:
+        return self.native.resume_generation_after_refit()
+
+    def pause_generation(self, mode: str) -> None:
+        self.native.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        self.native.continue_generation()
 
     def update_weights_via_ipc_zmq(self) -> list:
         return self.native.update_weights_via_ipc_zmq()

@@ -350,9 +350,14 @@ async def _all_ranks(calls: list[Callable[[], Any]], on_partial: Callable[[list]
     loop = asyncio.get_running_loop()
     # A thread per rank: ranks block until every rank of the group is there, so a shared pool
     # smaller than the group would wait for itself.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(calls))
+    try:
         results = await asyncio.gather(*(loop.run_in_executor(pool, call) for call in calls),
                                        return_exceptions=True)
+    finally:
+        # Not waited for: a refit abandoned at its deadline must not hold the worker's loop
+        # until a stalled rank gives up; what that rank still receives is dropped.
+        pool.shutdown(wait=False)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         if on_partial is not None:

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.rollout import RolloutResult
+from rollout_fleet.core.rollout import RolloutResult, SamplingSpec
 
 OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths",
                "truncated", "weight_versions")
@@ -144,3 +144,11 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor of shape {list(value.shape)} and dtype {value.dtype}"
     return type(value).__name__
+
+
+def seeded_for(sampling: SamplingSpec, number: int) -> SamplingSpec:
+    """A base seed gives each rollout its own seed (base + its number): the samples of one prompt
+    differ, and a run that asks the same things in the same order draws the same tokens."""
+    if sampling.greedy or sampling.seed is None:
+        return sampling
+    return attrs.evolve(sampling, seed=(sampling.seed + number) % 2**63)

@@ -16,21 +16,17 @@ from typing import Any
 
 import attrs
 from rollout_fleet.adapters.nemo_rl.colocated import ColocatedPhases
-from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output
+from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output, seeded_for
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
+from rollout_fleet.adapters.nemo_rl.hold import GenerationHold
 from rollout_fleet.adapters.nemo_rl.refit import FleetRefit
 from rollout_fleet.adapters.nemo_rl.worker_metrics import MetricTimelines
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.refit_service import RefitCoordinator
-from rollout_fleet.core.rollout import (
-    GREEDY,
-    RolloutRequest,
-    RolloutResult,
-    SamplingSpec,
-)
+from rollout_fleet.core.rollout import GREEDY, RolloutRequest, RolloutResult
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
 from rollout_fleet.core.sleep import SleepState
 from rollout_fleet.core.staleness import StalenessGate
@@ -96,13 +92,13 @@ class FleetGeneration:
         self._fleet_refit = FleetRefit(self._refit, self._helper, config.sender_spec, self._gate)
         self._metrics = MetricTimelines(metrics, self._helper,
                                         interval_s=config.metrics_interval_s)
+        self._hold = GenerationHold(self.invalidate_kv_cache, self.retried_attempts)
         self._shut_down = False
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, data: Any, greedy: bool = False) -> Any:
-        raise NotImplementedError(
-            "FleetGeneration serves a fleet asynchronously and has no blocking generate(): "
-            "use `async for index, sample in generation.generate_async(data, greedy)`")
+        raise NotImplementedError("FleetGeneration has no blocking generate(): use `async for "
+                                  "index, sample in generation.generate_async(data, greedy)`")
 
     async def generate_async(self, data: Any, greedy: bool = False
                              ) -> AsyncIterator[tuple[int, Any]]:
@@ -143,7 +139,9 @@ class FleetGeneration:
                 sender.cancel()
 
     async def _rollout(self, request: RolloutRequest) -> RolloutResult:
-        """One rollout, held by the staleness bound when there is one."""
+        """One rollout, held by a pause (NeMo-RL's) and by the staleness bound when there is one."""
+        if not self._hold.open.is_set():
+            await self._hold.wait_until_open()
         if not self._gate.bounded:
             return await self._client.rollout(request)
         async with self._gate.rollout():
@@ -156,7 +154,7 @@ class FleetGeneration:
             try:
                 requests.append(self._limits.request(
                     f"rollout-{self._id_prefix}-{number}", prompt,
-                    sampling=_seeded_for(sampling, number), stop_strings=stops))
+                    sampling=seeded_for(sampling, number), stop_strings=stops))
             except InvalidValue as exc:
                 raise type(exc)(f"sample {index}: {exc.field}", exc.value, exc.rule) from None
         return requests
@@ -285,6 +283,15 @@ class FleetGeneration:
     def clear_logger_metrics(self) -> None:
         self._metrics.clear()
 
+    def drain_latest_logger_metrics(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
+        return self._metrics.drain_latest()
+
+    def snapshot_step_metrics(self) -> None:
+        self._hold.snapshot_step_metrics()
+
+    def get_step_metrics(self) -> dict[str, float]:  # retried attempts since the snapshot
+        return self._hold.step_metrics()
+
     def sample_worker_metrics(self) -> list[WorkerLoad]:
         """Take one sample of every worker now (also what the periodic sampler does)."""
         self._check_open()
@@ -333,16 +340,32 @@ class FleetGeneration:
         self._forget_lost()
         return self._fleet_refit.prepare_refit_info(state_dict_info)
 
-    def update_weights_from_collective(self, mode: str | None = None) -> list:
-        """Every worker receives the trainer's broadcast and loads it; one future per worker.
-        ``mode`` says what happens to rollouts in flight: ``drain`` (the default: they finish
-        on the old weights first), ``keep`` or ``recompute`` (they continue on the new ones;
-        docs/async-rl.md). With ``max_staleness`` set, this blocks first until no rollout in
-        flight would fall further behind than the bound (call it from the trainer's thread,
-        not from a loop that runs ``generate_async``)."""
+    def update_weights_from_collective(self, refit_timeout_s: float | None = None, *,
+                                       mode: str | None = None) -> list:
+        """Every worker receives and loads the trainer's broadcast; one future per worker. Past
+        ``refit_timeout_s`` each worker abandons it and keeps its weights (the futures fail
+        naming the deadline). ``mode``: ``drain`` (default), ``keep``, ``recompute``
+        (docs/async-rl.md). With ``max_staleness``, this first waits for the bound (call it
+        from the trainer's thread, not from a loop that runs ``generate_async``)."""
         self._check_open()
         self._forget_lost()
-        return self._fleet_refit.update_weights_from_collective(mode)
+        return self._fleet_refit.update_weights_from_collective(mode, refit_timeout_s)
+
+    def get_refit_payload_mode(self) -> str:
+        return "hf_export"  # the workers check and load Hugging Face names (prepare_refit_info)
+
+    # NeMo-RL's pauses hold new rollouts at the driver, none fails (adapters/nemo_rl/hold.py)
+    def pause_generation_for_refit(self, *, clear_cache: bool) -> bool:
+        return self._hold.pause(clear_cache=clear_cache)
+
+    def resume_generation_after_refit(self) -> bool:
+        return self._hold.resume()
+
+    def pause_generation(self, mode: str) -> None:
+        self._hold.pause_in_mode(mode)
+
+    def continue_generation(self) -> None:
+        self._hold.resume()
 
     def get_weight_versions(self) -> dict[str, int]:
         """Worker id -> the version of the weights it serves (0 = as started, +1 per refit;
@@ -353,9 +376,9 @@ class FleetGeneration:
 
     def update_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> list:
         raise NotImplementedError(
-            "update_weights_via_ipc_zmq needs the trainer and the engines to share GPUs in one "
-            "process group (CUDA IPC); a Dynamo fleet's workers are separate servers and receive "
-            "weights over the collective: use init_collective + update_weights_from_collective")
+            "update_weights_via_ipc_zmq needs the trainer and the engines to share GPUs (CUDA "
+            "IPC); the fleet's workers receive weights over the collective: use init_collective"
+            " + update_weights_from_collective")
 
     # -- pickling -----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -371,10 +394,3 @@ class FleetGeneration:
         kind = "copy" if self.is_copy else "owner"
         return f"FleetGeneration({self.frontend_url!r}, workers={list(self.worker_ids)}, {kind})"
 
-
-def _seeded_for(sampling: SamplingSpec, number: int) -> SamplingSpec:
-    """A base seed gives each rollout its own seed (base + its number): the samples of one prompt
-    differ, and a run that asks the same things in the same order draws the same tokens."""
-    if sampling.greedy or sampling.seed is None:
-        return sampling
-    return attrs.evolve(sampling, seed=(sampling.seed + number) % 2**63)

@@ -23,6 +23,7 @@ from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
 from rollout_fleet.core.refit_service import (
     ControlCall,
     RefitCoordinator,
+    RefitDeadline,
     run_control_call,
 )
 from rollout_fleet.core.staleness import StalenessGate
@@ -50,18 +51,23 @@ class FleetRefit:
         self.refit_info = info
         return info
 
-    def update_weights_from_collective(self, mode: str | None = None) -> list:
+    def update_weights_from_collective(self, mode: str | None = None,
+                                       refit_timeout_s: float | None = None) -> list:
         if self.refit_info is None:
             raise RefitError("update_weights_from_collective before prepare_refit_info")
+        deadline = (None if refit_timeout_s is None
+                    else RefitDeadline(refit_timeout_s, self._coordinator.worker_ids))
         self._coordinator.update_weights_plan(mode)  # refuses a bad mode or group before waiting
         version = self._helper.run(self._coordinator.next_weight_version())
-        plan = self._coordinator.update_weights_plan(mode, weight_version=version)
+        plan = self._coordinator.update_weights_plan(
+            mode, weight_version=version,
+            deadline_s=None if deadline is None else deadline.deadline_s)
         if self._gate.bounded:
             # The version advances when every worker has loaded the new weights; until then
             # the rollouts admitted count as the old version's (the safe side of the bound).
             self._gate.begin_refit(timeout_s=self._coordinator.control_timeout_s)
         try:
-            futures = self._launch(plan)
+            futures = self._launch(plan, deadline)
         except BaseException:
             if self._gate.bounded:
                 self._gate.end_refit(False)
@@ -77,12 +83,14 @@ class FleetRefit:
     def weight_versions(self) -> dict[str, int]:
         return self._helper.run(self._coordinator.weight_versions())
 
-    def _launch(self, plan: list[ControlCall]) -> list:
-        timeout_s = self._coordinator.control_timeout_s
+    def _launch(self, plan: list[ControlCall], deadline: RefitDeadline | None = None) -> list:
+        timeout_s = self._coordinator.control_timeout_s if deadline is None else deadline.deadline_s
         if _ray_is_running():
             if self._ray_calls is None:
                 self._ray_calls = RayControlCalls()
             return [self._ray_calls.submit(call, timeout_s) for call in plan]
+        if deadline is not None:
+            return [self._helper.spawn(deadline.run(call)) for call in plan]
         return [self._helper.spawn(run_control_call(call, timeout_s)) for call in plan]
 
     def close(self) -> None:

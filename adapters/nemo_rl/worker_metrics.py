@@ -42,6 +42,14 @@ class MetricTimelines:
         return {key: {w: list(points) for w, points in per_worker.items()}
                 for key, per_worker in self._timelines.items()}
 
+    def drain_latest(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
+        """Each worker's newest point per quantity, the rest dropped: a frequent poller gets a
+        bounded answer (``generated_tokens`` is a running count, so deltas stay readable)."""
+        latest = {key: {w: points[-1:] for w, points in per_worker.items() if points}
+                  for key, per_worker in self._timelines.items()}
+        self.clear()
+        return latest
+
     def clear(self) -> None:
         for per_worker in self._timelines.values():
             for points in per_worker.values():

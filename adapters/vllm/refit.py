@@ -5,6 +5,7 @@ text of what each engine rank reports."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -95,6 +96,12 @@ class VllmRefit(RefitTarget):
                 await engine.update_weights(WeightTransferUpdateRequest(
                     update_info=self._update_info(info)))
                 await engine.finish_weight_update()
+            except asyncio.CancelledError:
+                # Abandoned at its deadline: vLLM's ranks may still be loading, so this worker
+                # serves nothing until a refit succeeds rather than a half-loaded model.
+                self._joined = False
+                self.runtime.torn = "a refit was abandoned at its deadline while vLLM loaded it"
+                raise
             except Exception as error:
                 self._joined = False  # the group broke: the next refit forms a new one
                 await self.note_failed_refit()

@@ -50,7 +50,7 @@ def refit_while(generation, streaming: threading.Thread, port: int) -> int:
                        TinyBigramModel.from_seed(refits + 1).state_dict().items()}
             info = generation.prepare_refit_info(
                 {n: (tuple(t.shape), "float32") for n, t in weights.items()})
-            updates = generation.update_weights_from_collective("keep")  # paced by the bound
+            updates = generation.update_weights_from_collective(mode="keep")  # paced by the bound
             trainer.send_state_dict(weights, info)
             for future in updates:
                 future.result(timeout=60)

@@ -185,7 +185,7 @@ def _refit(generation, trainer, session, info, *, mode: str | None) -> dict[str,
 
     started = time.perf_counter()
     updating = (generation.update_weights_from_collective() if mode is None
-                else generation.update_weights_from_collective(mode))
+                else generation.update_weights_from_collective(mode=mode))
     session.send_state_dict(trainer.state_dict(), info)
     ray.get(updating, timeout=300)
     if mode is None:
