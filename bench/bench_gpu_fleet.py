@@ -1,6 +1,7 @@
 """The fleet against bare vLLM on one GPU: tokens/s, start time, and bf16 fidelity.
 
     python3 bench/bench_gpu_fleet.py [--prompts 512] [--tokens 256] [--rounds 3] [--out DIR]
+        [--input-len 16] [--max-model-len 512]
 
 One run, one GPU, one model: a Llama-3.2-1B-shaped bf16 Llama with random weights, built here
 (tests/support/gpu_models.py). Both ways get the very same engine arguments: the keyword arguments the
@@ -14,7 +15,7 @@ the same share of GPU memory, so both engines are up at once and the rounds inte
            the project's own driver (``build_generation(...).generate_async``)
   http:    the same fleet through one pooled aiohttp session posting ``/v1/completions``
 
-Each round sends ``--prompts`` prompts of 16 tokens for ``--tokens`` new tokens; tokens/s is
+Each round sends ``--prompts`` prompts of ``--input-len`` tokens (16) for ``--tokens`` new tokens; tokens/s is
 generated tokens over the round's wall time; medians over ``--rounds`` rounds of each way,
 interleaved (bare, driver, http, bare, ...). Start: bare = ``from_engine_args`` until it
 returns; fleet = ``Fleet.start`` until the frontend lists the model. Each side starts with its
@@ -48,16 +49,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
 SERVED = "llama-1b"
-PROMPT_TOKENS = 16
 CACHE_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def fleet_config(model: Path, run_dir: Path, args) -> dict:
     return {"model": str(model), "served_model_name": SERVED, "device": "cpu" if args.cpu else "gpu",
-            "placement": "local", "num_workers": 1, "max_model_len": 512,
+            "placement": "local", "num_workers": 1, "max_model_len": args.max_model_len,
             "max_new_tokens": args.tokens, "max_in_flight": 2 * args.prompts,
             "run_dir": str(run_dir), "timeouts": {"start_s": 900},
-            "engine": {"kind": "vllm", "max_model_len": 512,
+            "engine": {"kind": "vllm", "max_model_len": args.max_model_len,
                        "gpu_memory_utilization": args.gpu_memory_utilization}}
 
 
@@ -236,8 +236,9 @@ async def bench(args, work: Path) -> dict:
     from rollout_fleet.wiring.fleet import Fleet
 
     shape, dtype = (SMALL, "float32") if args.cpu else (LLAMA_1B, "bfloat16")
-    model = build_llama(work / "model", shape, dtype, seed=0)
-    prompts = random_prompts(args.prompts, PROMPT_TOKENS, shape["vocab_size"], seed=1)
+    model = build_llama(work / "model", shape, dtype, seed=0,
+                        max_positions=max(2048, args.max_model_len))
+    prompts = random_prompts(args.prompts, args.input_len, shape["vocab_size"], seed=1)
     config = parse_config(fleet_config(model, work / "run", args))
     kwargs = worker_engine_kwargs(config)
     print("engine arguments (both ways):", json.dumps(kwargs, default=str), flush=True)
@@ -260,7 +261,7 @@ async def bench(args, work: Path) -> dict:
     try:
         meter = Meter(fleet) if args.meter else None
         generation = build_generation(
-            GenerationConfig(model=SERVED, max_model_len=512, max_new_tokens=args.tokens,
+            GenerationConfig(model=SERVED, max_model_len=args.max_model_len, max_new_tokens=args.tokens,
                              max_in_flight=args.prompts),
             frontend_url=fleet.frontend_url, control_secret=fleet.secret,
             workers=fleet.endpoints(), http=HttpSettings(max_in_flight=args.prompts))
@@ -330,7 +331,9 @@ def summary(result: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=512, help="all sent at once: the concurrency")
+    parser.add_argument("--input-len", type=int, default=16, help="tokens per prompt")
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
@@ -340,7 +343,7 @@ def main() -> int:
     parser.add_argument("--skip-bare", action="store_true", help="the fleet only")
     args = parser.parse_args()
     if args.cpu:
-        from rollout_fleet.wiring.netns import reexec_in_private_netns
+        from private_netns import reexec_in_private_netns
 
         reexec_in_private_netns()  # the fleet's frontend and worker on loopback only
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-fleet-"))

@@ -114,14 +114,18 @@ def engine_options(args) -> dict:
     """What both servers are given beyond the model and vLLM's defaults."""
     if not args.gpu:
         return {}
-    return {"device": "cuda", "max_model_len": args.max_model_len,
-            "gpu_memory_utilization": GPU_MEMORY_SHARE,
-            "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
+    options = {"device": "cuda", "max_model_len": args.max_model_len,
+               "gpu_memory_utilization": getattr(args, "gpu_memory_share", GPU_MEMORY_SHARE)}
+    if args.kv_cache_gib is not None:  # None: vLLM sizes the cache from its memory profile
+        options["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+    return options
 
 
-def own_caches(run_dir: Path) -> dict[str, str]:
-    """A compile cache of its own for each server: both compile at once."""
-    return {name: str(run_dir / name.lower()) for name in
+def own_caches(run_dir: Path, args=None) -> dict[str, str]:
+    """A compile cache of its own for each server: both compile at once. A caller that starts
+    the servers one after the other may name one cache for both (``args.cache_dir``)."""
+    folder = getattr(args, "cache_dir", None) or run_dir
+    return {name: str(Path(folder) / name.lower()) for name in
             ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
 
 
@@ -140,7 +144,7 @@ def start_fleet(run_dir: Path, model: Path, nice: int | None, args):
     # As the fleet starts one: the control secret (no control is called here) on standard input.
     worker = start([sys.executable, "-m", "rollout_fleet.wiring.worker", "--config",
                     str(run_dir / "worker.json"), "--control-secret-stdin"], log,
-                   own_caches(run_dir), secret=secrets.token_hex(32))
+                   own_caches(run_dir, args), secret=secrets.token_hex(32))
     frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
     return frontend.url, worker, frontend, log
 
@@ -156,8 +160,9 @@ def vllm_server_flags(model: Path, args) -> list[str]:
     kwargs = fleet_engine_config(model, args).engine_kwargs()
     flags = ["--model", str(model), "--dtype", kwargs["dtype"],
              "--max-model-len", str(kwargs["max_model_len"]), "--seed", str(kwargs["seed"]),
-             "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
              "--generation-config", kwargs["generation_config"]]
+    if "kv_cache_memory_bytes" in kwargs:
+        flags += ["--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"])]
     if "gpu_memory_utilization" in kwargs:
         flags += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
     flags += ["--enforce-eager"] if kwargs["enforce_eager"] else []
@@ -174,7 +179,7 @@ def start_vllm(run_dir: Path, model: Path, args):
     server_dir = run_dir / "vllm-server"
     server_dir.mkdir(parents=True, exist_ok=True)
     # The environment the fleet's worker gives its engine (the float32 precision settings).
-    env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir)}
+    env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir, args)}
     server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                     *vllm_server_flags(model, args), "--served-model-name", SERVED_MODEL,
                     "--host", "127.0.0.1", "--port", str(port)], log, env)

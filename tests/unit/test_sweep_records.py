@@ -1,0 +1,53 @@
+"""The serving sweep's own logic (bench/sweep_records.py), run on the CPU: the KV facts it reads
+from vLLM's logs, its shape spelling, its time budget and its ratio table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from sweep_records import Budget, Shape, engine_facts, markdown, ratio_rows  # noqa: E402
+
+GPU_LOG = """INFO gpu_worker.py:760] Available KV cache memory: 40.12 GiB
+INFO kv_cache_utils.py:2328] GPU KV cache size: 1,312,000 tokens, Maximum concurrency for 5,120 tokens per request: 256.25x"""
+CPU_LOG = """INFO cpu_worker.py:258] Explicitly set (0.06/23.40) GiB for KV cache on node 0.
+INFO kv_cache_utils.py:2328] CPU KV cache size: 32,768 tokens, Maximum concurrency for 512 tokens per request: 64.00x"""
+
+
+def test_kv_facts_are_read_from_gpu_and_cpu_logs_and_absent_ones_say_so():
+    assert engine_facts(GPU_LOG) == {"kv_cache_gib": 40.12, "kv_cache_tokens": 1_312_000,
+                                     "max_concurrency": 256.25, "max_model_len": 5120}
+    assert engine_facts(CPU_LOG)["kv_cache_gib"] == 0.06
+    assert set(engine_facts("nothing logged").values()) == {None}
+
+
+def test_a_shape_is_spelled_in_x_out_x_concurrency_and_a_bad_one_is_named():
+    assert Shape.parse("1024x128x256") == Shape(1024, 128, 256)
+    assert str(Shape(4096, 1024, 64)) == "4096x1024x64"
+    with pytest.raises(ValueError, match="'1024x0x8'"):
+        Shape.parse("1024x0x8")
+
+
+def test_the_budget_admits_the_first_shape_then_estimates_from_the_slowest_pace():
+    budget = Budget(100.0, started=0.0, reserve_s=0.0)
+    assert budget.fits(now=10.0, work=1e9)  # nothing measured yet
+    budget.record(work=100.0, seconds=20.0)
+    budget.record(work=100.0, seconds=10.0)  # a faster pace does not lower the estimate
+    assert budget.fits(now=50.0, work=250.0) and not budget.fits(now=51.0, work=250.0)
+    assert Budget(None, started=0.0).fits(now=1e9, work=1e9)
+
+
+def test_ratios_are_fleet_over_vllm_of_the_medians_and_one_sided_shapes_are_left_out():
+    def run(way, shape, tokens_s, ttft_ms):
+        return {"arrangement": "resident", "shape": shape, "way": way, "output_throughput": tokens_s,
+                "median_ttft_ms": ttft_ms, "median_tpot_ms": 1.0}
+
+    rounds = [run("fleet", "128x128x64", 90, 30), run("fleet", "128x128x64", 100, 10),
+              run("fleet", "128x128x64", 300, 20), run("vllm", "128x128x64", 200, 10),
+              run("fleet", "4096x128x64", 1, 1)]
+    (row,) = ratio_rows(rounds)
+    assert (row["shape"], row["tokens_ratio"], row["ttft_ratio"]) == (Shape(128, 128, 64), 0.5, 2.0)
+    assert "**0.500** | **2.00x**" in markdown(rounds, {"fleet": {"kv_cache_gib": None}})
