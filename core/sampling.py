@@ -24,7 +24,12 @@ NEUTRAL_SAMPLING: Mapping[str, Any] = {
     "ignore_eos": False,
     "allowed_token_ids": None,
     "logit_bias": None,
+    # Constrained decoding: the output follows a JSON schema, a regex, one of a list of
+    # choices or a grammar. Dynamo's frontend asks it (as ``guided_decoding``) for a
+    # ``tool_choice`` that names a function or is "required", so a call always parses.
+    "structured_outputs": None,
 }
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
 
 
 def extra_sampling(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -89,6 +94,29 @@ def _bias_map(name: str, value: Any) -> dict[int, float]:
     return biases
 
 
+def _structured(name: str, value: Any) -> dict[str, Any]:
+    """Exactly one constraint (``json``: a schema, ``regex``, ``choice``: a list of strings,
+    ``grammar``); ``whitespace_pattern`` may ride along. Other keys (a backend's name) are
+    dropped: the engine picks its own backend."""
+    if not isinstance(value, Mapping):
+        raise InvalidValue(name, value, f"must be a table with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+    asked = {kind: value[kind] for kind in STRUCTURED_OUTPUT_KINDS if value.get(kind) is not None}
+    if len(asked) != 1:
+        raise InvalidValue(name, value, "must ask for exactly one of "
+                           f"{', '.join(STRUCTURED_OUTPUT_KINDS)}")
+    kind, constraint = next(iter(asked.items()))
+    if kind == "json" and not isinstance(constraint, (Mapping, str)):
+        raise InvalidValue(f"{name}.json", constraint, "must be a JSON schema (an object or its text)")
+    if kind == "choice" and (not isinstance(constraint, (list, tuple)) or not constraint
+                             or not all(isinstance(c, str) for c in constraint)):
+        raise InvalidValue(f"{name}.choice", constraint, "must be a non-empty list of strings")
+    if kind in ("regex", "grammar") and (not isinstance(constraint, str) or not constraint):
+        raise InvalidValue(f"{name}.{kind}", constraint, "must be a non-empty string")
+    if isinstance(value.get("whitespace_pattern"), str):
+        asked["whitespace_pattern"] = value["whitespace_pattern"]
+    return asked
+
+
 _CHECKS = {
     "repetition_penalty": _penalty_above_zero,
     "presence_penalty": _penalty_in_two,
@@ -98,4 +126,5 @@ _CHECKS = {
     "ignore_eos": _flag,
     "allowed_token_ids": _token_list,
     "logit_bias": _bias_map,
+    "structured_outputs": _structured,
 }

@@ -146,6 +146,21 @@ class FleetConfig(_Strict):
     colocation: ColocationConfig = Field(
         default_factory=ColocationConfig, description="workers that share their devices with "
         "trainer ranks and sleep between generation phases (wiring/colocation.py)")
+    chat: dict[str, Any] = Field(
+        default_factory=dict, description="how each worker registers its model for chat: "
+        "tool_call_parser and reasoning_parser (names Dynamo offers), custom_jinja_template "
+        "(a template file used instead of the model's)")
+
+    @field_validator("chat")
+    @classmethod
+    def _chat(cls, value: dict[str, Any]) -> dict[str, str]:
+        from rollout_fleet.adapters.dynamo.chat import check_chat_settings
+
+        try:
+            return check_chat_settings(value, field_prefix="chat")
+        except InvalidValue as exc:
+            raise ValueError(f"{exc.field.removeprefix('chat.')}={_shown(exc.value)}: "
+                             f"{exc.rule}") from None
 
     @field_validator("colocation", mode="before")
     @classmethod

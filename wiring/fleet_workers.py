@@ -69,7 +69,7 @@ def worker_config(config: FleetConfig, index: int, *, run_dir: Path, model_path:
         namespace="fleet", served_model_name=config.served_model_name,
         model_path=model_path or None, env={**discovery_env, **config.env},
         hold_until_refit=joins_running, hang_timeout_s=config.hang_timeout_s,
-        worker_id=worker_name(index))
+        worker_id=worker_name(index), chat=dict(config.chat))
 
 
 def worker_launch(config: FleetConfig, index: int, worker_config: WorkerConfig, *,

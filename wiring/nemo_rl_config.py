@@ -14,13 +14,6 @@ from rollout_fleet.wiring.config import FleetConfig, parse_config
 
 _PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                "float16": "float16", "fp32": "float32", "float32": "float32"}
-_TEXT_ONLY = ("the fleet's workers serve token IDs in and token IDs out; text, chat templates "
-              "and parsing stay with the trainer's tokenizer")
-_UNOFFERED_WORKER_ARGS = {
-    "tool_call_parser": f"tool-call parsing is not offered: {_TEXT_ONLY}",
-    "reasoning_parser": f"reasoning parsing is not offered: {_TEXT_ONLY}",
-    "custom_jinja_template": f"chat templates are not offered: {_TEXT_ONLY}",
-}
 # vllm_cfg keys read here, and those that configure NeMo-RL's side or upstream's own runtime
 # (accepted, with nothing for vLLM to do here: docs/running-a-fleet.md lists them).
 _VLLM_CFG_READ = {"tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
@@ -72,6 +65,9 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
                      "request_s": float(_get(dynamo, "request_timeout_s", "dynamo_cfg")),
                      "refit_s": float(_get(dynamo, "control_timeout_s", "dynamo_cfg"))},
     }
+    chat = _chat_settings(dynamo)
+    if chat:
+        fleet["chat"] = chat
     router = (dynamo.get("frontend_args") or {}).get("router_mode")
     if router is not None:
         fleet["router"] = router
@@ -227,9 +223,6 @@ def _refuse_unoffered(config: Mapping[str, Any], dynamo: Mapping[str, Any],
         raise InvalidValue(f"{PREFIX}.refit_transport", config["refit_transport"],
                            "must be null: this backend refits over the collective only")
     worker_args = dynamo.get("worker_args") or {}
-    for key, why in _UNOFFERED_WORKER_ARGS.items():
-        if worker_args.get(key) is not None:
-            raise InvalidValue(f"{PREFIX}.dynamo_cfg.worker_args.{key}", worker_args[key], why)
     for key in ("extra_cli_args",):
         for section, args in (("worker_args", worker_args),
                               ("frontend_args", dynamo.get("frontend_args") or {})):
@@ -237,6 +230,16 @@ def _refuse_unoffered(config: Mapping[str, Any], dynamo: Mapping[str, Any],
                 raise InvalidValue(f"{PREFIX}.dynamo_cfg.{section}.{key}", args[key],
                                    "not offered: the fleet builds its workers' and frontend's "
                                    "arguments itself; use the rollout_fleet section")
+
+
+def _chat_settings(dynamo: Mapping[str, Any]) -> dict[str, str]:
+    """``worker_args.tool_call_parser`` / ``reasoning_parser`` / ``custom_jinja_template``:
+    the fleet's ``chat`` table, each checked here so that a bad one is named by NeMo-RL's key."""
+    from rollout_fleet.adapters.dynamo.chat import CHAT_KEYS, check_chat_settings
+
+    worker_args = dynamo.get("worker_args") or {}
+    asked = {key: worker_args[key] for key in CHAT_KEYS if worker_args.get(key) is not None}
+    return check_chat_settings(asked, field_prefix=f"{PREFIX}.dynamo_cfg.worker_args")
 
 
 def groups_of(cluster: Any) -> list:

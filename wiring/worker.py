@@ -149,7 +149,8 @@ async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
         serving = start_dynamo_endpoint(
             adapter, model_path=built.model_path,
             served_model_name=config.served_model_name,
-            namespace=config.namespace, engine_env=env, enable_kv_routing=config.kv_routing)
+            namespace=config.namespace, engine_env=env, enable_kv_routing=config.kv_routing,
+            chat=config.chat)
         watch = asyncio.ensure_future(_leave_when_engine_dies(built.engine, adapter, watch_progress))
         await serving
     finally:

@@ -49,7 +49,7 @@ def _engine(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _env(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise InvalidValue("env", value, "must map names to strings")
+        raise InvalidValue(attribute.name, value, "must map names to strings")
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +74,8 @@ class WorkerConfig:
     env: Mapping[str, str] = attrs.field(factory=dict, validator=_env)  # e.g. etcd discovery
     hold_until_refit: bool = attrs.field(default=False, validator=_bool)  # joins a running fleet
     worker_id: str | None = attrs.field(default=None, validator=_optional_str)  # "worker-0"
+    # tool_call_parser, reasoning_parser, custom_jinja_template (checked by the fleet's config)
+    chat: Mapping[str, str] = attrs.field(factory=dict, validator=_env)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "WorkerConfig":

@@ -25,7 +25,8 @@ def start_dynamo_endpoint(adapter: DynamoEngineAdapter, *, model_path: str,
                           served_model_name: str, namespace: str,
                           engine_env: Mapping[str, str], component: str = "backend",
                           endpoint: str = "generate",
-                          enable_kv_routing: bool = False) -> asyncio.Task:
+                          enable_kv_routing: bool = False,
+                          chat: Mapping[str, str] | None = None) -> asyncio.Task:
     """Register the adapter's engine with Dynamo and serve it; returns the serving task.
 
     ``engine_env``: the DYN_* variables (``dynamo_env``); put into ``os.environ`` now because
@@ -39,7 +40,12 @@ def start_dynamo_endpoint(adapter: DynamoEngineAdapter, *, model_path: str,
     still runs. Install the host's SIGTERM handler (``signal.signal``) BEFORE calling this: one
     installed after replaces Dynamo's. ``loop.add_signal_handler`` for SIGTERM/SIGINT is
     silently ignored once Dynamo's worker runs.
+
+    ``chat``: ``tool_call_parser``, ``reasoning_parser``, ``custom_jinja_template`` (checked by
+    ``chat.check_chat_settings``), registered with the model: Dynamo's frontend renders that
+    template and runs those parsers on the model's text.
     """
+    chat = dict(chat or {})
     loop = asyncio.get_running_loop()
     os.environ.update(engine_env)
     adapter.set_model(str(model_path), served_model_name)
@@ -49,22 +55,28 @@ def start_dynamo_endpoint(adapter: DynamoEngineAdapter, *, model_path: str,
         endpoint=endpoint,
         model_name=str(model_path),
         served_model_name=served_model_name,
-        endpoint_types=endpoint_types(model_path),
+        endpoint_types=endpoint_types(model_path, chat.get("custom_jinja_template")),
         discovery_backend=engine_env.get("DYN_DISCOVERY_BACKEND", "file"),
         request_plane=engine_env.get("DYN_REQUEST_PLANE", "tcp"),
         event_plane=engine_env.get("DYN_EVENT_PLANE", "zmq"),
         enable_kv_routing=enable_kv_routing,
+        tool_call_parser=chat.get("tool_call_parser"),
+        reasoning_parser=chat.get("reasoning_parser"),
+        custom_jinja_template=chat.get("custom_jinja_template"),
     )
     _keep_host_logging()
     return loop.create_task(Worker(adapter, config).run(),
                             name=f"dynamo-endpoint:{namespace}.{component}.{endpoint}")
 
 
-def endpoint_types(model_path: str | os.PathLike) -> str:
+def endpoint_types(model_path: str | os.PathLike, custom_template: str | None = None) -> str:
     """What the model registers for: chat and completions, or completions only for a folder
-    without a chat template (most base models). Dynamo's frontend refuses to materialise a
-    chat model without one; registered for completions only, it serves completions and
-    answers chat with a 404. Dynamo reads the template from ``tokenizer_config.json`` only."""
+    without a chat template (most base models) and no custom one. Dynamo's frontend refuses to
+    materialise a chat model without one; registered for completions only, it serves
+    completions and answers chat with a 404. Dynamo reads the template from
+    ``tokenizer_config.json`` only."""
+    if custom_template:
+        return "chat,completions"
     try:
         config = json.loads((Path(model_path) / "tokenizer_config.json").read_text())
     except (OSError, ValueError):

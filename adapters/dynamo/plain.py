@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 # Options of a plain request that the engine port has no way to honour: a non-null value is
 # refused by name (a 400), so a client never gets an answer computed without them.
-_UNOFFERED_SAMPLING = ("length_penalty", "guided_decoding")
+_UNOFFERED_SAMPLING = ("length_penalty",)
 
 
 @attrs.frozen
@@ -70,13 +70,15 @@ class PlainOptions:
 def _extra_sampling(request: Mapping[str, Any], options: Mapping[str, Any],
                     stop: Mapping[str, Any]) -> dict[str, Any]:
     """The non-neutral sampling options a request asks for, wherever the frontend put them
-    (penalties and min_p in sampling_options, min_tokens and ignore_eos in stop_conditions,
+    (penalties, min_p and guided_decoding in sampling_options, min_tokens and ignore_eos in
+    stop_conditions,
     allowed_token_ids passed through in extra_args.sampling_options)."""
     passed = (request.get("extra_args") or {}).get("sampling_options") or {}
     for name, value in passed.items():
         if name not in NEUTRAL_SAMPLING and value is not None:
             raise InvalidValue(name, value, "not offered by this fleet's engine port")
     values = {name: options.get(name) for name in NEUTRAL_SAMPLING}
+    values["structured_outputs"] = options.get("guided_decoding")  # the frontend's name for it
     values.update({name: stop.get(name) for name in ("min_tokens", "ignore_eos")})
     values.update({name: value for name, value in passed.items() if value is not None})
     return extra_sampling(values)

@@ -15,6 +15,25 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"  # trained first, so their IDs are 0, 1, 
 CORPUS_FILE = "corpus.txt"
 # Dynamo's frontend requires a chat template; a plain one: each message's text, then EOS.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{{ eos_token }}{% endfor %}"
+# A tool-calling template in the Hermes style (Dynamo's and vLLM's ``hermes`` parser reads the
+# model's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). Written for both Jinja
+# engines that render it: Dynamo's (minijinja) and transformers' (jinja2).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "{{ eos_token }}{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}<|assistant|>"
+    "{%- if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{%- if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{{ call['function']['arguments'] }}}</tool_call>{% endfor %}{% endif %}{{ eos_token }}"
+    "{%- else %}<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+# What JSON tool calls are written with; the shipped corpus is plain prose without them, so a
+# tool-calling tokenizer gets them in its base alphabet (a model that cannot spell ``{`` can
+# never make a parseable call, whatever structured decoding allows).
+TOOL_ALPHABET = list('{}[]"<>/|_-0123456789')
 
 
 @attrs.frozen
@@ -32,6 +51,8 @@ class TinyModelSpec:
     # Tied: the output layer is the embedding (as Qwen2.5's small models); the checkpoint then
     # holds no lm_head.weight, while a trainer's state dict does.
     tie_word_embeddings: bool = False
+    # A Hermes-style tool-calling chat template, and a tokenizer that can spell JSON.
+    tool_calls: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
@@ -45,7 +66,7 @@ def corpus_text() -> str:
     return resources.files(__package__).joinpath(CORPUS_FILE).read_text(encoding="utf-8")
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, extra_alphabet: list[str] | None = None):
     """A byte-level BPE trained on the shipped corpus (deterministic: merges break ties by pair).
 
     The base alphabet is only the corpus's own characters (plain ASCII), not all 256 bytes:
@@ -58,7 +79,8 @@ def train_tokenizer(vocab_size: int):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS], show_progress=False)
+        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS], show_progress=False,
+        initial_alphabet=extra_alphabet or [])
     tokenizer.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise InvalidValue("vocab_size", vocab_size,
@@ -98,11 +120,11 @@ def tiny_state_dict(seed: int, spec: TinyModelSpec = TinyModelSpec()) -> dict:
     return weights
 
 
-def _add_chat_template(path: Path) -> None:
+def _add_chat_template(path: Path, template: str) -> None:
     # Dynamo reads the template from tokenizer_config.json only (transformers 5 writes a
     # separate chat_template.jinja), so it goes in here.
     config = json.loads(path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = template
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -119,11 +141,13 @@ def build_tiny_model(directory: str | os.PathLike, seed: int = 0,
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
     save_file(tiny_state_dict(seed, spec), str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(spec.vocab_size),
+        tokenizer_object=train_tokenizer(spec.vocab_size,
+                                         TOOL_ALPHABET if spec.tool_calls else None),
         bos_token=BOS, eos_token=EOS, pad_token=PAD,
         model_max_length=spec.max_position_embeddings)
     tokenizer.save_pretrained(out)
-    _add_chat_template(out / "tokenizer_config.json")
+    _add_chat_template(out / "tokenizer_config.json",
+                       TOOL_CHAT_TEMPLATE if spec.tool_calls else CHAT_TEMPLATE)
     (out / "rollout_fleet_tiny_model.json").write_text(
         json.dumps({"seed": seed, **attrs.asdict(spec)}, indent=2, sort_keys=True) + "\n")
     return out

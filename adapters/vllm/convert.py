@@ -36,8 +36,11 @@ def to_sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings
                      extra: Mapping[str, Any] | None = None, stream: bool = False,
                      logprobs: bool = True) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    extra = dict(extra or {})
+    if extra.get("structured_outputs") is not None:  # checked by core.sampling
+        extra["structured_outputs"] = StructuredOutputsParams(**extra["structured_outputs"])
     common = dict(max_tokens=max_new_tokens, stop=list(stop_strings) or None,
                   logprobs=top_logprobs if logprobs else None,  # None: vLLM computes none
                   stop_token_ids=list(stop_token_ids) or None,
@@ -45,7 +48,7 @@ def to_sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
                   # Built for this one request and never reused: vLLM may take it as it is
                   # instead of deep-copying it (measured: ~6% of the worker host's main thread).
-                  skip_clone=True, **(extra or {}))
+                  skip_clone=True, **extra)
     if sampling.greedy:
         return SamplingParams(temperature=0.0, **common)
     return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
