@@ -7,13 +7,14 @@ Dynamo or HTTP code: the Dynamo adapter serves any EnginePort.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import attrs
-from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
+from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, sample_sampling
 from rollout_fleet.core.sampling import NEUTRAL_SAMPLING
 
 
@@ -90,6 +91,22 @@ class EnginePort(ABC):
         * ``extra_sampling: Mapping[str, Any]``: non-neutral values of the options the engine
           declares in ``sampling_offered`` (names and meanings: ``core.sampling``, vLLM's).
         """
+
+    async def serve_group(self, prompt_token_ids: Sequence[int], *, request_id: str, n: int,
+                          max_new_tokens: int, sampling: SamplingSpec,
+                          stop_strings: Sequence[str] = (), **keywords: Any
+                          ) -> tuple[ServedRollout, ...]:
+        """``n`` samples of one prompt, in sample order: sample i is what ``serve_rollout``
+        answers with ``sample_sampling(sampling, i)`` (its own seed), with its own logprobs
+        and weight versions. By default n rollouts at once, ids ``request_id/i``; an engine
+        that can share the prompt's prefill among them (vLLM's ``n``) overrides it. Takes
+        ``serve_rollout``'s optional keywords; the same errors."""
+        return tuple(await asyncio.gather(*(
+            self.serve_rollout(prompt_token_ids, request_id=f"{request_id}/{index}",
+                               max_new_tokens=max_new_tokens,
+                               sampling=sample_sampling(sampling, index),
+                               stop_strings=stop_strings, **keywords)
+            for index in range(n))))
 
     def sampling_offered(self) -> frozenset[str]:
         """The options of ``core.sampling.NEUTRAL_SAMPLING`` this engine honours (passed in

@@ -169,6 +169,27 @@ class SamplingSpec:
 
 
 GREEDY = SamplingSpec()
+# The most samples one request may ask for: a group is served by one worker, in one engine.
+MAX_GROUP_SIZE = 1024
+
+
+def sample_sampling(sampling: SamplingSpec, index: int) -> SamplingSpec:
+    """Sample ``index`` of a group: its own seed (the group's seed + index), as vLLM's own
+    ``n`` gives each sample and as a driver numbering its rollouts would; greedy or unseeded
+    sampling is every sample's."""
+    if sampling.greedy or sampling.seed is None or index == 0:
+        return sampling
+    return attrs.evolve(sampling, seed=sampling.seed + index)
+
+
+def _check_group(request: "RolloutRequest") -> None:
+    check_int_in("n", request.n, 1, MAX_GROUP_SIZE,
+                 f"the samples of one prompt are an int in [1, {MAX_GROUP_SIZE}]")
+    seed = request.sampling.seed
+    if request.n > 1 and not request.sampling.greedy and seed is not None \
+            and seed + request.n - 1 > 2**63 - 1:
+        raise InvalidValue("seed", seed, f"a group of {request.n} samples takes seeds up to"
+                                         f" seed + {request.n - 1}, which must stay below 2**63")
 
 
 @attrs.frozen
@@ -182,12 +203,17 @@ class RolloutRequest:
     stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     # End at any of these tokens (kept as the last token), as at an end-of-sequence token.
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=token_ids_tuple("stop_token_ids"))
+    # A group: n samples of this prompt in one request (one prefill, one worker); sample i
+    # draws with ``sample_sampling(sampling, i)``.
+    n: int = 1
 
     def __attrs_post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidValue("prompt_token_ids", [], "a prompt needs at least one token")
         if not isinstance(self.sampling, SamplingSpec):
             raise InvalidValue("sampling", self.sampling, "must be a SamplingSpec")
+        if type(self.n) is not int or self.n != 1:
+            _check_group(self)
 
 
 @attrs.frozen

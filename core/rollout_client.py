@@ -26,7 +26,7 @@ from rollout_fleet.core.rollout import (
 )
 from rollout_fleet.core.partial import continuation_request, join_rollouts
 from rollout_fleet.core.stop_strings import merge_stop_strings
-from rollout_fleet.core.wire import completion_body, parse_completion_answer
+from rollout_fleet.core.wire import completion_body, parse_completion_answer, parse_group_answer
 
 # How many rollouts one driver keeps in flight by default: the fleet config's, the generation
 # config's and the HTTP pool's ``max_in_flight`` (the pool holds that many connections).
@@ -116,6 +116,22 @@ class RolloutClient:
     async def rollout(self, request: RolloutRequest) -> RolloutResult:
         if request.max_new_tokens == 0:  # the "empty" context-limit policy: nothing to generate
             return RolloutResult(request.request_id, (), (), FinishReason.LENGTH, attempts=0)
+        served, attempts = await self._send(request, self._transport.read_answer)
+        return RolloutResult.from_served(request.request_id, served, attempts=attempts)
+
+    async def rollout_group(self, request: RolloutRequest) -> tuple[RolloutResult, ...]:
+        """The ``request.n`` samples of a group, in sample order, from one request (one worker;
+        retried whole). Sample i's request id is ``<request_id>/<i>``."""
+        ids = [f"{request.request_id}/{index}" for index in range(request.n)]
+        if request.max_new_tokens == 0:
+            return tuple(RolloutResult(i, (), (), FinishReason.LENGTH, attempts=0) for i in ids)
+        samples, attempts = await self._send(
+            request, lambda body: parse_group_answer(body, request.n))
+        return tuple(RolloutResult.from_served(i, served, attempts=attempts)
+                     for i, served in zip(ids, samples))
+
+    async def _send(self, request: RolloutRequest, read: Any) -> tuple[Any, int]:
+        """(what ``read`` makes of the 2xx answer, the attempts it took)."""
         body = completion_body(request, self._model)
         attempt = 0
         while True:
@@ -126,8 +142,7 @@ class RolloutClient:
                 retry_after = response.retry_after_s
                 if not 200 <= response.status < 300:
                     raise HttpStatusError(response.status, response.body[:2000])
-                served = self._transport.read_answer(response.body)
-                return RolloutResult.from_served(request.request_id, served, attempts=attempt)
+                return read(response.body), attempt
             except RolloutFleetError as error:
                 if self._retry.should_retry(attempt, error):
                     self.retried[_cause(error)] += 1

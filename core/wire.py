@@ -52,6 +52,7 @@ class RolloutSpec:
     sampling: SamplingSpec
     stop_strings: tuple[str, ...]
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples of the prompt (a group)
 
     def to_request(self, prompt_token_ids: Sequence[int]) -> RolloutRequest:
         return RolloutRequest(
@@ -61,6 +62,7 @@ class RolloutSpec:
             sampling=self.sampling,
             stop_strings=self.stop_strings,
             stop_token_ids=self.stop_token_ids,
+            n=self.n,
         )
 
 
@@ -77,6 +79,8 @@ def encode_rollout_annotation(request: RolloutRequest) -> str:
             f'"stop_strings":[{",".join(map(_json, request.stop_strings))}]')
     if request.stop_token_ids:  # optional within v1: older workers never see it unasked
         text += f',"stop_token_ids":[{",".join(map(_json, request.stop_token_ids))}]'
+    if request.n != 1:  # optional within v1, as stop_token_ids
+        text += f',"n":{_json(request.n)}'
     return ROLLOUT_ANNOTATION_PREFIX + text + "}"
 
 
@@ -127,11 +131,12 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
             sampling=sampling,
             stop_strings=stop_strings if isinstance(stop_strings, list) else stop_strings,
             stop_token_ids=spec.get("stop_token_ids") or (),
+            n=spec.get("n", 1),
         )
     except InvalidValue as exc:
         raise AnnotationError(f"rollout spec has a bad field: {exc}") from None
     return RolloutSpec(spec["request_id"], spec["max_new_tokens"], sampling, tuple(stop_strings),
-                       checked.stop_token_ids)
+                       checked.stop_token_ids, checked.n)
 
 
 def find_annotation(annotations: Sequence[Any] | None, prefix: str) -> str | None:
@@ -177,6 +182,30 @@ def engine_data_of(served: ServedRollout) -> dict[str, Any]:
         "weight_version": served.weight_version,
         "weight_versions": [list(run) for run in served.weight_versions],
     }
+
+
+def group_engine_data_of(samples: Sequence[ServedRollout]) -> dict[str, Any]:
+    """A group's answer: each sample's encoding (``engine_data_of``), in sample order."""
+    return {"v": ENGINE_DATA_VERSION, "samples": [engine_data_of(served) for served in samples]}
+
+
+def served_group_from_engine_data(data: Any, n: int) -> tuple[ServedRollout, ...]:
+    """Inverse of ``group_engine_data_of``: exactly ``n`` samples, each read as one rollout's
+    engine_data; a refusal raises WorkerRefusal as for one rollout."""
+    if isinstance(data, Mapping) and "refused" in data:
+        served_from_engine_data(data)  # raises the refusal
+    samples = data.get("samples") if isinstance(data, Mapping) else None
+    if not isinstance(samples, list):
+        raise MissingField("nvext.engine_data.samples")
+    if len(samples) != n:
+        raise WireError(f"a group of {n} samples was answered with {len(samples)}")
+    return tuple(served_from_engine_data(sample) for sample in samples)
+
+
+def parse_group_answer(body: bytes | str, n: int) -> tuple[ServedRollout, ...]:
+    """Read a 2xx ``/v1/completions`` answer of a group of ``n`` samples (the errors of
+    ``parse_completion_answer``)."""
+    return served_group_from_engine_data(_engine_data_in(body), n)
 
 
 def refused_engine_data(status: int, message: str) -> dict[str, Any]:
@@ -226,6 +255,10 @@ def parse_completion_answer(body: bytes | str) -> ServedRollout:
     UnreadableBody (not JSON), ErrorInBody (a 200 that says it failed), MissingField,
     LengthMismatch: each distinct so the retry rules can tell them apart.
     """
+    return served_from_engine_data(_engine_data_in(body))
+
+
+def _engine_data_in(body: bytes | str) -> Any:
     if not isinstance(body, (bytes, bytearray, str)):
         raise WireError(f"answer body must be bytes or str, got {type(body).__name__}")
     try:
@@ -243,7 +276,7 @@ def parse_completion_answer(body: bytes | str) -> ServedRollout:
         raise MissingField("nvext")
     if "engine_data" not in nvext:
         raise MissingField("nvext.engine_data")
-    return served_from_engine_data(nvext["engine_data"])
+    return nvext["engine_data"]
 
 
 def _optional_runs(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
 from rollout_fleet.core.wire import (
-    RolloutSpec, decode_rollout_annotation, engine_data_of, refused_engine_data,
+    RolloutSpec, decode_rollout_annotation, engine_data_of, group_engine_data_of,
+    refused_engine_data,
 )
 
 
@@ -38,6 +39,11 @@ async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
     request = spec.to_request(prompt_token_ids)
     # Only when asked: an engine without the optional keyword still serves every other rollout.
     extra = {"stop_token_ids": request.stop_token_ids} if request.stop_token_ids else {}
+    if request.n > 1:  # a group: n samples from one request, on this one worker
+        return group_engine_data_of(await engine.serve_group(
+            request.prompt_token_ids, request_id=request.request_id, n=request.n,
+            max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+            stop_strings=request.stop_strings, **extra))
     served = await engine.serve_rollout(
         request.prompt_token_ids,
         request_id=request.request_id,

@@ -277,15 +277,19 @@ class DynamoEngineAdapter(LLMEngine):
             return [{"token_ids": [], "index": 0, "finish_reason": "stop",
                      "completion_usage": usage_of(len(prompt_of(request)), 0),
                      "engine_data": engine_data}]
-        tokens = engine_data["token_ids"]
+        # A group's samples all ride in its engine_data; the chunk itself speaks for the first
+        # (the driver reads engine_data only), its usage for them all.
+        samples = engine_data.get("samples") or [engine_data]
+        tokens = samples[0]["token_ids"]
         # Whole result in the final chunk. Its token_ids leave out the hidden stop tokens (EOS):
         # the frontend ends a stream at one, and must not cut this chunk short.
         hidden = hidden_stop_ids(request)
         return [{
             "token_ids": [t for t in tokens if t not in hidden],
             "index": 0,
-            "finish_reason": openai_finish(FinishReason(engine_data["finish_reason"])),
-            "completion_usage": usage_of(engine_data["prompt_tokens"], len(tokens)),
+            "finish_reason": openai_finish(FinishReason(samples[0]["finish_reason"])),
+            "completion_usage": usage_of(samples[0]["prompt_tokens"],
+                                         sum(len(sample["token_ids"]) for sample in samples)),
             "engine_data": engine_data,
         }]
 

@@ -9,6 +9,7 @@ from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel, 
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
 from rollout_fleet.ports.contracts.colocated import ColocatedContract
 from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest, OpenAIExtrasContract
+from rollout_fleet.ports.contracts.group import GroupContract
 from rollout_fleet.ports.contracts.refit_target import RefitTargetContract, RefitTrainer
 from tests.support.memory_group import SwappableGroup
 
@@ -60,7 +61,8 @@ def colocated_trainer():
     trainer.close()
 
 
-class TestMemoryEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract, ColocatedContract):
+class TestMemoryEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract, ColocatedContract,
+                       GroupContract):
     pass
 
 
