@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -84,10 +85,56 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
                             stop_token_ids: Sequence[int] = (),
                             extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
+        output, prompt_len = await self._final_output(
+            prompt_token_ids, request_id, max_new_tokens, sampling, stop_strings, top_logprobs,
+            stop_token_ids, extra_sampling)
+        if output is None:  # aborted before it came
+            return served_rollout([], [], FinishReason.ABORT, prompt_len, self.runtime.version)
+        # vLLM labels each step's tokens with the weight version set while it was paused for
+        # the swap (``VllmRefit.commit_new_weights``): per-token versions, exact whatever the
+        # pause mode.
+        return to_served(output, prompt_len, self.runtime.version, top_logprobs)
+
+    async def serve_group(self, prompt_token_ids: Sequence[int], *, request_id: str, n: int,
+                          max_new_tokens: int, sampling: SamplingSpec,
+                          stop_strings: Sequence[str] = (), top_logprobs: int = 0,
+                          stop_token_ids: Sequence[int] = (),
+                          extra_sampling: Mapping[str, Any] | None = None
+                          ) -> tuple[ServedRollout, ...]:
+        """vLLM's own ``n``: one request (one id, so one abort ends it) whose samples share the
+        prompt's prefill; vLLM seeds sample i with the seed + i, the port's
+        ``sample_sampling``. Each sample keeps its own logprobs and weight versions. Greedy
+        samples are one sample, generated once (vLLM refuses ``n`` > 1 for greedy)."""
+        if sampling.greedy:
+            served = await self.serve_rollout(
+                prompt_token_ids, request_id=request_id, max_new_tokens=max_new_tokens,
+                sampling=sampling, stop_strings=stop_strings, top_logprobs=top_logprobs,
+                stop_token_ids=stop_token_ids, extra_sampling=extra_sampling)
+            return (served,) * n
+        output, prompt_len = await self._final_output(
+            prompt_token_ids, request_id, max_new_tokens, sampling, stop_strings, top_logprobs,
+            stop_token_ids, {**(extra_sampling or {}), "n": n})
+        if output is None:
+            return tuple(served_rollout([], [], FinishReason.ABORT, prompt_len, self.runtime.version)
+                         for _ in range(n))
+        samples = sorted(output.outputs, key=lambda completion: completion.index)
+        if len(samples) != n:
+            raise EngineError(f"vLLM answered request {request_id!r} with {len(samples)} of its"
+                              f" {n} samples")
+        return tuple(to_served(_one_sample(output, completion), prompt_len, self.runtime.version,
+                               top_logprobs) for completion in samples)
+
+    async def _final_output(self, prompt_token_ids: Sequence[int], request_id: str,
+                            max_new_tokens: int, sampling: SamplingSpec,
+                            stop_strings: Sequence[str], top_logprobs: int,
+                            stop_token_ids: Sequence[int],
+                            extra_sampling: Mapping[str, Any] | None) -> tuple[Any, int]:
+        """(vLLM's finished output, the prompt's length); no output for a request aborted
+        before it came."""
         engine = self.runtime.require_engine()
         prompt = self._admissible(prompt_token_ids, max_new_tokens, stop_token_ids, extra_sampling)
         if self._early_aborts.pop(request_id, "absent") is None:
-            return served_rollout([], [], FinishReason.ABORT, len(prompt), self.runtime.version)
+            return None, len(prompt)
         params = to_sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs,
                                     stop_token_ids, extra_sampling)
         live = self._live[request_id] = _Live()
@@ -100,10 +147,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             raise
         finally:
             self._live.pop(request_id, None)
-        # vLLM labels each step's tokens with the weight version set while it was paused for
-        # the swap (``VllmRefit.commit_new_weights``): per-token versions, exact whatever the
-        # pause mode.
-        return to_served(output, len(prompt), self.runtime.version, top_logprobs)
+        return output, len(prompt)
 
     async def stream_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
                              max_new_tokens: int, sampling: SamplingSpec,
@@ -280,3 +324,11 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             if not finished:  # cancelled, or the generator was closed mid-way
                 await engine.abort(request_id)
             collector.close()
+
+
+def _one_sample(output: Any, completion: Any) -> Any:
+    """One sample of a group's output, read as a one-sample output: the group's, with only
+    that completion (``to_served`` reads a request's first)."""
+    sample = copy.copy(output)
+    sample.outputs = [completion]
+    return sample

@@ -7,6 +7,7 @@ import pytest
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.ports.contracts.colocated import ColocatedContract
 from rollout_fleet.ports.contracts.engine import EngineContract, OpenAIExtrasContract
+from rollout_fleet.ports.contracts.group import GroupContract
 from rollout_fleet.ports.contracts.refit_target import RefitTargetContract
 from tests.support.trainer import ThreadedTrainer
 
@@ -45,5 +46,6 @@ def colocated_trainer(weights):
     trainer.close()
 
 
-class TestVllmEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract, ColocatedContract):
+class TestVllmEngine(EngineContract, RefitTargetContract, OpenAIExtrasContract, ColocatedContract,
+                     GroupContract):
     pass

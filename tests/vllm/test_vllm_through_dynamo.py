@@ -296,3 +296,43 @@ def test_sleep_is_refused_on_the_cpu_naming_the_platform_and_the_worker_still_se
     state = httpx.post(f"{url}/is_sleeping", json=secret, timeout=60).json()
     assert state["status"] == "ok" and not state["sleeping"] and state["serving"], state
     assert_same(through_frontend(vllm_fleet, request), direct(vllm_engine, request))
+
+
+def test_a_group_is_one_request_answered_with_each_samples_own_seed(vllm_fleet, vllm_engine):
+    import asyncio
+
+    from rollout_fleet.adapters.http import HttpCompletionsTransport
+    from rollout_fleet.core.rollout import sample_sampling
+    from rollout_fleet.core.rollout_client import RolloutClient
+
+    prompt, seeded = vllm_engine.prompts[0], SamplingSpec(greedy=False, temperature=0.8, seed=11)
+
+    async def groups():  # through the driver's own client and transport
+        transport = HttpCompletionsTransport(vllm_fleet.url())
+        client = RolloutClient(transport, model=SERVED_MODEL)
+        try:
+            return (await client.rollout_group(RolloutRequest("grp-s", prompt, 16, sampling=seeded, n=4)),
+                    await client.rollout_group(RolloutRequest("grp-g", prompt, 16, n=4)))
+        finally:
+            await transport.aclose()
+
+    sampled, greedy = asyncio.run(groups())
+    alone = [direct(vllm_engine, RolloutRequest(f"alone-{i}", prompt, 16,
+                                                sampling=sample_sampling(seeded, i)))
+             for i in range(4)]
+    assert [r.request_id for r in sampled] == [f"grp-s/{i}" for i in range(4)]
+    assert [r.token_ids for r in sampled] == [a.token_ids for a in alone]
+    assert all(r.logprobs == pytest.approx(a.logprobs, abs=1e-3) for r, a in zip(sampled, alone))
+    assert len({r.token_ids for r in sampled}) > 1
+    assert all(sum(count for _, count in r.weight_versions) == len(r.token_ids) for r in sampled)
+    greedy_alone = direct(vllm_engine, RolloutRequest("alone-g", prompt, 16))
+    assert [r.token_ids for r in greedy] == [greedy_alone.token_ids] * 4
+
+
+def test_a_bad_group_size_is_a_400_naming_n_and_the_worker_serves_on(vllm_fleet, vllm_engine):
+    request = RolloutRequest("grp-bad", vllm_engine.prompts[0], 4, n=2)
+    body = completion_body(request, SERVED_MODEL)
+    body["nvext"]["annotations"] = [body["nvext"]["annotations"][0].replace('"n":2', '"n":0')]
+    answer = post_json(vllm_fleet, "/v1/completions", body)
+    assert answer.status_code == 400 and "n=0" in answer.text, answer.text
+    assert len(through_frontend(vllm_fleet, attrs.evolve(request, n=1)).token_ids) == 4
