@@ -130,6 +130,12 @@ class RolloutClient:
         return tuple(RolloutResult.from_served(i, served, attempts=attempts)
                      for i, served in zip(ids, samples))
 
+    async def results(self, request: RolloutRequest) -> tuple[RolloutResult, ...]:
+        """Every result of ``request``: a group's n samples, else its one rollout."""
+        if request.n > 1:
+            return await self.rollout_group(request)
+        return (await self.rollout(request),)
+
     async def _send(self, request: RolloutRequest, read: Any) -> tuple[Any, int]:
         """(what ``read`` makes of the 2xx answer, the attempts it took)."""
         body = completion_body(request, self._model)

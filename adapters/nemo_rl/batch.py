@@ -9,7 +9,9 @@ from typing import Any
 import attrs
 import torch
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.rollout import RolloutResult, SamplingSpec
+from rollout_fleet.core.rollout import (
+    MAX_GROUP_SIZE, RolloutRequest, RolloutResult, SamplingSpec, sample_sampling,
+)
 
 OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths",
                "truncated", "weight_versions")
@@ -152,3 +154,26 @@ def seeded_for(sampling: SamplingSpec, number: int) -> SamplingSpec:
     if sampling.greedy or sampling.seed is None:
         return sampling
     return attrs.evolve(sampling, seed=(sampling.seed + number) % 2**63)
+
+
+def grouped(requests: Sequence[RolloutRequest]) -> list[tuple[int, RolloutRequest]]:
+    """(first sample's index, request) per group: NeMo-RL repeats a GRPO group's prompt, and
+    consecutive requests of one prompt, budget and stops whose sampling is the first's
+    ``sample_sampling(i)`` (as ``seeded_for`` numbers them, or greedy) become one request of n
+    samples, served by one worker from one prefill; any other request stays alone."""
+    units: list[tuple[int, RolloutRequest]] = []
+    for index, request in enumerate(requests):
+        if units and _next_of_group(units[-1][1], request):
+            first, group = units[-1]
+            units[-1] = (first, attrs.evolve(group, n=group.n + 1))
+        else:
+            units.append((index, request))
+    return units
+
+
+def _next_of_group(group: RolloutRequest, request: RolloutRequest) -> bool:
+    return (group.n < MAX_GROUP_SIZE and request.prompt_token_ids == group.prompt_token_ids
+            and request.max_new_tokens == group.max_new_tokens
+            and request.stop_strings == group.stop_strings
+            and request.stop_token_ids == group.stop_token_ids
+            and request.sampling == sample_sampling(group.sampling, group.n))

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 from rollout_fleet.adapters.nemo_rl.colocated import ColocatedPhases
-from rollout_fleet.adapters.nemo_rl.batch import like, read_batch, sample_output, seeded_for
+from rollout_fleet.adapters.nemo_rl.batch import grouped, like, read_batch, sample_output, seeded_for
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
 from rollout_fleet.adapters.nemo_rl.hold import GenerationHold
@@ -111,7 +111,8 @@ class FleetGeneration:
         self._metrics.start()
         semaphore = self._semaphore()
         finished: asyncio.Queue = asyncio.Queue()
-        pending = iter(enumerate(requests))
+        units = grouped(requests)  # a GRPO group's repeated prompt: one request of n samples
+        pending = iter(units)
 
         async def send_until_done() -> None:
             # A few long-lived senders instead of one task per sample: less loop overhead per
@@ -119,14 +120,15 @@ class FleetGeneration:
             for index, request in pending:
                 try:
                     async with semaphore:
-                        result = await self._rollout(request)
+                        results = await self._rollout(request)
                 except Exception as exc:  # handed to the consumer, which raises it
                     finished.put_nowait((index, exc))
                     return
-                finished.put_nowait((index, result))
+                for offset, result in enumerate(results):
+                    finished.put_nowait((index + offset, result))
 
         senders = [asyncio.ensure_future(send_until_done())
-                   for _ in range(min(self.config.max_in_flight, len(requests)))]
+                   for _ in range(min(self.config.max_in_flight, len(units)))]
         try:
             for _ in range(len(requests)):
                 index, result = await finished.get()
@@ -138,14 +140,14 @@ class FleetGeneration:
             for sender in senders:
                 sender.cancel()
 
-    async def _rollout(self, request: RolloutRequest) -> RolloutResult:
-        """One rollout, held by a pause (NeMo-RL's) and by the staleness bound when there is one."""
+    async def _rollout(self, request: RolloutRequest) -> tuple[RolloutResult, ...]:
+        """A request's results (a group's n), held by a pause (NeMo-RL's) and by the staleness bound."""
         if not self._hold.open.is_set():
             await self._hold.wait_until_open()
         if not self._gate.bounded:
-            return await self._client.rollout(request)
+            return await self._client.results(request)
         async with self._gate.rollout():
-            return await self._client.rollout(request)
+            return await self._client.results(request)
 
     def _requests(self, batch, sampling) -> list[RolloutRequest]:
         requests = []

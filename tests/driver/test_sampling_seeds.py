@@ -23,11 +23,11 @@ def server():
     s.close()
 
 
-def sampled_group(server, seed):
+def sampled_group(server, seed, prompts=((3, 4, 5),) * GROUP):
     config = attrs.evolve(CONFIG, seed=seed)
     generation = build_generation(config, frontend_url=server.url, control_secret=SECRET,
                                   workers=[WorkerEndpoint("w0", server.url)])
-    data = {"input_ids": torch.tensor([[3, 4, 5]] * GROUP), "input_lengths": torch.tensor([3] * GROUP)}
+    data = {"input_ids": torch.tensor(prompts), "input_lengths": torch.tensor([3] * len(prompts))}
     try:
         pairs = asyncio.run(collect(generation, data, greedy=False))
     finally:
@@ -43,3 +43,14 @@ def test_the_same_base_seed_repeats_a_run_and_another_seed_does_not(server):
     first = sampled_group(server, 7)
     assert sampled_group(server, 7) == first
     assert sampled_group(server, 8) != first
+
+
+def test_a_groups_repeated_prompt_is_one_request_and_each_sample_keeps_its_seed(server):
+    sent = len(server.attempt_ids)
+    grouped = sampled_group(server, 7)
+    assert len(server.attempt_ids) - sent == 1  # the 8 samples of one prompt: one request
+    # The same prompt at every other position, another between: no group forms, and the
+    # samples at the even positions are numbered (so seeded) as in the group.
+    interleaved = sampled_group(server, 7, ((3, 4, 5), (9, 8, 7)) * (GROUP // 2))
+    assert len(server.attempt_ids) - sent == 1 + GROUP
+    assert interleaved[0::2] == grouped[0::2]

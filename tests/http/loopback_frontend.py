@@ -118,7 +118,8 @@ class LoopbackFrontend:
         return web.json_response({
             "id": request.headers.get(REQUEST_ID_HEADER, "cmpl"), "object": "text_completion",
             "model": MODEL,
-            "choices": [{"index": 0, "text": "", "finish_reason": engine_data["finish_reason"]}],
+            "choices": [{"index": 0, "text": "",  # a group's samples are in engine_data
+                         "finish_reason": engine_data.get("finish_reason", "stop")}],
             "nvext": {"engine_data": engine_data}})
 
     async def _control(self, request: web.Request) -> web.Response:
