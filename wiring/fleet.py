@@ -36,7 +36,7 @@ import attrs
 from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
 from rollout_fleet.adapters.dynamo.frontend import DynamoFrontend
 from rollout_fleet.adapters.http.settings import HttpSettings
-from rollout_fleet.adapters.shared import free_port
+from rollout_fleet.adapters.shared import PortsTaken
 from rollout_fleet.ports.placement import Placement, PlacementKind, WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import FleetConfig
 from rollout_fleet.wiring.control_client import call_control
@@ -92,6 +92,7 @@ class Fleet:
     _instances: dict[str, int] = attrs.field(factory=dict)  # worker -> its Dynamo instance id
     _stopping: threading.Event = attrs.field(factory=threading.Event)
     _watcher: WorkerWatcher | None = None
+    _ports: PortsTaken = attrs.field(factory=PortsTaken)  # claimed here, released at shutdown
 
     # -- start ---------------------------------------------------------------------------------
     @classmethod
@@ -113,13 +114,14 @@ class Fleet:
 
     def _start(self) -> None:
         self.model_path = model_folder(self.config, self.run_dir)
-        self.etcd = own_etcd(self.config, self.run_dir)  # recorded before it starts, so that
-        if self.etcd is not None:                         # a start interrupted meanwhile stops it
+        # Recorded before it starts, so that a start interrupted meanwhile stops it.
+        self.etcd = own_etcd(self.config, self.run_dir, take_port=self._ports.take)
+        if self.etcd is not None:
             self.etcd.start()
         self._discovery_env = discovery_env(self.config, self.etcd)
         self._roster.first(self.placement.launch([self._launch(i)
                                                   for i in range(self.config.num_workers)]))
-        port = self.config.frontend_port or free_port(self.config.bind_host)
+        port = self.config.frontend_port or self._ports.take(self.config.bind_host)
         env = {"DYN_ROUTER_MODE": self.config.router, **self._discovery_env, **self.config.env}
         self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=env,
                                        host=self.config.bind_host)
@@ -143,7 +145,7 @@ class Fleet:
         return worker_config(self.config, index, run_dir=self.run_dir,
                              model_path=self.model_path, discovery_env=self._discovery_env,
                              collective_backend=self.collective_backend,
-                             joins_running=joins_running, slot=slot)
+                             joins_running=joins_running, slot=slot, take_port=self._ports.take)
 
     def _launch(self, index: int, *, joins_running: bool = False, slot: int | None = None,
                 in_place_of: str = "") -> WorkerLaunch:
@@ -262,6 +264,7 @@ class Fleet:
                 stop()
             except Exception:  # noqa: BLE001 - stop the rest, then report
                 logger.exception("fleet shutdown step %s failed", stop.__name__)
+        self._ports.release()  # nothing of the fleet binds them any more
         if self._own_run_dir is not None:
             self._own_run_dir.cleanup()
 

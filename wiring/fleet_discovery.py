@@ -16,14 +16,15 @@ from rollout_fleet.wiring.config import FleetConfig
 logger = logging.getLogger("rollout_fleet.fleet")
 
 
-def own_etcd(config: FleetConfig, run_dir: Path) -> LoopbackEtcd | None:
+def own_etcd(config: FleetConfig, run_dir: Path,
+             take_port: Callable[[str], int] = free_port) -> LoopbackEtcd | None:
     """The etcd the fleet starts itself (etcd discovery without an ``etcd_endpoint``), not
-    started yet; None when it needs none."""
+    started yet; None when it needs none. ``take_port``: where its two ports come from."""
     if config.discovery == "file" or config.etcd_endpoint is not None:
         return None
     host = config.bind_host
     return LoopbackEtcd(run_dir / "etcd" / "data", host=host,
-                        client_port=free_port(host), peer_port=free_port(host))
+                        client_port=take_port(host), peer_port=take_port(host))
 
 
 def discovery_env(config: FleetConfig, etcd: LoopbackEtcd | None) -> dict[str, str]:

@@ -4,10 +4,11 @@ the owner's alone), its command line and environment, and what a worker that sto
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rollout_fleet.adapters.dynamo.env import dynamo_env
@@ -54,14 +55,15 @@ def collective_backend(config: FleetConfig) -> str:
 
 def worker_config(config: FleetConfig, index: int, *, run_dir: Path, model_path: str,
                   discovery_env: Mapping[str, str], collective_backend: str,
-                  joins_running: bool = False, slot: int | None = None) -> WorkerConfig:
+                  joins_running: bool = False, slot: int | None = None,
+                  take_port: Callable[[str], int] = free_port) -> WorkerConfig:
     """What worker ``index`` is told (python -m rollout_fleet.wiring.worker --config).
     ``joins_running``: it joins a fleet that may have been refit, so it serves only after its
     first refit. ``slot``: whose share of this host's cores it takes (a replacement takes the
-    lost worker's)."""
+    lost worker's). ``take_port``: where the ports its table names come from."""
     slot = (index if slot is None else slot) % config.num_workers
     engine = config.engine_choice.worker_table(fleet_facts(config), slot=slot,
-                                               free_port=lambda: free_port(config.bind_host))
+                                               free_port=lambda: take_port(config.bind_host))
     kv_routing = config.router == "kv"
     return WorkerConfig(
         engine=engine, run_dir=str(run_dir), kv_routing=kv_routing,
@@ -126,11 +128,33 @@ def write_private(path: Path, text: str) -> Path:
 
 def worker_failure(log_path: str) -> str:
     """What a worker that failed to start said of it: its exception's own message (the line
-    the worker writes last), else the tail of its log."""
+    the worker writes last), else the tail of its log; and the error that one of its engine's
+    own processes logged before, which the worker's message only points at (vLLM's "Engine
+    core initialization failed. See root cause above")."""
     tail = read_tail(log_path, 64_000)
     said = [line.removeprefix(FAILURE_MARK) for line in tail.splitlines()
             if line.startswith(FAILURE_MARK)]
-    return said[-1] if said else f"no error reported; its log ends:\n{tail[-3000:]}"
+    cause = engine_process_error(tail)
+    if said:
+        return f"{said[-1]}; {cause}" if cause else said[-1]
+    return f"no error reported; {cause}" if cause else \
+        f"no error reported; its log ends:\n{tail[-3000:]}"
+
+
+# vLLM prefixes what its own processes log with their name and pid; an error's last line is
+# the exception's type and message.
+_ENGINE_PROCESS_ERROR = re.compile(
+    r"^\((?P<process>\w+) pid=\d+\) ERROR [^\]]*\] (?P<error>[A-Za-z_][\w.]*(Error|Exception): .*)$")
+
+
+def engine_process_error(log: str) -> str:
+    """The last error that a process of the worker's engine (not the worker's own, vLLM's
+    ``MainProcess``) logged, as ``<process> logged <type>: <message>``; empty when none."""
+    for line in reversed(log.splitlines()):
+        found = _ENGINE_PROCESS_ERROR.match(line.strip())
+        if found and found["process"] != "MainProcess":
+            return f"its {found['process']} logged {found['error']}"
+    return ""
 
 
 def exit_reason(log_path: str) -> str:

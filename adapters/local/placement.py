@@ -7,7 +7,8 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from rollout_fleet.adapters.shared import free_port, release_ports, stop_process_group
+from rollout_fleet.adapters.shared import (free_port, release_ports, stop_process_group,
+                                           sweep_stale_claims)
 from rollout_fleet.adapters.shared.processes import (hand_over_secret, interrupts_held,
                                                     secret_stdin, signal_group)
 from rollout_fleet.adapters.shared.shm import SegmentWatch
@@ -70,6 +71,7 @@ class LocalPlacement(Placement):
         signal_group(process.pid, signal.SIGKILL)
         process.wait()
         self._segments.release(name)
+        sweep_stale_claims()  # the ports its killed processes had claimed for themselves
 
     def signal(self, name: str, signum: int) -> None:
         signal_group(self._process(name).pid, signum)
@@ -88,6 +90,7 @@ class LocalPlacement(Placement):
         self._processes.clear()
         release_ports(self._ports_given)  # its workers are gone: nothing will bind them now
         self._ports_given.clear()
+        sweep_stale_claims()  # and those a worker killed before its exit claimed itself
 
     def _process(self, name: str) -> subprocess.Popen:
         try:

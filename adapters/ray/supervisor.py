@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from rollout_fleet.adapters.ray.sealed import SecretOpener
-from rollout_fleet.adapters.shared import free_port
+from rollout_fleet.adapters.shared import free_port, release_ports, sweep_stale_claims
 from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_stdin
 from rollout_fleet.adapters.shared.shm import SegmentWatch
 
@@ -37,6 +37,7 @@ class ProcessSupervisor:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
+        self._ports: list[int] = []  # claimed here for the worker, released once it is gone
         self._opener = SecretOpener()
         self._segments = SegmentWatch()
 
@@ -52,6 +53,7 @@ class ProcessSupervisor:
         secret = None if sealed_secret is None else self._opener.open(sealed_secret)
         host = bind_host or _node_ip()
         ports = {name: free_port(host) for name in port_env}
+        self._ports.extend(ports.values())
         full_env = {**os.environ, **env, **{name: str(port) for name, port in ports.items()}}
         if host_env:
             full_env[host_env] = host
@@ -73,6 +75,7 @@ class ProcessSupervisor:
         if self._process is not None:
             self._process.wait()
             self._segments.release("worker")
+            self._release_ports()
 
     def signal(self, signum: int) -> None:
         self._signal(signum)
@@ -91,7 +94,14 @@ class ProcessSupervisor:
         code = self._process.wait()
         self._segments.release("worker")
         self._segments.close()
+        self._release_ports()
         return code
+
+    def _release_ports(self) -> None:
+        """The worker is gone: its port and what its own killed processes claimed go too."""
+        release_ports(self._ports)
+        self._ports.clear()
+        sweep_stale_claims()
 
     def _signal(self, sig: int) -> None:
         if self._process is None:

@@ -30,6 +30,25 @@ def free_port(host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE,
     raise OSError(f"no free port in {low}-{high} on {host}")
 
 
+class PortsTaken:
+    """The ports one owner (a fleet: its frontend, its etcd, its workers' tables) took with
+    ``free_port``, released together once everything that would bind them has stopped: an
+    owner that failed to start and lives on (a trainer retrying) leaves no claims behind."""
+
+    def __init__(self) -> None:
+        self._ports: set[int] = set()
+
+    def take(self, host: str = "127.0.0.1") -> int:
+        port = free_port(host)
+        self._ports.add(port)
+        return port
+
+    def release(self) -> None:
+        ports, self._ports = self._ports, set()
+        for port in ports:
+            host_claims().release(port)
+
+
 def _bindable(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:

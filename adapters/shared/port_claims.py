@@ -62,6 +62,13 @@ class PortClaims:
             if entry.name.isdigit() and self._stale(entry.path):
                 _unlink(entry.path)
 
+    def sweep_stale(self) -> None:
+        """``sweep`` from any thread: after a placement's workers stopped, the claims that a
+        worker killed before its exit could release are removed at once, not at the next claim."""
+        with self._lock:
+            self._ensure_folder()
+            self.sweep()
+
     def release(self, port: int) -> None:
         """Drop this process's claim on ``port`` (its user is gone); another's stays."""
         with self._lock:
@@ -136,3 +143,8 @@ def release_ports(ports: Iterable[int]) -> None:
     """Release this process's claims on ``ports`` (see ``PortClaims.release``)."""
     for port in ports:
         host_claims().release(port)
+
+
+def sweep_stale_claims() -> None:
+    """Remove this host's claims whose claimers are gone (``PortClaims.sweep_stale``)."""
+    host_claims().sweep_stale()
