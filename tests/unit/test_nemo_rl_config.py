@@ -215,6 +215,25 @@ def test_an_explicit_cpu_device_wins_over_a_gpu_cluster_and_the_engine_follows_i
     assert on_gpu.engine["device"] == "gpu"
 
 
+def test_what_vllm_is_given_on_a_cpu_fleet_under_a_gpu_cluster(tiny):
+    """The engine arguments themselves (what vLLM's AsyncEngineArgs get), not only the table:
+    the project's packed transfer engine, never vLLM's NCCL one, and the KV cache a CPU
+    fleet's, never NeMo-RL's share of GPU memory taken as a share of host memory."""
+    from rollout_fleet.adapters.vllm.config import CPU_KV_CACHE_BYTES, TRANSFER_BACKENDS
+
+    config = generation_config(tiny, gpu_memory_utilization=0.6)
+    config["rollout_fleet"] = {"device": "cpu"}
+    engine = read_nemo_rl_config(config, GpuCluster(2)).fleet.engine_choice.settings.engine
+    kwargs = engine.engine_kwargs()
+    assert kwargs["weight_transfer_config"] == {"backend": TRANSFER_BACKENDS[RefitProtocol.PACKED]}
+    assert kwargs["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
+    assert "gpu_memory_utilization" not in kwargs
+    on_gpu = read_nemo_rl_config(generation_config(tiny, gpu_memory_utilization=0.6),
+                                 GpuCluster(2)).fleet.engine_choice.settings.engine.engine_kwargs()
+    assert on_gpu["weight_transfer_config"] == {"backend": "nccl"}
+    assert on_gpu["gpu_memory_utilization"] == 0.6 and "kv_cache_memory_bytes" not in on_gpu
+
+
 def test_a_device_that_is_neither_cpu_nor_gpu_is_refused_by_name(tiny):
     config = generation_config(tiny)
     config["rollout_fleet"] = {"device": "cuda"}
