@@ -36,6 +36,10 @@ from rollout_fleet.core.rollout import (
 
 # An annotation "rollout:<json spec>" in nvext.annotations marks a rollout request.
 ROLLOUT_ANNOTATION_PREFIX = "rollout:"
+# A plain request (chat or completion) whose last chunk also carries every generated token ID,
+# the hidden stop tokens (EOS) among them, with their logprobs, in ``engine_data``: what the
+# agent door needs to give a trajectory's next turn exactly the model's own tokens.
+TURN_TOKENS_ANNOTATION = "turn-tokens:v1"
 ROLLOUT_SPEC_VERSION = 1
 ENGINE_DATA_VERSION = 1
 REQUEST_ID_HEADER = "x-request-id"

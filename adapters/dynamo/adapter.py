@@ -42,6 +42,7 @@ from rollout_fleet.core.validate import check_int_at_least
 from rollout_fleet.core.rollout import FinishReason
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX,
+    TURN_TOKENS_ANNOTATION,
     decode_rollout_annotation,
     find_annotation,
 )
@@ -86,6 +87,7 @@ class DynamoEngineAdapter(LLMEngine):
         self._token_texts: TokenTexts | None = None
         self._request_kinds: dict[str, Callable[..., Awaitable[list[GenerateChunk]]]] = {
             ROLLOUT_ANNOTATION_PREFIX: self._serve_rollout_request,
+            TURN_TOKENS_ANNOTATION: self._plain_request,  # and the turn's tokens at the end
         }
 
     # -- controls: ``controls.py`` --------------------------------------------------------------
@@ -294,9 +296,10 @@ class DynamoEngineAdapter(LLMEngine):
         }]
 
     async def _plain_request(self, request: dict[str, Any], context_id: str,
-                             _annotation: None) -> AsyncIterator[GenerateChunk]:
+                             turn_tokens: str | None) -> AsyncIterator[GenerateChunk]:
         """Token chunks as the engine streams them (the worker cannot tell whether the client
-        asked ``stream``: the frontend gathers the chunks for one that did not)."""
+        asked ``stream``: the frontend gathers the chunks for one that did not); with the
+        turn-tokens annotation, the last one carries every generated ID and logprob."""
         prompt = prompt_of(request)
         plain = PlainOptions.of(request, self._offered, self._offered_sampling)
         self.ledger.in_flight[context_id] = context_id
@@ -306,6 +309,7 @@ class DynamoEngineAdapter(LLMEngine):
         if plain.logprobs is None and self._bare_streams:
             keywords["with_logprobs"] = False  # not asked: the engine need not compute them
         generated = 0
+        turn: dict[str, list] = {"token_ids": [], "log_probs": []}
         pieces = self.engine.stream_rollout(
             prompt, request_id=context_id,
             max_new_tokens=self._plain_budget(len(prompt), plain.max_tokens),
@@ -313,6 +317,9 @@ class DynamoEngineAdapter(LLMEngine):
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 generated += len(piece.token_ids)
+                if turn_tokens is not None:
+                    turn["token_ids"] += piece.token_ids
+                    turn["log_probs"] += piece.logprobs or ()
                 chunks = piece_chunks(piece, hidden, logprobs=plain.logprobs is not None,
                                        texts=texts)
                 if piece.finish_reason is not None:
@@ -320,6 +327,8 @@ class DynamoEngineAdapter(LLMEngine):
                         chunks = [{"token_ids": [], "index": 0}]
                     chunks[-1]["finish_reason"] = openai_finish(piece.finish_reason)
                     chunks[-1]["completion_usage"] = usage_of(len(prompt), generated)
+                    if turn_tokens is not None:
+                        chunks[-1]["engine_data"] = turn
                 for chunk in chunks:
                     yield chunk
 

@@ -7,12 +7,16 @@ against the tool's schema. The fleet is started once for the module."""
 from __future__ import annotations
 
 import json
+import shutil
 
+import httpx
 import openai
 import pytest
 
+from rollout_fleet.adapters.agent_door.door import TRAJECTORY_HEADER
 from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
 from rollout_fleet.wiring.config import parse_config
+from rollout_fleet.wiring.agent_door import AgentDoorServer, build_door
 from rollout_fleet.wiring.fleet import Fleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.dynamo]
@@ -71,3 +75,133 @@ def test_a_bad_tool_choice_is_refused_by_name_and_the_fleet_serves_on(client):
     answer = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert answer.usage.completion_tokens >= 1
+
+
+# -- the agent door: token-exact turns --------------------------------------------------------
+# The contract of NeMo-Gym's token-carrying messages, restated: an assistant message the
+# client sends back may carry the turn's prompt IDs, the IDs the model generated and their
+# logprobs; the next turn's prompt must then begin with exactly prompt + generated IDs, and
+# each answer's message carries the same three fields for its own turn.
+GYM_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+@pytest.fixture(scope="module")
+def door(fleet):
+    server = AgentDoorServer.for_fleet(fleet)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def door_client(door, trajectory: str | None = None) -> openai.OpenAI:
+    headers = {TRAJECTORY_HEADER: trajectory} if trajectory else None
+    return openai.OpenAI(base_url=door.url, api_key="unused", timeout=120, max_retries=0,
+                         default_headers=headers)
+
+
+def as_an_agent_sends_it(message) -> dict:
+    """The assistant message as agent frameworks send it back: role, text and tool calls
+    only (no token IDs)."""
+    sent = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        sent["tool_calls"] = [{"id": call.id, "type": "function",
+                               "function": {"name": call.function.name,
+                                            "arguments": call.function.arguments}}
+                              for call in message.tool_calls]
+    return sent
+
+
+def tool_turn(client, messages: list[dict], seed: int):
+    return client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER_TOOL], tool_choice=CALL_WEATHER,
+        max_tokens=96, seed=seed, temperature=1.0, extra_body={"return_token_ids": True})
+
+
+def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(door):
+    messages = [{"role": "user", "content": "What is the weather in three cities?"}]
+    earlier: list[int] | None = None
+    with door_client(door, trajectory="weather-1") as client:
+        for turn in range(3):
+            answer = tool_turn(client, messages, seed=turn)
+            choice, message = answer.choices[0], answer.choices[0].message
+            (call,) = message.tool_calls  # parsed by Dynamo's hermes parser
+            city = json.loads(call.function.arguments)["city"]
+            prompt, generated = answer.prompt_token_ids, choice.token_ids
+            assert message.prompt_token_ids == prompt and message.generation_token_ids == generated
+            assert len(message.generation_log_probs) == len(generated) > 0
+            if earlier is not None:
+                assert prompt[:len(earlier)] == earlier, f"turn {turn} re-tokenized its prefix"
+                assert len(prompt) > len(earlier)  # and the tool's answer follows it
+            earlier = prompt + generated
+            messages += [as_an_agent_sends_it(message),
+                         {"role": "tool", "tool_call_id": call.id, "content": f"sunny in {city}"}]
+    assert len(messages) == 7
+
+
+def test_token_fields_on_an_assistant_message_are_the_prompts_exact_prefix(door):
+    """A NeMo-Gym-shaped request: the tokens it carries are taken as they are, even where a
+    re-tokenization of the message's text would give others."""
+    with door_client(door) as client:
+        first = tool_turn(client, [{"role": "user", "content": "Weather?"}], seed=5)
+    message = first.choices[0].message
+    carried = {"prompt_token_ids": message.prompt_token_ids,
+               "generation_token_ids": message.generation_token_ids[:-1] + [7, 8, 2],
+               "generation_log_probs": message.generation_log_probs}
+    sent = [{"role": "user", "content": "Weather?"}, {**as_an_agent_sends_it(message), **carried},
+            {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "rain"}]
+    answer = httpx.post(f"{door.url}/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": sent, "max_tokens": 4, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    prefix = carried["prompt_token_ids"] + carried["generation_token_ids"]
+    prompt = answer.json()["choices"][0]["message"]["prompt_token_ids"]
+    assert prompt[:len(prefix)] == prefix and len(prompt) > len(prefix)
+
+
+def test_a_turn_that_does_not_continue_its_trajectory_is_refused_naming_it(door):
+    with door_client(door, trajectory="weather-2") as client:
+        tool_turn(client, [{"role": "user", "content": "Weather?"}], seed=1)
+        with pytest.raises(openai.BadRequestError) as refused:
+            tool_turn(client, [{"role": "user", "content": "Weather?"},
+                               {"role": "user", "content": "again"}], seed=2)
+        assert "messages[1]" in str(refused.value)
+        assert "assistant" in str(refused.value)
+    with door_client(door) as client:  # the door and the fleet serve on
+        assert tool_turn(client, [{"role": "user", "content": "Weather?"}], seed=3).choices
+    ended = httpx.delete(f"{door.url}/trajectories/weather-2", timeout=10).json()
+    assert ended == {"trajectory": "weather-2", "ended": True}
+    assert "weather-2" not in door.door.trajectories
+
+
+def test_completions_return_their_prompt_and_generated_token_ids(door, tool_model):
+    from transformers import AutoTokenizer
+
+    answer = httpx.post(f"{door.url}/completions", timeout=120, json={
+        "model": "tiny", "prompt": "The weather is", "max_tokens": 5, "temperature": 0,
+        "logprobs": 1, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    assert choice["prompt_token_ids"] == tokenizer("The weather is")["input_ids"]
+    assert len(choice["token_ids"]) == 5
+    assert len(choice["logprobs"]["token_logprobs"]) == 5
+
+
+def test_chat_on_a_model_without_a_template_is_refused_naming_the_model(fleet, tool_model,
+                                                                         tmp_path):
+    bare = tmp_path / "bare-model"
+    shutil.copytree(tool_model, bare)
+    config_path = bare / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    server = AgentDoorServer(build_door(fleet.frontend_url, str(bare), "bare-tiny")).start()
+    try:
+        answer = httpx.post(f"{server.url}/chat/completions", timeout=60, json={
+            "model": "bare-tiny", "messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        server.stop()
+    assert answer.status_code == 400
+    assert "model=bare-tiny" in answer.json()["error"]["message"]
+    assert "no chat template" in answer.json()["error"]["message"]

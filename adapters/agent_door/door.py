@@ -1,0 +1,238 @@
+"""The agent door: OpenAI chat and completions for agent clients, in front of the fleet's
+Dynamo frontend, token-exact across the turns of a trajectory.
+
+For each chat request the door renders the conversation with the model's chat template and
+tokenizes it itself; where an earlier assistant turn's exact tokens are known (the message
+carries NeMo-Gym's ``prompt_token_ids`` / ``generation_token_ids`` / ``generation_log_probs``,
+or the client named its trajectory and the door kept that trajectory's last turn), they are
+the prompt's prefix and only what follows them is tokenized (``core.agent_turns``). The
+prompt goes to Dynamo as ``nvext.token_data``: Dynamo still runs the tool-call and reasoning
+parsers and turns a ``tool_choice`` into structured decoding; the worker returns every
+generated ID and logprob in ``engine_data`` (the turn-tokens annotation). The answer carries
+NeMo-Gym's three fields on its message, and vLLM's ``prompt_token_ids`` / ``token_ids`` when
+the request asks ``return_token_ids``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from rollout_fleet.adapters.agent_door.template import ChatTemplate
+from rollout_fleet.core.agent_turns import (
+    RecordedTurn, Trajectories, TurnTokens, joined_prompt, recorded_turn_applies, token_fields,
+)
+from rollout_fleet.core.clock import Clock, SystemClock
+from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.wire import TURN_TOKENS_ANNOTATION
+
+logger = logging.getLogger(__name__)
+
+TRAJECTORY_HEADER = "X-Trajectory-Id"
+TRAJECTORY_FIELD = "trajectory"  # the body's spelling, for clients that cannot set headers
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+class AgentDoor:
+    """The door's routes over one fleet frontend (``frontend_url``)."""
+
+    def __init__(self, frontend_url: str, template: ChatTemplate, *,
+                 trajectories: Trajectories | None = None, clock: Clock | None = None) -> None:
+        self.frontend_url = frontend_url.rstrip("/")
+        self.template = template
+        self.trajectories = trajectories or Trajectories()
+        self.clock = clock or SystemClock()
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_delete("/v1/trajectories/{name}", self.end_trajectory)
+        app.router.add_get("/v1/models", self.models)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def chat(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            trajectory = _trajectory_name(request, body)
+            wants_ids, wants_logprobs = _token_wishes(body)
+            messages, roles, known = _split_messages(body)
+            if trajectory is not None and not known:
+                known = self._recalled(trajectory, roles)
+            prompt = self._prompt(body, messages, known)
+        except InvalidValue as exc:
+            return _refusal(exc)
+        status, answer = await self._forward("/v1/chat/completions", _with_token_data(
+            {**body, "messages": messages, "logprobs": True}, prompt))
+        if status != 200:
+            return web.json_response(answer, status=status)
+        tokens = _turn_tokens(answer, prompt)
+        _write_chat_tokens(answer, tokens, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
+        if trajectory is not None:
+            self.trajectories.record(trajectory, RecordedTurn(len(messages), tuple(roles), tokens),
+                                     self.clock.monotonic())
+        return web.json_response(answer)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            wants_ids, _ = _token_wishes(body)
+        except InvalidValue as exc:
+            return _refusal(exc)
+        if not wants_ids:
+            status, answer = await self._forward("/v1/completions", body)
+            return web.json_response(answer, status=status)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt = self.template.encode(prompt, special_tokens=True)
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return _refusal(InvalidValue("prompt", body.get("prompt"), "with return_token_ids, "
+                                         "one prompt: a string or a list of token IDs"))
+        status, answer = await self._forward(
+            "/v1/completions", _with_token_data({**body, "prompt": prompt}, None))
+        if status == 200:
+            tokens = _turn_tokens(answer, prompt)
+            choice = answer["choices"][0]
+            choice["prompt_token_ids"] = list(tokens.prompt_token_ids)
+            choice["token_ids"] = list(tokens.generation_token_ids)
+        return web.json_response(answer, status=status)
+
+    async def end_trajectory(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        return web.json_response({"trajectory": name, "ended": self.trajectories.end(name)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        async with self._client().get(f"{self.frontend_url}/v1/models") as answer:
+            return web.json_response(await answer.json(content_type=None), status=answer.status)
+
+    # -- the prompt ----------------------------------------------------------------------------
+    def _recalled(self, trajectory: str, roles: list[str]) -> dict[int, TurnTokens]:
+        latest = self.trajectories.latest(trajectory, self.clock.monotonic())
+        if latest is None:
+            return {}  # its first turn (or one forgotten: its prompt is rendered afresh)
+        return {recorded_turn_applies(latest, roles, "messages"): latest.tokens}
+
+    def _prompt(self, body: Mapping[str, Any], messages: list[dict[str, Any]],
+                known: dict[int, TurnTokens]) -> list[int]:
+        tools = None if body.get("tool_choice") == "none" else body.get("tools")
+        render = dict(tools=tools, template_kwargs=body.get("chat_template_kwargs"))
+        whole = self.template.render(messages, add_generation_prompt=True, **render)
+        if not known:
+            return self.template.encode(whole)
+        index = max(known)
+        earlier = self.template.render(messages[:index + 1], add_generation_prompt=False, **render)
+        prefix, rest = joined_prompt(known[index], earlier, whole, turn_field=f"messages[{index}]",
+                                     end_of_turn=self.template.end_of_turn)
+        return list(prefix) + self.template.encode(rest)
+
+    # -- the frontend --------------------------------------------------------------------------
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def _forward(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
+        async with self._client().post(f"{self.frontend_url}{path}", json=body) as answer:
+            text = await answer.text()
+        try:
+            return answer.status, json.loads(text)
+        except ValueError:
+            return answer.status, {"error": {"message": text, "code": answer.status}}
+
+    async def _close(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InvalidValue("body", "(not JSON)", f"must be a JSON object: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidValue("body", type(body).__name__, "must be a JSON object")
+    if body.get("stream"):
+        raise InvalidValue("stream", True, "the agent door answers whole turns (stream: false)")
+    if body.get("n") not in (None, 1):
+        raise InvalidValue("n", body["n"], "one choice per turn: send n requests instead")
+    return body
+
+
+def _trajectory_name(request: web.Request, body: dict[str, Any]) -> str | None:
+    name = body.pop(TRAJECTORY_FIELD, None)
+    name = request.headers.get(TRAJECTORY_HEADER) or name
+    if name is not None and (not isinstance(name, str) or not name or len(name) > 256):
+        raise InvalidValue(TRAJECTORY_FIELD, name, "must be a non-empty string (<= 256 chars)")
+    return name
+
+
+def _token_wishes(body: dict[str, Any]) -> tuple[bool, bool]:
+    wants_ids = body.pop("return_token_ids", None)
+    if wants_ids not in (None, True, False):
+        raise InvalidValue("return_token_ids", wants_ids, "must be true or false")
+    return bool(wants_ids), bool(body.get("logprobs"))
+
+
+def _split_messages(body: Mapping[str, Any]) -> tuple[list[dict], list[str], dict[int, TurnTokens]]:
+    """The messages without their token fields, their roles, and the tokens they carried."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidValue("messages", messages, "must be a non-empty list of messages")
+    plain, roles, known = [], [], {}
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidValue(f"messages[{index}]", message, "must be an object with a role")
+        try:
+            tokens = token_fields(message)
+        except InvalidValue as exc:
+            raise InvalidValue(f"messages[{index}].{exc.field}", exc.value, exc.rule) from None
+        if tokens is not None:
+            if message["role"] != "assistant":
+                raise InvalidValue(f"messages[{index}].generation_token_ids", "(set)",
+                                   "only an assistant message carries the model's tokens")
+            known[index] = tokens
+        plain.append({k: v for k, v in message.items() if k not in TOKEN_FIELDS})
+        roles.append(message["role"])
+    return plain, roles, known
+
+
+def _with_token_data(body: Mapping[str, Any], prompt: list[int] | None) -> dict[str, Any]:
+    nvext = dict(body.get("nvext") or {})
+    if prompt is not None:
+        nvext["token_data"] = prompt
+    nvext["annotations"] = [*(nvext.get("annotations") or []), TURN_TOKENS_ANNOTATION]
+    nvext["extra_fields"] = [*(nvext.get("extra_fields") or []), "engine_data"]
+    return {**body, "nvext": nvext}
+
+
+def _turn_tokens(answer: dict[str, Any], prompt: list[int]) -> TurnTokens:
+    nvext = answer.get("nvext") or {}
+    engine = nvext.pop("engine_data", None) or {}
+    if not nvext:
+        answer.pop("nvext", None)
+    return TurnTokens(prompt, engine.get("token_ids") or (), engine.get("log_probs") or ())
+
+
+def _write_chat_tokens(answer: dict[str, Any], tokens: TurnTokens, *, wants_ids: bool,
+                       wants_logprobs: bool) -> None:
+    choice = answer["choices"][0]
+    choice["message"].update(prompt_token_ids=list(tokens.prompt_token_ids),
+                             generation_token_ids=list(tokens.generation_token_ids),
+                             generation_log_probs=list(tokens.generation_log_probs))
+    if wants_ids:
+        answer["prompt_token_ids"] = list(tokens.prompt_token_ids)
+        choice["token_ids"] = list(tokens.generation_token_ids)
+    if not wants_logprobs:
+        choice["logprobs"] = None
+
+
+def _refusal(exc: InvalidValue) -> web.Response:
+    return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error",
+                                        "param": exc.field, "code": 400}}, status=400)

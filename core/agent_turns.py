@@ -1,0 +1,157 @@
+"""Token-exact turns of an agent's trajectory (pure).
+
+A turn's prompt is the earlier turn's exact tokens (its prompt and what the model generated)
+followed by the tokens of what the conversation adds after that turn: the chat template's
+rendering of the later messages, tokenized on its own. The earlier turn's text is never
+tokenized again, so the tokens a trainer trains on are the ones the policy produced.
+
+The join holds only where the template renders the conversation up to and including the
+earlier assistant message as a prefix of its rendering of the whole conversation; where it
+does not (a template that rewrites earlier turns, e.g. one that drops old reasoning), the
+turn is refused naming the message, never re-tokenized silently.
+
+``Trajectories`` keeps the token history of named trajectories for clients that send only
+text: bounded in number, each evicted when its client ends it or when it idles.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from rollout_fleet.core.errors import InvalidValue
+
+
+class TurnNotJoinable(InvalidValue):
+    """An earlier turn's tokens cannot be the prefix of this turn's prompt."""
+
+
+@attrs.frozen
+class TurnTokens:
+    """One answered turn: its exact prompt, the generated IDs (a stop token the model made
+    included) and one logprob per generated ID."""
+
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    generation_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    generation_log_probs: tuple[float, ...] = attrs.field(converter=tuple, default=())
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + self.generation_token_ids
+
+
+def joined_prompt(earlier: TurnTokens, earlier_text: str, whole_text: str, *,
+                  turn_field: str, end_of_turn: tuple[str, int] | None = None) -> tuple[tuple[int, ...], str]:
+    """The prompt's prefix (the earlier turn's exact tokens) and the text that follows it.
+
+    ``earlier_text``: the template's rendering of the conversation through the earlier
+    assistant message; ``whole_text``: its rendering of the whole conversation. The caller
+    tokenizes the returned text and appends it. ``end_of_turn`` (its text, its ID): the marker
+    the template closes an assistant message with; a turn cut short by its token budget never
+    generated it, so it is appended to the exact tokens where the template wrote it.
+    """
+    if not whole_text.startswith(earlier_text):
+        at = next((i for i, (a, b) in enumerate(zip(earlier_text, whole_text)) if a != b),
+                  min(len(earlier_text), len(whole_text)))
+        raise TurnNotJoinable(turn_field, whole_text[max(0, at - 20):at + 20],
+                              f"the chat template renders the conversation with this turn "
+                              f"changed from character {at} on, so the turn's exact tokens "
+                              "cannot be the prompt's prefix")
+    prefix = earlier.all_token_ids
+    if end_of_turn is not None:
+        text, token_id = end_of_turn
+        if earlier_text.endswith(text) and (not prefix or prefix[-1] != token_id):
+            prefix += (token_id,)
+    return prefix, whole_text[len(earlier_text):]
+
+
+@attrs.frozen
+class RecordedTurn:
+    """What a trajectory remembers of one answered turn: how many messages its request had,
+    their roles (to check the next request continues the same conversation) and its tokens."""
+
+    message_count: int
+    roles: tuple[str, ...]
+    tokens: TurnTokens
+
+
+@attrs.define
+class _Trajectory:
+    last: RecordedTurn | None = None
+    touched_at: float = 0.0
+
+
+class Trajectories:
+    """Named trajectories' latest turns, at most ``capacity`` of them; one untouched for
+    ``idle_s`` is forgotten at the next call (the clock's time is passed in: pure)."""
+
+    def __init__(self, capacity: int = 4096, idle_s: float = 600.0) -> None:
+        if capacity < 1 or not idle_s > 0:
+            raise InvalidValue("trajectories", (capacity, idle_s), "capacity >= 1, idle_s > 0")
+        self.capacity = capacity
+        self.idle_s = idle_s
+        self._named: collections.OrderedDict[str, _Trajectory] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._named)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._named
+
+    def latest(self, name: str, now: float) -> RecordedTurn | None:
+        self._forget_idle(now)
+        trajectory = self._named.get(name)
+        return None if trajectory is None else trajectory.last
+
+    def record(self, name: str, turn: RecordedTurn, now: float) -> None:
+        self._forget_idle(now)
+        trajectory = self._named.pop(name, None) or _Trajectory()
+        trajectory.last, trajectory.touched_at = turn, now
+        self._named[name] = trajectory  # the most recently used last
+        while len(self._named) > self.capacity:
+            self._named.popitem(last=False)
+
+    def end(self, name: str) -> bool:
+        """Forget a trajectory its client has finished; False if it was not kept."""
+        return self._named.pop(name, None) is not None
+
+    def _forget_idle(self, now: float) -> None:
+        while self._named:
+            name, oldest = next(iter(self._named.items()))
+            if now - oldest.touched_at < self.idle_s:
+                return
+            del self._named[name]
+
+
+def recorded_turn_applies(turn: RecordedTurn, roles: Sequence[str], field: str) -> int:
+    """The index of the assistant message that answers ``turn`` in a request with ``roles``;
+    TurnNotJoinable names the message when the request does not continue that turn."""
+    index = turn.message_count
+    if len(roles) <= index or roles[index] != "assistant":
+        raise TurnNotJoinable(f"{field}[{index}]", roles[index] if len(roles) > index else None,
+                              f"the trajectory's last turn had {index} messages, so message "
+                              f"{index} must be its assistant answer")
+    if tuple(roles[:index]) != turn.roles:
+        raise TurnNotJoinable(f"{field}[:{index}]", list(roles[:index]),
+                              f"the trajectory's last turn had roles {list(turn.roles)}: this "
+                              "request does not continue it")
+    return index
+
+
+def token_fields(message: Any) -> TurnTokens | None:
+    """An assistant message's own token fields (NeMo-Gym's names), checked; None without."""
+    if not isinstance(message, dict) or message.get("generation_token_ids") is None:
+        return None
+    fields = {}
+    for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        value = message.get(name, [])
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise InvalidValue(name, value, "must be a list")
+        fields[name] = value
+    for name in ("prompt_token_ids", "generation_token_ids"):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in fields[name]):
+            raise InvalidValue(name, fields[name], "must be token IDs (ints >= 0)")
+    return TurnTokens(**fields)
