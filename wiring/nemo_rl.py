@@ -63,10 +63,17 @@ class DynamoGeneration:
         self.refit_info: Any = None
         self._fleet: Fleet | None = Fleet.start(
             self.settings.fleet, placement_for(self.settings.fleet, groups_of(cluster)))
+        self._door: Any = None  # the agent door (wiring/agent_door.py), when exposed
         try:
             self.native = self._fleet.generation(**self.settings.generation)
             if self.native.config.metrics_interval_s > 0:
                 self.native.prepare_for_generation()  # metrics are sampled from the start
+            if (self.cfg.get("vllm_cfg") or {}).get("expose_http_server"):
+                # NeMo-Gym's OpenAI server: the agent door, token-exact across turns
+                from rollout_fleet.wiring.agent_door import AgentDoorServer
+
+                self._door = AgentDoorServer.for_fleet(self._fleet)
+                self.dp_openai_server_base_urls = [self._door.url]
         except BaseException:
             self._fleet.shutdown()
             raise
@@ -120,7 +127,10 @@ class DynamoGeneration:
         """Stop the driver and the fleet (frontend, workers, engines); safe to repeat. A pickled
         copy stops only its own connections."""
         fleet, self._fleet = self._fleet, None
+        door, self._door = getattr(self, "_door", None), None
         try:
+            if door is not None:
+                door.stop()
             self.native.shutdown()
         finally:
             if fleet is not None:
@@ -238,6 +248,7 @@ class DynamoGeneration:
         self.__dict__.update(state)
         self.refit_info = None
         self._fleet = None
+        self._door = None  # the door stays with the object that started it
 
     def __repr__(self) -> str:
         state = "stopped" if self._fleet is None else "running"

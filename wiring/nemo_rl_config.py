@@ -215,10 +215,8 @@ def _merged_engine(from_nemo_rl: Mapping[str, Any], own: Any) -> Any:
 
 def _refuse_unoffered(config: Mapping[str, Any], dynamo: Mapping[str, Any],
                       vllm: Mapping[str, Any]) -> None:
-    if vllm.get("expose_http_server"):
-        raise InvalidValue(f"{PREFIX}.vllm_cfg.expose_http_server", True,
-                           "not offered: NeMo-Gym's clients reach the fleet's own OpenAI "
-                           "frontend at frontend_url, which serves token IDs only")
+    if vllm.get("expose_http_server") is not None:  # true: the agent door (wiring/nemo_rl.py)
+        check_bool(f"{PREFIX}.vllm_cfg.expose_http_server", vllm["expose_http_server"])
     if config.get("refit_transport") is not None:
         raise InvalidValue(f"{PREFIX}.refit_transport", config["refit_transport"],
                            "must be null: this backend refits over the collective only")

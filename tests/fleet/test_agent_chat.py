@@ -1,8 +1,10 @@
-"""Chat for agents, on a fleet of two real vLLM workers (local processes) serving a tiny model
-whose chat template writes Hermes-style tool calls, registered with Dynamo's ``hermes``
-parser: through the official ``openai`` client, a ``tool_choice`` that names a function is
-served by structured decoding in vLLM, so even random weights answer with a call that parses
-against the tool's schema. The fleet is started once for the module."""
+"""Chat for agents, on a fleet of two real vLLM workers (local processes) started by NeMo-RL's
+drop-in with ``expose_http_server`` and the ``hermes`` tool-call parser, serving a tiny model
+whose chat template writes Hermes-style tool calls. Through the official ``openai`` client: a
+``tool_choice`` that names a function is served by structured decoding in vLLM, so even random
+weights answer with a call that parses against the tool's schema; through the agent door at
+the drop-in's ``dp_openai_server_base_urls``, every turn of a trajectory starts with the exact
+tokens of the turn before it. The fleet is started once for the module."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import pytest
 
 from rollout_fleet.adapters.agent_door.door import TRAJECTORY_HEADER
 from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
-from rollout_fleet.wiring.config import parse_config
 from rollout_fleet.wiring.agent_door import AgentDoorServer, build_door
-from rollout_fleet.wiring.fleet import Fleet
+from rollout_fleet.wiring.nemo_rl import DynamoGeneration
+from tests.unit.test_nemo_rl_config import generation_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.dynamo]
 CITIES = ["Paris", "Oslo", "Lima"]
@@ -34,16 +36,29 @@ def tool_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet(tool_model, tmp_path_factory):
-    fleet = Fleet.start(parse_config({
-        "engine": {"kind": "vllm"}, "placement": "local", "num_workers": 2,
-        "model": str(tool_model), "max_model_len": 512, "chat": {"tool_call_parser": "hermes"},
-        "run_dir": str(tmp_path_factory.mktemp("agent-fleet") / "run"),
-        "timeouts": {"start_s": 400}}))
+def dropin(tool_model, tmp_path_factory):
+    """NeMo-RL's drop-in, as a NeMo-Gym recipe configures it: the hermes parser in its
+    worker_args and ``expose_http_server``, which serves the agent door."""
+    config = generation_config(tool_model, max_model_len=512, expose_http_server=True)
+    config["dynamo_cfg"]["worker_args"] = {"tool_call_parser": "hermes"}
+    config["rollout_fleet"] = {"placement": "local", "num_workers": 2,
+                               "run_dir": str(tmp_path_factory.mktemp("agent-fleet") / "run"),
+                               "timeouts": {"start_s": 400}}
+    generation = DynamoGeneration(None, config)
     try:
-        yield fleet
+        yield generation
     finally:
-        fleet.shutdown()
+        generation.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fleet(dropin):
+    return dropin._fleet
+
+
+@pytest.fixture(scope="module")
+def model(dropin):
+    return dropin.settings.fleet.served_model_name
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +68,10 @@ def client(fleet):
         yield client
 
 
-def test_a_named_tool_choice_answers_a_parsed_call_that_fits_the_schema(client):
+def test_a_named_tool_choice_answers_a_parsed_call_that_fits_the_schema(client, model):
     for attempt in range(4):  # round-robin: both workers serve it
         answer = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "What is the weather?"}],
+            model=model, messages=[{"role": "user", "content": "What is the weather?"}],
             tools=[WEATHER_TOOL], tool_choice=CALL_WEATHER, max_tokens=96, seed=attempt,
             temperature=1.0)
         choice = answer.choices[0]
@@ -66,14 +81,14 @@ def test_a_named_tool_choice_answers_a_parsed_call_that_fits_the_schema(client):
         assert json.loads(call.function.arguments)["city"] in CITIES
 
 
-def test_a_bad_tool_choice_is_refused_by_name_and_the_fleet_serves_on(client):
+def test_a_bad_tool_choice_is_refused_by_name_and_the_fleet_serves_on(client, model):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
+            model=model, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
             tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=4)
     assert "get_time" in str(refused.value)
     answer = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert answer.usage.completion_tokens >= 1
 
 
@@ -86,17 +101,15 @@ GYM_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs"
 
 
 @pytest.fixture(scope="module")
-def door(fleet):
-    server = AgentDoorServer.for_fleet(fleet)
-    try:
-        yield server
-    finally:
-        server.stop()
+def door(dropin) -> str:
+    (url,) = dropin.dp_openai_server_base_urls
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    return url
 
 
-def door_client(door, trajectory: str | None = None) -> openai.OpenAI:
+def door_client(door: str, trajectory: str | None = None) -> openai.OpenAI:
     headers = {TRAJECTORY_HEADER: trajectory} if trajectory else None
-    return openai.OpenAI(base_url=door.url, api_key="unused", timeout=120, max_retries=0,
+    return openai.OpenAI(base_url=door, api_key="unused", timeout=120, max_retries=0,
                          default_headers=headers)
 
 
@@ -112,18 +125,18 @@ def as_an_agent_sends_it(message) -> dict:
     return sent
 
 
-def tool_turn(client, messages: list[dict], seed: int):
+def tool_turn(client, model: str, messages: list[dict], seed: int):
     return client.chat.completions.create(
-        model="tiny", messages=messages, tools=[WEATHER_TOOL], tool_choice=CALL_WEATHER,
+        model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice=CALL_WEATHER,
         max_tokens=96, seed=seed, temperature=1.0, extra_body={"return_token_ids": True})
 
 
-def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(door):
+def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(door, model):
     messages = [{"role": "user", "content": "What is the weather in three cities?"}]
     earlier: list[int] | None = None
     with door_client(door, trajectory="weather-1") as client:
         for turn in range(3):
-            answer = tool_turn(client, messages, seed=turn)
+            answer = tool_turn(client, model, messages, seed=turn)
             choice, message = answer.choices[0], answer.choices[0].message
             (call,) = message.tool_calls  # parsed by Dynamo's hermes parser
             city = json.loads(call.function.arguments)["city"]
@@ -139,45 +152,46 @@ def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(d
     assert len(messages) == 7
 
 
-def test_token_fields_on_an_assistant_message_are_the_prompts_exact_prefix(door):
+def test_token_fields_on_an_assistant_message_are_the_prompts_exact_prefix(door, model):
     """A NeMo-Gym-shaped request: the tokens it carries are taken as they are, even where a
     re-tokenization of the message's text would give others."""
     with door_client(door) as client:
-        first = tool_turn(client, [{"role": "user", "content": "Weather?"}], seed=5)
+        first = tool_turn(client, model, [{"role": "user", "content": "Weather?"}], seed=5)
     message = first.choices[0].message
     carried = {"prompt_token_ids": message.prompt_token_ids,
                "generation_token_ids": message.generation_token_ids[:-1] + [7, 8, 2],
                "generation_log_probs": message.generation_log_probs}
     sent = [{"role": "user", "content": "Weather?"}, {**as_an_agent_sends_it(message), **carried},
             {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "rain"}]
-    answer = httpx.post(f"{door.url}/chat/completions", timeout=120, json={
-        "model": "tiny", "messages": sent, "max_tokens": 4, "temperature": 0})
+    answer = httpx.post(f"{door}/chat/completions", timeout=120, json={
+        "model": model, "messages": sent, "max_tokens": 4, "temperature": 0})
     assert answer.status_code == 200, answer.text
     prefix = carried["prompt_token_ids"] + carried["generation_token_ids"]
     prompt = answer.json()["choices"][0]["message"]["prompt_token_ids"]
     assert prompt[:len(prefix)] == prefix and len(prompt) > len(prefix)
 
 
-def test_a_turn_that_does_not_continue_its_trajectory_is_refused_naming_it(door):
+def test_a_turn_that_does_not_continue_its_trajectory_is_refused_naming_it(door, model):
     with door_client(door, trajectory="weather-2") as client:
-        tool_turn(client, [{"role": "user", "content": "Weather?"}], seed=1)
+        tool_turn(client, model, [{"role": "user", "content": "Weather?"}], seed=1)
         with pytest.raises(openai.BadRequestError) as refused:
-            tool_turn(client, [{"role": "user", "content": "Weather?"},
+            tool_turn(client, model, [{"role": "user", "content": "Weather?"},
                                {"role": "user", "content": "again"}], seed=2)
         assert "messages[1]" in str(refused.value)
         assert "assistant" in str(refused.value)
     with door_client(door) as client:  # the door and the fleet serve on
-        assert tool_turn(client, [{"role": "user", "content": "Weather?"}], seed=3).choices
-    ended = httpx.delete(f"{door.url}/trajectories/weather-2", timeout=10).json()
+        assert tool_turn(client, model, [{"role": "user", "content": "Weather?"}], seed=3).choices
+    ended = httpx.delete(f"{door}/trajectories/weather-2", timeout=10).json()
     assert ended == {"trajectory": "weather-2", "ended": True}
-    assert "weather-2" not in door.door.trajectories
+    again = httpx.delete(f"{door}/trajectories/weather-2", timeout=10).json()
+    assert again == {"trajectory": "weather-2", "ended": False}  # forgotten
 
 
-def test_completions_return_their_prompt_and_generated_token_ids(door, tool_model):
+def test_completions_return_their_prompt_and_generated_token_ids(door, model, tool_model):
     from transformers import AutoTokenizer
 
-    answer = httpx.post(f"{door.url}/completions", timeout=120, json={
-        "model": "tiny", "prompt": "The weather is", "max_tokens": 5, "temperature": 0,
+    answer = httpx.post(f"{door}/completions", timeout=120, json={
+        "model": model, "prompt": "The weather is", "max_tokens": 5, "temperature": 0,
         "logprobs": 1, "return_token_ids": True})
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
