@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_standard_clients as servers  # noqa: E402
+from tests.support.vllm_bench_client import ResidentClient  # noqa: E402
 from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
                            engine_facts, write_report)
 
@@ -77,15 +78,15 @@ def stop_all(processes: list) -> None:
             servers.stop(process)
 
 
-def client_run(url: str, model: Path, shape: Shape, prompts: int, path: Path) -> dict:
+def client_run(url: str, shape: Shape, prompts: int, path: Path, ctx) -> dict:
     level = argparse.Namespace(input_len=shape.input_len, output_len=shape.output_len,
                                prompts=prompts, concurrency=shape.concurrency)
-    return servers.bench_round(url, model, level, path)
+    return servers.bench_round(url, ctx.model, level, path, ctx.client)
 
 
-def warm(url: str, model: Path, folder: Path, way: str) -> None:
+def warm(url: str, way: str, ctx) -> None:
     shape = Shape(WARM_UP["input_len"], WARM_UP["output_len"], WARM_UP["concurrency"])
-    client_run(url, model, shape, WARM_UP["prompts"], folder / f"warm-{way}.json")
+    client_run(url, shape, WARM_UP["prompts"], ctx.run_dir / f"warm-{way}.json", ctx)
 
 
 def record_facts(out: Path, key: str, log: Path, started_s: float) -> None:
@@ -101,7 +102,7 @@ def measure(url: str, way: str, shape: Shape, index: int, arrangement: str, ctx)
     prompts = ctx.prompts(shape)
     path = ctx.run_dir / arrangement / f"{shape}-{way}-{index}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    outcome = client_run(url, ctx.model, shape, prompts, path)
+    outcome = client_run(url, shape, prompts, path, ctx)
     record = {"arrangement": arrangement, "shape": str(shape), "way": way, "round": index,
               "prompts": prompts, **{key: outcome[key] for key in (
                   "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration")}}
@@ -118,6 +119,12 @@ class Sweep:
         self.args, self.run_dir, self.model, self.out = args, run_dir, model, args.out
         self.shapes, self.left_out = shapes, []
         self.budget = Budget(args.budget_s, time.monotonic())
+        # One client process for every run (vLLM imported once), unless --fresh-client.
+        self.client = None if args.fresh_client else ResidentClient(run_dir / "client.log")
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
     def prompts(self, shape: Shape) -> int:
         return self.args.num_prompts or self.args.prompts_per_level * shape.concurrency
@@ -142,7 +149,7 @@ class Sweep:
                                                      self.model, self.args)
                 running += processes
                 record_facts(self.out, f"resident {way}", log, time.monotonic() - began)
-                warm(url, self.model, self.run_dir, way)
+                warm(url, way, self)
                 urls[way] = url
             for shape in self.shapes:
                 if not self.admit(shape, 2 * self.args.rounds):
@@ -165,7 +172,7 @@ class Sweep:
                                                  self.args)
             try:
                 record_facts(self.out, f"alone {way}", log, time.monotonic() - began)
-                warm(url, self.model, self.run_dir, way)
+                warm(url, way, self)
                 for shape in self.shapes if way == FLEET else ran:
                     # the fleet's share and vLLM's repeat of it, after this way so far
                     if way == FLEET and not self.admit(shape, 2 * self.args.rounds,
@@ -226,9 +233,12 @@ def parse_args(argv):
     parser.add_argument("--gpu-memory-share", type=float, default=0.35, help="--gpu: each server's")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="--gpu: a fixed KV cache for both (default: vLLM sizes it)")
-    parser.add_argument("--max-model-len", type=int, default=5120, help="--gpu: context length")
+    parser.add_argument("--max-model-len", type=int, default=5376,
+                        help="--gpu: context length (the longest shape, 5,120, and a margin)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="one compile cache for both servers, kept across calls")
+    parser.add_argument("--fresh-client", action="store_true",
+                        help="a new client process per run (vLLM imported each time)")
     parser.add_argument("--combine", type=Path, nargs="+", default=None,
                         help="only write one report from these folders' records")
     parser.add_argument("--out", type=Path, required=True)
@@ -251,8 +261,11 @@ def main(argv=None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
     try:
         sweep = Sweep(args, run_dir, build_model(run_dir / "model", args), shapes)
-        for arrangement in args.arrangement:
-            getattr(sweep, arrangement)()
+        try:
+            for arrangement in args.arrangement:
+                getattr(sweep, arrangement)()
+        finally:
+            sweep.close()
         if sweep.left_out:
             left = ",".join(sorted({str(s) for s in sweep.left_out}, key=Shape.parse))
             print(f"left out for lack of time; next call: --shapes {left}", flush=True)

