@@ -194,6 +194,12 @@ def selected_shapes(args) -> list[Shape]:
 
 
 def build_model(folder: Path, args) -> Path:
+    """The model both servers serve; built in ``--model-dir`` once and reused by later calls."""
+    if args.model_dir is not None:
+        last_written = "generation_config.json" if args.gpu else "rollout_fleet_tiny_model.json"
+        if (args.model_dir / last_written).exists():  # a whole folder, not one cut short
+            return args.model_dir
+        folder = args.model_dir
     if not args.gpu:
         from rollout_fleet.adapters.tiny_model import build_tiny_model
 
@@ -237,6 +243,8 @@ def parse_args(argv):
                         help="--gpu: context length (the longest shape, 5,120, and a margin)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="one compile cache for both servers, kept across calls")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="build the model here, or reuse the one a previous call built")
     parser.add_argument("--fresh-client", action="store_true",
                         help="a new client process per run (vLLM imported each time)")
     parser.add_argument("--combine", type=Path, nargs="+", default=None,
