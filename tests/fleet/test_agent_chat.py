@@ -8,8 +8,10 @@ tokens of the turn before it. The fleet is started once for the module."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+from typing import Literal
 
 import httpx
 import openai
@@ -219,3 +221,52 @@ def test_chat_on_a_model_without_a_template_is_refused_naming_the_model(fleet, t
     assert answer.status_code == 400
     assert "model=bare-tiny" in answer.json()["error"]["message"]
     assert "no chat template" in answer.json()["error"]["message"]
+
+
+def test_an_openai_agents_run_gets_token_exact_turns_by_its_trajectory_name(door, model):
+    """The openai-agents SDK (a client no one here wrote) runs a tool-use loop of three model
+    turns; it sends text only, and names its trajectory in a header. Each answer the door
+    gave (read off the wire) starts its prompt with the turn before it, exactly."""
+    import agents
+
+    agents.set_tracing_disabled(True)  # nothing leaves loopback
+    answers, called = [], []
+
+    async def keep_answer(response: httpx.Response) -> None:
+        if response.request.url.path.endswith("/chat/completions"):
+            await response.aread()
+            answers.append(response.json())
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> None:
+        http = httpx.AsyncClient(event_hooks={"response": [keep_answer]}, timeout=120)
+        client = openai.AsyncOpenAI(base_url=door, api_key="unused", http_client=http,
+                                    max_retries=0,
+                                    default_headers={TRAJECTORY_HEADER: "agents-sdk-1"})
+        agent = agents.Agent(
+            name="weather", instructions="Answer with the weather.", tools=[get_weather],
+            model=agents.OpenAIChatCompletionsModel(model=model, openai_client=client),
+            model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=96,
+                                                temperature=1.0),
+            reset_tool_choice=False)  # every turn calls the tool: the run ends at max_turns
+        try:
+            with pytest.raises(agents.MaxTurnsExceeded):
+                await agents.Runner.run(agent, "Weather in three cities, please.", max_turns=3)
+        finally:
+            await http.aclose()
+
+    asyncio.run(run())
+    assert len(answers) == 3 and len(called) == 3, (len(answers), called)
+    earlier = None
+    for turn, answer in enumerate(answers):
+        message = answer["choices"][0]["message"]
+        assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+        prompt = message["prompt_token_ids"]
+        if earlier is not None:
+            assert prompt[:len(earlier)] == earlier, f"turn {turn} re-tokenized its prefix"
+        earlier = prompt + message["generation_token_ids"]
