@@ -16,7 +16,7 @@ from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest, ColocatedSession
 from rollout_fleet.core.engine_ports import ColocatedTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import refit_mode
+from rollout_fleet.core.refit import next_version, refit_mode
 
 CONTROLS = ("colocated_start", "colocated_bucket", "colocated_finish", "colocated_abort")
 DEFAULT_IDLE_TIMEOUT_S = 600.0
@@ -55,11 +55,7 @@ class WorkerColocatedRefit:
                 raise RefitError(f"a colocated refit is open on this worker (session"
                                  f" {self._session.session_id!r}, bucket {self._session.next_index}"
                                  f" of {self._session.buckets} next): finish or abort it first")
-            transports = tuple(self._target.colocated_transports())
-            if manifest.transport not in transports:
-                raise InvalidValue("manifest.transport", manifest.transport,
-                                   f"this worker's engine opens {', '.join(transports)} handles")
-            manifest.info.check_against(self._target.weight_metas())
+            check_manifest(self._target, manifest, body.get("weight_version"))
             session = ColocatedSession.begin(body.get("session"), manifest,
                                              self._target.weight_version(),
                                              body.get("weight_version"))
@@ -151,6 +147,18 @@ class WorkerColocatedRefit:
             session.fail(reason)
             self._expiry = None
             await self._target.abandon_colocated(reason)
+
+
+def check_manifest(target: ColocatedTarget, manifest: ColocatedManifest,
+                   version: Any = None) -> None:
+    """Refuse, before anything loads, a transport the engine cannot open, tensors it does not
+    have (names, shapes, dtypes) and a version that would not go up."""
+    transports = tuple(target.colocated_transports())
+    if manifest.transport not in transports:
+        raise InvalidValue("manifest.transport", manifest.transport,
+                           f"this worker's engine opens {', '.join(transports)} handles")
+    manifest.info.check_against(target.weight_metas())
+    next_version(target.weight_version(), version)
 
 
 def _mapping(body: Any) -> Mapping[str, Any]:

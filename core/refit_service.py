@@ -144,6 +144,15 @@ class RefitCoordinator:
             body["deadline_s"] = worker_deadline_s(deadline_s)
         return [ControlCall(control, "update_weights", body) for control in self._controls]
 
+    def ipc_stream_plan(self, info: RefitInfo, mode: str | None = None, *,
+                        weight_version: int | None = None) -> list[ControlCall]:
+        """One ``ipc_zmq_update`` per worker: each receives the stream of the trainer rank it
+        shares a device with (core/ipc_stream.py); no group to form."""
+        body: dict[str, Any] = {"refit_info": info.to_wire(), "mode": refit_mode(mode)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return [ControlCall(control, "ipc_zmq_update", body) for control in self._controls]
+
     def check_group_current(self) -> None:
         if self._group is None or self._group == self.worker_ids:
             return

@@ -52,6 +52,7 @@ from rollout_fleet.core.errors import EngineDead, EngineHung, InvalidValue
 from rollout_fleet.core.progress_watch import ProgressWatch
 from rollout_fleet.ports.engine_kind import BuiltEngine, Control
 from rollout_fleet.wiring.engines import EngineChoice
+from rollout_fleet.wiring.ipc_stream_controls import ipc_stream_controls
 from rollout_fleet.wiring.worker_config import WorkerConfig
 
 logger = logging.getLogger("rollout_fleet.worker")
@@ -85,7 +86,8 @@ def refit_controls(engine: Any, config: WorkerConfig) -> dict[str, Control]:
         return {}
     controls = WorkerRefit(engine, config.collective_backend).controls()
     picked = {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
-    return {**picked, **colocated_controls(engine)}
+    return {**picked, **colocated_controls(engine), **ipc_stream_controls(
+        engine, run_dir=config.run_dir, worker_id=config.worker_id or "worker")}
 
 
 def colocated_controls(engine: Any) -> dict[str, Control]:

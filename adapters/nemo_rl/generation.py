@@ -376,11 +376,11 @@ class FleetGeneration:
         self._forget_lost()
         return self._fleet_refit.weight_versions()
 
-    def update_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> list:
-        raise NotImplementedError(
-            "update_weights_via_ipc_zmq needs the trainer and the engines to share GPUs (CUDA "
-            "IPC); the fleet's workers receive weights over the collective: use init_collective"
-            " + update_weights_from_collective")
+    def update_weights_via_ipc_zmq(self, *, mode: str | None = None) -> list:
+        """NeMo-RL's colocated refit (core/ipc_stream.py): a future per worker, True once done."""
+        self._check_open()
+        self._forget_lost()
+        return self._fleet_refit.update_weights_via_ipc_zmq(mode)
 
     # -- pickling -----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -34,6 +34,12 @@ class ControlCallActor:
             if clients is not None:
                 await clients.aclose()
 
+    async def succeeded(self, call: ControlCall, timeout_s: float) -> bool:
+        """True once the call answered (NeMo-RL's IPC refit counts workers by a literal True);
+        its error otherwise."""
+        await self.call(call, timeout_s)
+        return True
+
     def facts(self) -> tuple[int, int]:
         """(its process id, the calls it was given)."""
         return os.getpid(), self.calls
@@ -47,9 +53,12 @@ class RayControlCalls:
         self._actor: Any = None
         self._lock = threading.Lock()
 
-    def submit(self, call: ControlCall, timeout_s: float) -> Any:
-        """The call's ObjectRef: its answer, or its error from ``ray.get``."""
-        return self._running_actor().call.remote(call, timeout_s)
+    def submit(self, call: ControlCall, timeout_s: float, *, true_when_done: bool = False) -> Any:
+        """The call's ObjectRef: its answer (``true_when_done``: True), or its error from
+        ``ray.get``."""
+        actor = self._running_actor()
+        method = actor.succeeded if true_when_done else actor.call
+        return method.remote(call, timeout_s)
 
     def actor_facts(self) -> tuple[int, int]:
         """The actor's (process id, calls given); starts it if none runs."""

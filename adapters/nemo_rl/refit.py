@@ -62,12 +62,28 @@ class FleetRefit:
         plan = self._coordinator.update_weights_plan(
             mode, weight_version=version,
             deadline_s=None if deadline is None else deadline.deadline_s)
+        return self._update(plan, deadline)
+
+    def update_weights_via_ipc_zmq(self, mode: str | None = None) -> list:
+        """Every worker receives its trainer rank's IPC stream (core/ipc_stream.py); one future
+        per worker, each True once that worker committed, with the versions and cache
+        invalidation of every refit."""
+        if self.refit_info is None:
+            raise RefitError("update_weights_via_ipc_zmq before prepare_refit_info")
+        self._coordinator.ipc_stream_plan(self.refit_info, mode)  # a bad mode: refused first
+        version = self._helper.run(self._coordinator.next_weight_version())
+        plan = self._coordinator.ipc_stream_plan(self.refit_info, mode, weight_version=version)
+        return self._update(plan, None, true_when_done=True)
+
+    def _update(self, plan: list[ControlCall], deadline: RefitDeadline | None, *,
+                true_when_done: bool = False) -> list:
+        """Launch an update's calls; the versions advance once every one succeeded."""
         if self._gate.bounded:
             # The version advances when every worker has loaded the new weights; until then
             # the rollouts admitted count as the old version's (the safe side of the bound).
             self._gate.begin_refit(timeout_s=self._coordinator.control_timeout_s)
         try:
-            futures = self._launch(plan, deadline)
+            futures = self._launch(plan, deadline, true_when_done=true_when_done)
         except BaseException:
             if self._gate.bounded:
                 self._gate.end_refit(False)
@@ -83,20 +99,30 @@ class FleetRefit:
     def weight_versions(self) -> dict[str, int]:
         return self._helper.run(self._coordinator.weight_versions())
 
-    def _launch(self, plan: list[ControlCall], deadline: RefitDeadline | None = None) -> list:
+    def _launch(self, plan: list[ControlCall], deadline: RefitDeadline | None = None, *,
+                true_when_done: bool = False) -> list:
         timeout_s = self._coordinator.control_timeout_s if deadline is None else deadline.deadline_s
         if _ray_is_running():
             if self._ray_calls is None:
                 self._ray_calls = RayControlCalls()
-            return [self._ray_calls.submit(call, timeout_s) for call in plan]
+            return [self._ray_calls.submit(call, timeout_s, true_when_done=true_when_done)
+                    for call in plan]
         if deadline is not None:
             return [self._helper.spawn(deadline.run(call)) for call in plan]
+        if true_when_done:
+            return [self._helper.spawn(_true_when_done(run_control_call(call, timeout_s)))
+                    for call in plan]
         return [self._helper.spawn(run_control_call(call, timeout_s)) for call in plan]
 
     def close(self) -> None:
         """Stop the Ray actor that made this driver's control calls, if one was started."""
         if self._ray_calls is not None:
             self._ray_calls.close()
+
+
+async def _true_when_done(answer: Any) -> bool:
+    await answer
+    return True
 
 
 def _when_all_done(futures: Sequence[Any], callback: Callable[[bool], None]) -> None:

@@ -202,7 +202,7 @@ def test_facts_and_refit_refusals(generation):
         generation.init_collective("127.0.0.1", 1, 4, train_world_size=1)
     with pytest.raises(RefitError, match="before prepare_refit_info"):
         generation.update_weights_from_collective()
-    with pytest.raises(NotImplementedError, match="over the collective"):
+    with pytest.raises(RefitError, match="update_weights_via_ipc_zmq before prepare_refit_info"):
         generation.update_weights_via_ipc_zmq()
 
 

@@ -1,0 +1,118 @@
+"""NeMo-RL's colocated refit through the drop-in, on the CPU: the restated NeMo-RL sender
+(tests/support/nemo_rl_ipc_sender.py: ZeroMQ request/reply, two ping-pong buffers, 512-byte
+aligned offsets, the final message; shared-memory handles where NeMo-RL sends CUDA IPC ones)
+streams a model into a one-worker vLLM fleet built by ``DynamoGeneration``, in NeMo-RL's order:
+``prepare_for_generation(tags=["weights"])``, ``update_weights_via_ipc_zmq`` while the trainer
+streams, ``prepare_for_generation(tags=["kv_cache"])``. Greedy answers after each refit are
+transformers' greedy decodes of the weights streamed (tests/refit/conftest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any
+
+import pytest
+import zmq
+from safetensors.torch import load_file
+
+from rollout_fleet.core.errors import ControlRefused
+from tests.refit.conftest import EOS, STEPS
+from tests.refit.test_refit_fleet import assert_serves, info_of
+from tests.support.nemo_rl_ipc_sender import IpcStreamSender
+
+BUFFER_BYTES = 2 * (64 << 10)  # two 64 KiB buffers: many groups, the embeddings each alone
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def dropin(models, tmp_path_factory):
+    from rollout_fleet.wiring.fleet import call_control
+    from rollout_fleet.wiring.nemo_rl import DynamoGeneration
+    from tests.fleet.test_nemo_rl_dropin import nemo_rl_config
+    from tests.support.net import in_private_netns
+
+    if not in_private_netns():
+        pytest.fail("run the refit tier through scripts/test.sh (inside `unshare -n`)")
+    config = nemo_rl_config(models[0], max_new_tokens=STEPS, stop_token_ids=[EOS])
+    config["vllm_cfg"] = {**config["vllm_cfg"], "max_model_len": 512}
+    config["rollout_fleet"] = {"device": "cpu", "placement": "local", "num_workers": 1,
+                               "run_dir": str(tmp_path_factory.mktemp("ipc-fleet"))}
+    generation = DynamoGeneration(None, config)
+    try:
+        fleet = generation._fleet
+        # Where the trainer rank binds (on a GPU NeMo-RL's own address of the shared device).
+        address = call_control(fleet.control_url(fleet.workers[0]), "ipc_zmq_address",
+                               fleet.secret)["address"]
+        generation.prepare_refit_info(info_of(models[0]))  # NeMo-RL's init_communicator
+        yield Dropin(generation, address)
+    finally:
+        generation.shutdown()
+
+
+@dataclasses.dataclass
+class Dropin:
+    generation: Any
+    address: str
+
+
+def stream_and_update(dropin, named_tensors):
+    """One refit in NeMo-RL's colocated order; the sender (its group counts) and the answers
+    of ``update_weights_via_ipc_zmq``'s futures."""
+    context = zmq.Context()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_S * 1000)
+    socket.bind(dropin.address)
+    generation = dropin.generation
+    sender, failures = IpcStreamSender(socket, BUFFER_BYTES), []
+
+    def stream():
+        try:
+            sender.stream(named_tensors)
+        except Exception as error:  # noqa: BLE001 - reported by the test
+            failures.append(error)
+
+    try:
+        assert generation.prepare_for_generation(tags=["weights"]) is True
+        trainer = threading.Thread(target=stream)
+        trainer.start()
+        futures = generation.update_weights_via_ipc_zmq()
+        try:
+            answers = [future.result(timeout=TIMEOUT_S) for future in futures]
+        finally:
+            trainer.join(TIMEOUT_S)
+        assert generation.prepare_for_generation(tags=["kv_cache"]) is True
+    finally:
+        socket.close(linger=0)
+        context.term()
+        os.unlink(dropin.address.removeprefix("ipc://"))  # the binder's file: libzmq leaves it
+    assert failures == [] and not trainer.is_alive()
+    return sender, answers
+
+
+def model_tensors(folder):
+    return list(load_file(str(folder / "model.safetensors")).items())
+
+
+def test_the_restated_nemo_rl_sender_refits_the_worker_in_nemo_rls_order(dropin, models,
+                                                                         reference):
+    assert_serves(dropin.generation.native, reference, 0)
+    for version, seed in ((1, 1), (2, 0)):
+        sender, answers = stream_and_update(dropin, model_tensors(models[seed]))
+        assert answers == [True]  # NeMo-RL counts a literal True per worker
+        assert sender.groups > 3 and sender.oversized >= 1  # ping-pong and a buffer alone
+        assert dropin.generation.native.get_weight_versions() == {"worker-0": version}
+        assert_serves(dropin.generation.native, reference, seed)
+
+
+def test_a_stream_with_a_tensor_the_refit_info_lacks_is_refused_and_the_weights_stay(
+        dropin, models, reference):
+    before = dropin.generation.native.get_weight_versions()
+    tensors = model_tensors(models[1])
+    tensors[3] = ("model.layers.0.no_such_weight", tensors[3][1])
+    with pytest.raises(ControlRefused, match="model.layers.0.no_such_weight: not in the refit info"):
+        stream_and_update(dropin, tensors)
+    assert dropin.generation.native.get_weight_versions() == before
+    assert_serves(dropin.generation.native, reference, 0 if before["worker-0"] % 2 == 0 else 1)
