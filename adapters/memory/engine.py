@@ -75,6 +75,7 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         )
         self._version = 0
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._groups: dict[str, int] = {}  # groups being served: their sizes
         self.in_flight: set[str] = set()
         self._live_tokens: dict[str, int] = {}  # request id -> tokens it holds (prompt + generated)
         self.served_count = 0
@@ -152,9 +153,21 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             self._token_sinks.pop(request_id, None)
             serving.cancel()
 
+    async def serve_group(self, prompt_token_ids: Sequence[int], *, request_id: str, n: int,
+                          **keywords: Any) -> tuple[ServedRollout, ...]:
+        """The port's n rollouts (``request_id/i``); an abort of ``request_id`` ends them all."""
+        self._groups[request_id] = n
+        try:
+            return await super().serve_group(prompt_token_ids, request_id=request_id, n=n,
+                                             **keywords)
+        finally:
+            self._groups.pop(request_id, None)
+
     async def abort(self, request_id: str) -> None:
         self.aborted_ids.append(request_id)
-        self._aborted[request_id] = None
+        samples = [f"{request_id}/{index}" for index in range(self._groups.get(request_id, 0))]
+        for each in (request_id, *samples):
+            self._aborted[each] = None
         while len(self._aborted) > 4096:  # remember early aborts, but not forever
             self._aborted.popitem(last=False)
 

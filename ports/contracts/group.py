@@ -7,6 +7,7 @@ in one call, sample i what ``serve_rollout`` answers with ``sample_sampling(samp
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, sample_sampling
@@ -47,3 +48,22 @@ class GroupContract:
         single = eut.serve(prompt, GROUP_BUDGET)
         assert [s.token_ids for s in group] == [single.token_ids] * 3
         assert all(s.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) for s in group)
+
+    def test_an_abort_of_the_group_ends_every_sample(self, engine_under_test: EngineUnderTest):
+        eut = engine_under_test
+        prompt = list(eut.prompts[0])
+        budget = eut.facts.context_length - len(prompt)
+        request_id = eut.next_id()
+
+        async def serve_then_abort():
+            task = asyncio.create_task(eut.engine.serve_group(
+                prompt, request_id=request_id, n=3, max_new_tokens=budget,
+                sampling=SamplingSpec(greedy=False, temperature=1.0, seed=1)))
+            await asyncio.sleep(0)
+            await eut.engine.abort(request_id)
+            return await asyncio.wait_for(task, 120)
+
+        group = eut.loop.run(serve_then_abort())
+        assert len(group) == 3
+        assert all(s.finish_reason is FinishReason.ABORT and len(s.token_ids) < budget for s in group)
+        assert len(eut.serve(prompt, 4).token_ids) == 4  # the engine goes on serving
