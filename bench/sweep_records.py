@@ -85,13 +85,14 @@ def append_round(out: Path, record: dict) -> None:
 
 def load_records(folders: list[Path]) -> tuple[list[dict], dict[str, dict]]:
     rounds, engines = [], {}
-    for folder in folders:
+    for number, folder in enumerate(folders, 1):
         if (folder / ROUNDS_FILE).exists():
             rounds += [json.loads(line) for line in (folder / ROUNDS_FILE).read_text().splitlines()
                        if line.strip()]
         if (folder / ENGINES_FILE).exists():
+            call = f"call {number}" if len(folders) > 1 else folder.name  # calls share folder names
             for key, facts in json.loads((folder / ENGINES_FILE).read_text()).items():
-                engines[f"{folder.name}: {key}"] = facts
+                engines[f"{call}: {key}"] = facts
     return rounds, engines
 
 
@@ -136,10 +137,10 @@ def markdown(rounds: list[dict], engines: dict[str, dict]) -> str:
                      f" {min(f['rounds'], v['rounds'])} |")
     lines += ["", "Each engine's KV cache, as its log says:", "",
               "| engine | KV cache GiB | KV cache tokens | max concurrency (x max_model_len) |"
-              " max_model_len |", "| --- | --- | --- | --- | --- |"]
+              " max_model_len | start s |", "| --- | --- | --- | --- | --- | --- |"]
     for name, facts in sorted(engines.items()):
         cells = [_cell(facts.get(key)) for key in
-                 ("kv_cache_gib", "kv_cache_tokens", "max_concurrency", "max_model_len")]
+                 ("kv_cache_gib", "kv_cache_tokens", "max_concurrency", "max_model_len", "start_s")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
