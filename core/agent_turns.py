@@ -71,11 +71,13 @@ def joined_prompt(earlier: TurnTokens, earlier_text: str, whole_text: str, *,
 @attrs.frozen
 class RecordedTurn:
     """What a trajectory remembers of one answered turn: how many messages its request had,
-    their roles (to check the next request continues the same conversation) and its tokens."""
+    their roles (to check the next request continues the same conversation), its tokens and
+    the worker that served it (the next turn goes there, where its prefix is cached)."""
 
     message_count: int
     roles: tuple[str, ...]
     tokens: TurnTokens
+    worker: int | None = None  # the Dynamo instance that served it: it holds the prefix
 
 
 @attrs.define

@@ -64,20 +64,23 @@ class AgentDoor:
             trajectory = _trajectory_name(request, body)
             wants_ids, wants_logprobs = _token_wishes(body)
             messages, roles, known = _split_messages(body)
-            if trajectory is not None and not known:
-                known = self._recalled(trajectory, roles)
+            latest = self._latest(trajectory)
+            if latest is not None and not known:
+                known = {recorded_turn_applies(latest, roles, "messages"): latest.tokens}
             prompt = self._prompt(body, messages, known)
         except InvalidValue as exc:
             return _refusal(exc)
-        status, answer = await self._forward("/v1/chat/completions", _with_token_data(
-            {**body, "messages": messages, "logprobs": True}, prompt))
+        forward = _with_token_data({**body, "messages": messages, "logprobs": True}, prompt)
+        status, answer = await self._forward_to_worker(
+            forward, latest.worker if latest is not None else None)
         if status != 200:
             return web.json_response(answer, status=status)
-        tokens = _turn_tokens(answer, prompt)
+        tokens, worker = _turn_tokens(answer, prompt), _served_by(answer, body)
         _write_chat_tokens(answer, tokens, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
         if trajectory is not None:
-            self.trajectories.record(trajectory, RecordedTurn(len(messages), tuple(roles), tokens),
-                                     self.clock.monotonic())
+            self.trajectories.record(
+                trajectory, RecordedTurn(len(messages), tuple(roles), tokens, worker),
+                self.clock.monotonic())
         return web.json_response(answer)
 
     async def completions(self, request: web.Request) -> web.Response:
@@ -99,6 +102,7 @@ class AgentDoor:
             "/v1/completions", _with_token_data({**body, "prompt": prompt}, None))
         if status == 200:
             tokens = _turn_tokens(answer, prompt)
+            _served_by(answer, body)
             choice = answer["choices"][0]
             choice["prompt_token_ids"] = list(tokens.prompt_token_ids)
             choice["token_ids"] = list(tokens.generation_token_ids)
@@ -113,11 +117,12 @@ class AgentDoor:
             return web.json_response(await answer.json(content_type=None), status=answer.status)
 
     # -- the prompt ----------------------------------------------------------------------------
-    def _recalled(self, trajectory: str, roles: list[str]) -> dict[int, TurnTokens]:
-        latest = self.trajectories.latest(trajectory, self.clock.monotonic())
-        if latest is None:
-            return {}  # its first turn (or one forgotten: its prompt is rendered afresh)
-        return {recorded_turn_applies(latest, roles, "messages"): latest.tokens}
+    def _latest(self, trajectory: str | None) -> RecordedTurn | None:
+        """The trajectory's last turn; None for its first (or one forgotten: its prompt is
+        then rendered afresh)."""
+        if trajectory is None:
+            return None
+        return self.trajectories.latest(trajectory, self.clock.monotonic())
 
     def _prompt(self, body: Mapping[str, Any], messages: list[dict[str, Any]],
                 known: dict[int, TurnTokens]) -> list[int]:
@@ -137,6 +142,22 @@ class AgentDoor:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         return self._session
+
+    async def _forward_to_worker(self, body: dict[str, Any],
+                                 worker: int | None) -> tuple[int, Any]:
+        """A trajectory's turn to the worker that served its last one (Dynamo's own pin,
+        ``backend_instance_id``), which holds its prefix in its KV cache; where that worker
+        cannot serve it (gone, or failing), once more to whichever the router picks: the
+        prefix is then recomputed, and nothing is lost."""
+        if worker is None:
+            return await self._forward("/v1/chat/completions", body)
+        pinned = {**body, "nvext": {**body["nvext"], "backend_instance_id": worker}}
+        status, answer = await self._forward("/v1/chat/completions", pinned)
+        if status in (404, 408, 429) or status >= 500:
+            logger.info("worker %s did not serve a pinned turn (%s); routing it afresh", worker,
+                        status)
+            return await self._forward("/v1/chat/completions", body)
+        return status, answer
 
     async def _forward(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
         async with self._client().post(f"{self.frontend_url}{path}", json=body) as answer:
@@ -208,7 +229,7 @@ def _with_token_data(body: Mapping[str, Any], prompt: list[int] | None) -> dict[
     if prompt is not None:
         nvext["token_data"] = prompt
     nvext["annotations"] = [*(nvext.get("annotations") or []), TURN_TOKENS_ANNOTATION]
-    nvext["extra_fields"] = [*(nvext.get("extra_fields") or []), "engine_data"]
+    nvext["extra_fields"] = [*(nvext.get("extra_fields") or []), "engine_data", "worker_id"]
     return {**body, "nvext": nvext}
 
 
@@ -218,6 +239,17 @@ def _turn_tokens(answer: dict[str, Any], prompt: list[int]) -> TurnTokens:
     if not nvext:
         answer.pop("nvext", None)
     return TurnTokens(prompt, engine.get("token_ids") or (), engine.get("log_probs") or ())
+
+
+def _served_by(answer: dict[str, Any], asked: Mapping[str, Any]) -> int | None:
+    """The Dynamo instance that generated the answer; its ``worker_id`` is left in the answer
+    only when the client asked for it."""
+    nvext = answer.get("nvext") or {}
+    asked_fields = (asked.get("nvext") or {}).get("extra_fields") or []
+    served = nvext.get("worker_id") if "worker_id" in asked_fields else nvext.pop("worker_id", None)
+    if not nvext:
+        answer.pop("nvext", None)
+    return (served or {}).get("decode_worker_id")
 
 
 def _write_chat_tokens(answer: dict[str, Any], tokens: TurnTokens, *, wants_ids: bool,

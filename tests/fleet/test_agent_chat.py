@@ -130,12 +130,20 @@ def as_an_agent_sends_it(message) -> dict:
 def tool_turn(client, model: str, messages: list[dict], seed: int):
     return client.chat.completions.create(
         model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice=CALL_WEATHER,
-        max_tokens=96, seed=seed, temperature=1.0, extra_body={"return_token_ids": True})
+        max_tokens=96, seed=seed, temperature=1.0,
+        extra_body={"return_token_ids": True, "nvext": {"extra_fields": ["worker_id"]}})
+
+
+def served_by(answer) -> int:
+    return answer.nvext["worker_id"]["decode_worker_id"]
 
 
 def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(door, model):
+    """... and every turn is served by the worker that served the first, which holds the
+    trajectory's prefix (round-robin alone would alternate between the two workers)."""
     messages = [{"role": "user", "content": "What is the weather in three cities?"}]
     earlier: list[int] | None = None
+    workers = []
     with door_client(door, trajectory="weather-1") as client:
         for turn in range(3):
             answer = tool_turn(client, model, messages, seed=turn)
@@ -149,9 +157,14 @@ def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(d
                 assert prompt[:len(earlier)] == earlier, f"turn {turn} re-tokenized its prefix"
                 assert len(prompt) > len(earlier)  # and the tool's answer follows it
             earlier = prompt + generated
+            workers.append(served_by(answer))
             messages += [as_an_agent_sends_it(message),
                          {"role": "tool", "tool_call_id": call.id, "content": f"sunny in {city}"}]
     assert len(messages) == 7
+    assert len(set(workers)) == 1, workers
+    with door_client(door) as client:  # unnamed turns are routed as ever: round-robin
+        alone = {served_by(tool_turn(client, model, messages[:1], seed=9)) for _ in range(2)}
+    assert len(alone) == 2, alone
 
 
 def test_token_fields_on_an_assistant_message_are_the_prompts_exact_prefix(door, model):
