@@ -32,11 +32,14 @@ class TurnNotJoinable(InvalidValue):
 @attrs.frozen
 class TurnTokens:
     """One answered turn: its exact prompt, the generated IDs (a stop token the model made
-    included) and one logprob per generated ID."""
+    included), one logprob per generated ID and the weight version that served it."""
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
     generation_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
     generation_log_probs: tuple[float, ...] = attrs.field(converter=tuple, default=())
+    # The worker's weights when the turn ended (None where the engine is never refit): a turn
+    # served after a refit is told apart from the one before it.
+    weight_version: int | None = None
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:

@@ -238,7 +238,8 @@ def _turn_tokens(answer: dict[str, Any], prompt: list[int]) -> TurnTokens:
     engine = nvext.pop("engine_data", None) or {}
     if not nvext:
         answer.pop("nvext", None)
-    return TurnTokens(prompt, engine.get("token_ids") or (), engine.get("log_probs") or ())
+    return TurnTokens(prompt, engine.get("token_ids") or (), engine.get("log_probs") or (),
+                      engine.get("weight_version"))
 
 
 def _served_by(answer: dict[str, Any], asked: Mapping[str, Any]) -> int | None:
@@ -257,7 +258,8 @@ def _write_chat_tokens(answer: dict[str, Any], tokens: TurnTokens, *, wants_ids:
     choice = answer["choices"][0]
     choice["message"].update(prompt_token_ids=list(tokens.prompt_token_ids),
                              generation_token_ids=list(tokens.generation_token_ids),
-                             generation_log_probs=list(tokens.generation_log_probs))
+                             generation_log_probs=list(tokens.generation_log_probs),
+                             weight_version=tokens.weight_version)
     if wants_ids:
         answer["prompt_token_ids"] = list(tokens.prompt_token_ids)
         choice["token_ids"] = list(tokens.generation_token_ids)

@@ -34,7 +34,7 @@ from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 from rollout_fleet.adapters.dynamo.controls import (
     CONTROL_SECRET_FIELD, ControlHandler, ServingLedger, WorkerControls,
 )
-from rollout_fleet.adapters.dynamo.plain import piece_chunks, PlainOptions, TokenTexts
+from rollout_fleet.adapters.dynamo.plain import GeneratedTurn, piece_chunks, PlainOptions, TokenTexts
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
@@ -309,7 +309,7 @@ class DynamoEngineAdapter(LLMEngine):
         if plain.logprobs is None and self._bare_streams:
             keywords["with_logprobs"] = False  # not asked: the engine need not compute them
         generated = 0
-        turn: dict[str, list] = {"token_ids": [], "log_probs": []}
+        turn = GeneratedTurn(self.engine) if turn_tokens is not None else None
         pieces = self.engine.stream_rollout(
             prompt, request_id=context_id,
             max_new_tokens=self._plain_budget(len(prompt), plain.max_tokens),
@@ -317,9 +317,8 @@ class DynamoEngineAdapter(LLMEngine):
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 generated += len(piece.token_ids)
-                if turn_tokens is not None:
-                    turn["token_ids"] += piece.token_ids
-                    turn["log_probs"] += piece.logprobs or ()
+                if turn is not None:
+                    turn.add(piece)
                 chunks = piece_chunks(piece, hidden, logprobs=plain.logprobs is not None,
                                        texts=texts)
                 if piece.finish_reason is not None:
@@ -327,8 +326,8 @@ class DynamoEngineAdapter(LLMEngine):
                         chunks = [{"token_ids": [], "index": 0}]
                     chunks[-1]["finish_reason"] = openai_finish(piece.finish_reason)
                     chunks[-1]["completion_usage"] = usage_of(len(prompt), generated)
-                    if turn_tokens is not None:
-                        chunks[-1]["engine_data"] = turn
+                    if turn is not None:
+                        chunks[-1]["engine_data"] = turn.engine_data()
                 for chunk in chunks:
                     yield chunk
 

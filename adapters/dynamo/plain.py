@@ -16,7 +16,7 @@ from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import SamplingSpec
 from rollout_fleet.core.sampling import NEUTRAL_SAMPLING, extra_sampling
 from rollout_fleet.core.validate import check_int_at_least
-from rollout_fleet.ports.engine import RolloutPiece
+from rollout_fleet.ports.engine import EnginePort, RefitTarget, RolloutPiece
 
 logger = logging.getLogger(__name__)
 
@@ -157,3 +157,24 @@ def piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = Fals
          "logprob": alt_logprob}
         for rank, (alt, alt_logprob) in enumerate(top, start=1)] for _, _, top in shown]
     return [chunk]
+
+
+class GeneratedTurn:
+    """Every token a plain request generated, the hidden stop tokens (EOS) among them, with
+    their logprobs, and the engine's weight version when it ended (an engine that is never
+    refit has none): the ``engine_data`` of a request with the turn-tokens annotation."""
+
+    def __init__(self, engine: EnginePort) -> None:
+        self._refit = engine if isinstance(engine, RefitTarget) else None
+        self.token_ids: list[int] = []
+        self.log_probs: list[float] = []
+
+    def add(self, piece: RolloutPiece) -> None:
+        self.token_ids += piece.token_ids
+        self.log_probs += piece.logprobs or ()
+
+    def engine_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"token_ids": self.token_ids, "log_probs": self.log_probs}
+        if self._refit is not None:
+            data["weight_version"] = self._refit.weight_version()
+        return data

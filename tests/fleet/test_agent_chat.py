@@ -153,6 +153,7 @@ def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(d
             prompt, generated = answer.prompt_token_ids, choice.token_ids
             assert message.prompt_token_ids == prompt and message.generation_token_ids == generated
             assert len(message.generation_log_probs) == len(generated) > 0
+            assert message.weight_version == 0  # the weights the workers started with
             if earlier is not None:
                 assert prompt[:len(earlier)] == earlier, f"turn {turn} re-tokenized its prefix"
                 assert len(prompt) > len(earlier)  # and the tool's answer follows it
