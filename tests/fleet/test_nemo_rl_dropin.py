@@ -123,9 +123,9 @@ def test_workers_follow_the_clusters_world_size(tmp_path):
 
 @pytest.mark.parametrize("change, field", [
     ({"backend": "vllm"}, "policy.generation.backend"),
-    ({"vllm_cfg": {"expose_http_server": True}}, "policy.generation.vllm_cfg.expose_http_server"),
+    ({"vllm_cfg": {"expose_http_server": "yes"}}, "policy.generation.vllm_cfg.expose_http_server"),
     ({"colocated": {"enabled": "yes"}}, "policy.generation.colocated.enabled"),
-    ({"dynamo_cfg": {"worker_args": {"tool_call_parser": "hermes"}}},
+    ({"dynamo_cfg": {"worker_args": {"tool_call_parser": "hermess"}}},  # not Dynamo's
      "policy.generation.dynamo_cfg.worker_args.tool_call_parser"),
 ], ids=["backend", "http_server", "colocated", "tool_parser"])
 def test_what_this_backend_cannot_do_is_refused_by_name(tmp_path, change, field):
