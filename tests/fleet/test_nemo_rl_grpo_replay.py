@@ -81,6 +81,8 @@ def test_grpo_replay_with_nemo_rls_example_config(inference_groups, tmp_path):
     assert set(placement_group_table()) == groups_before  # the cluster's groups, none of its own
     assert outcome["spec"].nccl_peer == "rollout-fleet-packed-v1"  # no NeMo-RL sender on the CPU
     assert set(outcome["versions"].values()) == {3}  # the first sync, then one per step
+    assert outcome["payload_mode"] == "hf_export"  # asked of the backend, as NeMo-RL's sync does
+    assert outcome["step_metrics"] == [{"retried_attempts": 0.0}] * 2  # nothing sent twice
     assert set(outcome["metrics"]) == {"inflight_batch_sizes", "num_pending_samples",
                                        "kv_cache_usage_perc", "generation_tokens"}
     assert set(outcome["metrics"]["generation_tokens"]) == set(range(WORKERS))

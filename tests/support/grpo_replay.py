@@ -6,9 +6,11 @@ does (``tests/support/nemo_rl_contract.py`` and ``nemo_rl_config_checks.py``): t
 config is prepared as ``configure_generation_config`` does and passes the checks NeMo-RL
 applies; the backend is built from the inference cluster; the weight synchroniser runs
 ``prepare_refit_info`` and ``init_collective`` on both sides; then each step refits when stale,
-``prepare_for_generation``, generates through ``generate_async`` with NeMo-RL's batch type and
-right-padding check on the way in and out, ``finish_generation``, trains (new weights), and
-refits through ``sync_weights``.
+``prepare_for_generation``, ``snapshot_step_metrics`` and ``clear_logger_metrics``, generates
+through ``generate_async`` with NeMo-RL's batch type and right-padding check on the way in and
+out, ``finish_generation``, ``get_logger_metrics``, ``get_step_metrics``, trains (new weights),
+and refits through ``sync_weights``. The backend's ``validate_settings`` runs before it is
+built, and the refit info is asked in its ``get_refit_payload_mode``.
 
 On the CPU NeMo-RL has no sender, so the trainer ranks are a Ray actor that sends with the
 project's trainer helper in the protocol the drop-in's sender spec names (``nccl_peer``), with
@@ -25,7 +27,7 @@ import ray
 import torch
 
 from rollout_fleet.adapters.shared import free_port
-from rollout_fleet.wiring.nemo_rl import DynamoGeneration
+from rollout_fleet.wiring.nemo_rl import LOGGER_METRICS, DynamoGeneration
 from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
 from tests.support.nemo_rl_config_checks import check_dynamo_generation_config
 from tests.support.nemo_rl_contract import CollectiveRefit, TensorBatch, require_right_padded
@@ -103,8 +105,12 @@ class Policy:
         self.weights = dict(weights)
         self.rank = TrainerRank.remote()
         self.nccl_peer: str | None = None
+        self.refit_payload_mode: str | None = None
 
-    def prepare_refit_info(self) -> dict:
+    def prepare_refit_info(self, refit_payload_mode: str | None = None) -> dict:
+        if refit_payload_mode not in (None, "hf_export"):  # the only mode a Hugging Face
+            raise ValueError(f"refit_payload_mode {refit_payload_mode!r}")  # trainer exports
+        self.refit_payload_mode = refit_payload_mode
         return {name: (tuple(t.shape), t.dtype) for name, t in self.weights.items()}
 
     def init_collective(self, ip, port, world_size, *, train_world_size, nccl_peer="nemo"):
@@ -151,6 +157,7 @@ def replay(config: dict, cluster: InferenceCluster, policy: Policy, *, prompts, 
     """Run the sequence; ``check(greedy outputs, weights served)`` after each refit. Returns
     what the test asserts on at the end."""
     check_dynamo_generation_config(config)  # NeMo-RL checks the config first
+    DynamoGeneration.validate_settings({"policy": {"generation": config}})  # then the backend
     before = own_children_before()
     generation = DynamoGeneration(cluster, config)
     fleet = generation._fleet
@@ -160,14 +167,19 @@ def replay(config: dict, cluster: InferenceCluster, policy: Policy, *, prompts, 
         synchronizer = CollectiveRefit(policy, generation, TrainCluster(), cluster)
         synchronizer.init_communicator()
         generation.weight_synchronizer = synchronizer
+        step_metrics = []
         for weights in steps:
             if synchronizer.is_stale:  # the first step: the weights are the trainer's
                 synchronizer.sync_weights()
             generation.prepare_for_generation()
+            generation.snapshot_step_metrics()  # STEP_HOOKS, in NeMo-RL's order
+            generation.clear_logger_metrics()
             sampled = generate(generation, prompts, pad, greedy=False)
             assert sampled["output_ids"].shape[0] == len(prompts)
             check(generate(generation, prompts, pad, greedy=True), policy.weights)
             generation.finish_generation()
+            assert set(generation.get_logger_metrics()) == set(LOGGER_METRICS)
+            step_metrics.append(generation.get_step_metrics())
             policy.train(weights)
             synchronizer.sync_weights()
         generation.prepare_for_generation()
@@ -175,6 +187,7 @@ def replay(config: dict, cluster: InferenceCluster, policy: Policy, *, prompts, 
         outcome = {"metrics": generation.get_logger_metrics(),
                    "spec": generation.get_collective_sender_spec(),
                    "versions": generation.native.get_weight_versions(),
+                   "step_metrics": step_metrics, "payload_mode": policy.refit_payload_mode,
                    "bundles": [w.node_id for w in fleet.workers]}
     finally:
         assert generation.shutdown() is True

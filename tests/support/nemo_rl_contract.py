@@ -12,7 +12,9 @@ does what NeMo-RL's does on the paths the replay takes:
 - ``check_dynamo_generation_config`` (in ``nemo_rl_config_checks``): the checks NeMo-RL applies
   to ``policy.generation`` before it builds a Dynamo backend;
 - ``CollectiveRefit``: the weight synchroniser of a non-colocated run: the order of its calls
-  on the trainer's policy and on the backend, and how it waits on their futures.
+  on the trainer's policy and on the backend, and how it waits on their futures;
+- ``STEP_HOOKS``: the backend's newer hooks NeMo-RL's GRPO step calls around its rollouts
+  (newer sources in the code search: ``algorithms/grpo.py``, ``generation/interfaces.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from typing import Any
 
 import ray
 import torch
+
+
+# In NeMo-RL's order within one GRPO step: before the rollouts (the first generation batch of
+# the step), then after ``finish_generation``, then once the step's rewards are in.
+STEP_HOOKS = ("snapshot_step_metrics", "clear_logger_metrics", "get_logger_metrics",
+              "get_step_metrics")
 
 
 class TensorBatch(UserDict):
@@ -123,9 +131,11 @@ class CollectiveRefit:
         self.is_stale = True  # nothing sent yet: the backend's weights are not the trainer's
 
     def init_communicator(self) -> None:
-        """Refit info first (trainer to backend), then both sides join one collective:
-        trainer ranks first, then the backend's, waited on together."""
-        self.generation.prepare_refit_info(self.policy.prepare_refit_info())
+        """Refit info first (trainer to backend, in the payload mode the backend asks for),
+        then both sides join one collective: trainer ranks first, then the backend's, waited
+        on together."""
+        mode = self.generation.get_refit_payload_mode()
+        self.generation.prepare_refit_info(self.policy.prepare_refit_info(refit_payload_mode=mode))
         address, port = self.train_cluster.get_master_address_and_port()
         trainer_ranks = self.train_cluster.world_size()
         backend_ranks = self.generation.get_inference_world_size()

@@ -154,3 +154,5 @@ def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_gr
     assert other != first, "a refit to other weights changed nothing"
     assert tied_again == first  # the garbage lm_head.weight was skipped, as vLLM's loader does
     assert set(outcome["versions"].values()) == {3}
+    assert outcome["payload_mode"] == "hf_export"  # asked of the backend, as NeMo-RL's sync does
+    assert outcome["step_metrics"] == [{"retried_attempts": 0.0}] * 2  # nothing sent twice
