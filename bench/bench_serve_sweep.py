@@ -118,7 +118,7 @@ class Sweep:
     def __init__(self, args, run_dir: Path, model: Path, shapes: list[Shape]) -> None:
         self.args, self.run_dir, self.model, self.out = args, run_dir, model, args.out
         self.shapes, self.left_out = shapes, []
-        self.budget = Budget(args.budget_s, time.monotonic())
+        self.budget = Budget(args.budget_s, args.started)  # from the command's start
         # One client process for every run (vLLM imported once), unless --fresh-client.
         self.client = None if args.fresh_client else ResidentClient(run_dir / "client.log")
 
@@ -260,6 +260,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.started = time.monotonic()
     if args.combine:
         print(write_report(args.combine, args.out))
         return 0
