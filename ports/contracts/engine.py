@@ -28,6 +28,7 @@ import pytest
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.ports.contracts.structured import probe_structured_outputs
 from rollout_fleet.ports.engine import (
     OPTIONAL_ROLLOUT_KEYWORDS,
     SAMPLING_OPTIONS,
@@ -331,6 +332,7 @@ _SAMPLING_PROBES: dict[str, Callable[[EngineUnderTest], None]] = {
     "repetition_penalty": _probe_penalty("repetition_penalty", 2.0),
     "presence_penalty": _probe_penalty("presence_penalty", 2.0),
     "frequency_penalty": _probe_penalty("frequency_penalty", 2.0),
+    "structured_outputs": probe_structured_outputs,
 }
 
 
