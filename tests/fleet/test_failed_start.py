@@ -20,7 +20,7 @@ from rollout_fleet.adapters.shared.shm import (WORKER_FILE_PREFIXES, SharedMemor
 from tests.support.processes import start_child, stop_child
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
-SCAN_EVERY_S = 0.1  # vLLM's queues live for seconds before the engine core gives up
+SCAN_EVERY_S = 0.25  # vLLM's queues live for seconds before the engine core gives up
 
 
 class TreeWatch:
