@@ -1,7 +1,8 @@
 """NeMo-RL's colocated refit through the drop-in, on the CPU: the restated NeMo-RL sender
 (tests/support/nemo_rl_ipc_sender.py: ZeroMQ request/reply, two ping-pong buffers, 512-byte
 aligned offsets, the final message; shared-memory handles where NeMo-RL sends CUDA IPC ones)
-streams a model into a one-worker vLLM fleet built by ``DynamoGeneration``, in NeMo-RL's order:
+streams a model into a one-worker vLLM fleet built by ``DynamoGeneration`` (placed by Ray, its
+futures Ray's, as in NeMo-RL), in NeMo-RL's order:
 ``prepare_for_generation(tags=["weights"])``, ``update_weights_via_ipc_zmq`` while the trainer
 streams, ``prepare_for_generation(tags=["kv_cache"])``. Greedy answers after each refit are
 transformers' greedy decodes of the weights streamed (tests/refit/conftest.py)."""
@@ -14,6 +15,7 @@ import threading
 from typing import Any
 
 import pytest
+import ray
 import zmq
 from safetensors.torch import load_file
 
@@ -37,7 +39,8 @@ def dropin(models, tmp_path_factory):
         pytest.fail("run the refit tier through scripts/test.sh (inside `unshare -n`)")
     config = nemo_rl_config(models[0], max_new_tokens=STEPS, stop_token_ids=[EOS])
     config["vllm_cfg"] = {**config["vllm_cfg"], "max_model_len": 512}
-    config["rollout_fleet"] = {"device": "cpu", "placement": "local", "num_workers": 1,
+    # Placed by Ray, as NeMo-RL's are: the futures are Ray's, waited on with ray.get.
+    config["rollout_fleet"] = {"device": "cpu", "num_workers": 1,
                                "run_dir": str(tmp_path_factory.mktemp("ipc-fleet"))}
     generation = DynamoGeneration(None, config)
     try:
@@ -80,7 +83,7 @@ def stream_and_update(dropin, named_tensors):
         trainer.start()
         futures = generation.update_weights_via_ipc_zmq()
         try:
-            answers = [future.result(timeout=TIMEOUT_S) for future in futures]
+            answers = ray.get(futures, timeout=TIMEOUT_S)
         finally:
             trainer.join(TIMEOUT_S)
         assert generation.prepare_for_generation(tags=["kv_cache"]) is True
