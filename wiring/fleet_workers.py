@@ -143,8 +143,8 @@ def worker_failure(log_path: str) -> str:
 
 # vLLM prefixes what its own processes log with their name and pid; an error's last line is
 # the exception's type and message.
-_ENGINE_PROCESS_ERROR = re.compile(
-    r"^\((?P<process>\w+) pid=\d+\) ERROR [^\]]*\] (?P<error>[A-Za-z_][\w.]*(Error|Exception): .*)$")
+_ENGINE_PROCESS_ERROR = re.compile(r"^\((?P<process>\w+) pid=\d+\) ERROR [^\]]*\] "
+                                   r"(?P<error>[A-Za-z_][\w.]*(Error|Exception): .*)$")
 
 
 def engine_process_error(log: str) -> str:

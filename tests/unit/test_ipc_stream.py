@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rollout_fleet.adapters.ipc_zmq import decode_message
-from rollout_fleet.core.colocated_refit import CUDA_TRANSPORT, SHM_TRANSPORT, SEGMENT_PREFIX, BufferHandle
+from rollout_fleet.core.colocated_refit import (CUDA_TRANSPORT, SEGMENT_PREFIX, SHM_TRANSPORT,
+                                               BufferHandle)
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.ipc_stream import StreamedRefit, StreamGroup
 from rollout_fleet.core.refit import RefitInfo, TensorMeta
@@ -50,10 +51,14 @@ def test_a_group_that_does_not_match_the_refit_info_is_refused_by_name(names, us
 
 def test_nemo_rls_final_message_and_a_shared_memory_group_decode():
     slots = {}
-    assert decode_message(complete_message(), lambda key, n: slots.setdefault(key, len(slots))) is None
-    data = pickle.dumps((("shm", SEGMENT, 4096), ["a", "b"], 1024))
-    decoded = decode_message(data, lambda key, n: slots.setdefault(key, len(slots)))
-    assert decoded == StreamGroup(BufferHandle(SHM_TRANSPORT, 0, 4096, name=SEGMENT), ("a", "b"), 1024)
+
+    def slot_of(key, nbytes):
+        return slots.setdefault(key, len(slots))
+
+    assert decode_message(complete_message(), slot_of) is None
+    decoded = decode_message(pickle.dumps((("shm", SEGMENT, 4096), ["a", "b"], 1024)), slot_of)
+    assert decoded == StreamGroup(BufferHandle(SHM_TRANSPORT, 0, 4096, name=SEGMENT),
+                                  ("a", "b"), 1024)
 
 
 def test_a_cuda_ipc_handle_as_torch_reduces_it_becomes_the_engines_handle_on_its_gpu():

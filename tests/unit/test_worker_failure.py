@@ -27,7 +27,8 @@ def test_the_engine_cores_error_is_named_beside_the_workers_own(tmp_path):
 def test_a_worker_that_said_nothing_is_reported_by_its_engine_cores_error_or_its_log(tmp_path):
     log = tmp_path / "worker-0.log"
     log.write_text(f"{ENGINE_CORE}\n")
-    assert worker_failure(str(log)).startswith("no error reported; its EngineCore logged ValueError")
+    said = worker_failure(str(log))
+    assert said.startswith("no error reported; its EngineCore logged ValueError")
     log.write_text(f"{OWN}\nKilled\n")
     said = worker_failure(str(log))
     assert said.startswith("no error reported; its log ends:") and said.endswith("Killed\n")
