@@ -225,6 +225,17 @@ class DynamoGeneration:
     def update_weights_via_ipc_zmq(self) -> list:
         return self.native.update_weights_via_ipc_zmq()
 
+    @property
+    def dp_size(self) -> int:
+        """Engines that each hold a whole model: one per worker, one IPC answer from each."""
+        return len(self.native.worker_ids)
+
+    def refit_reconstructs_all_runtime_weights(self, timeout_s: float | None = None) -> bool:
+        """True once a refit has loaded every worker (the same version above 0): a worker
+        takes only refits that carry every parameter, so a refit rebuilds all it serves."""
+        versions = set(self.native.get_weight_versions().values())
+        return len(versions) == 1 and min(versions) > 0
+
     def prepare_nccl_reshard_refit_info(self, refit_info: dict) -> None:
         raise NotImplementedError("nccl_reshard refit is not offered: use init_collective + "
                                   "update_weights_from_collective")

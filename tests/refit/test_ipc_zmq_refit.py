@@ -86,6 +86,9 @@ def stream_and_update(dropin, named_tensors):
             answers = ray.get(futures, timeout=TIMEOUT_S)
         finally:
             trainer.join(TIMEOUT_S)
+        # NeMo-RL's synchroniser: a literal True from each of dp_size workers, then coverage.
+        assert len(futures) == generation.dp_size
+        assert generation.refit_reconstructs_all_runtime_weights() is True
         assert generation.prepare_for_generation(tags=["kv_cache"]) is True
     finally:
         socket.close(linger=0)
@@ -102,6 +105,7 @@ def model_tensors(folder):
 def test_the_restated_nemo_rl_sender_refits_the_worker_in_nemo_rls_order(dropin, models,
                                                                          reference):
     assert_serves(dropin.generation.native, reference, 0)
+    assert dropin.generation.refit_reconstructs_all_runtime_weights() is False  # none yet
     for version, seed in ((1, 1), (2, 0)):
         sender, answers = stream_and_update(dropin, model_tensors(models[seed]))
         assert answers == [True]  # NeMo-RL counts a literal True per worker
