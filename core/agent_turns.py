@@ -46,8 +46,8 @@ class TurnTokens:
         return self.prompt_token_ids + self.generation_token_ids
 
 
-def joined_prompt(earlier: TurnTokens, earlier_text: str, whole_text: str, *,
-                  turn_field: str, end_of_turn: tuple[str, int] | None = None) -> tuple[tuple[int, ...], str]:
+def joined_prompt(earlier: TurnTokens, earlier_text: str, whole_text: str, *, turn_field: str,
+                  end_of_turn: tuple[str, int] | None = None) -> tuple[tuple[int, ...], str]:
     """The prompt's prefix (the earlier turn's exact tokens) and the text that follows it.
 
     ``earlier_text``: the template's rendering of the conversation through the earlier

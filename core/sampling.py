@@ -99,14 +99,16 @@ def _structured(name: str, value: Any) -> dict[str, Any]:
     ``grammar``); ``whitespace_pattern`` may ride along. Other keys (a backend's name) are
     dropped: the engine picks its own backend."""
     if not isinstance(value, Mapping):
-        raise InvalidValue(name, value, f"must be a table with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+        raise InvalidValue(name, value,
+                           f"must be a table with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
     asked = {kind: value[kind] for kind in STRUCTURED_OUTPUT_KINDS if value.get(kind) is not None}
     if len(asked) != 1:
         raise InvalidValue(name, value, "must ask for exactly one of "
                            f"{', '.join(STRUCTURED_OUTPUT_KINDS)}")
     kind, constraint = next(iter(asked.items()))
     if kind == "json" and not isinstance(constraint, (Mapping, str)):
-        raise InvalidValue(f"{name}.json", constraint, "must be a JSON schema (an object or its text)")
+        raise InvalidValue(f"{name}.json", constraint,
+                           "must be a JSON schema (an object or its text)")
     if kind == "choice" and (not isinstance(constraint, (list, tuple)) or not constraint
                              or not all(isinstance(c, str) for c in constraint)):
         raise InvalidValue(f"{name}.choice", constraint, "must be a non-empty list of strings")

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8010)
     args = parser.parse_args(argv)
-    chat = {"custom_jinja_template": args.custom_jinja_template} if args.custom_jinja_template else {}
+    template = args.custom_jinja_template
+    chat = {"custom_jinja_template": template} if template else {}
     door = build_door(args.frontend_url, args.model, args.served_model_name, chat)
     web.run_app(door.app(), host=args.host, port=args.port, access_log=None)
     return 0

@@ -95,7 +95,8 @@ class AgentDoor:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompt = self.template.encode(prompt, special_tokens=True)
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(t, int) for t in prompt):
             return _refusal(InvalidValue("prompt", body.get("prompt"), "with return_token_ids, "
                                          "one prompt: a string or a list of token IDs"))
         status, answer = await self._forward(

@@ -34,7 +34,8 @@ CALL_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tool-model"), spec=TinyModelSpec(tool_calls=True))
+    return build_tiny_model(tmp_path_factory.mktemp("tool-model"),
+                            spec=TinyModelSpec(tool_calls=True))
 
 
 @pytest.fixture(scope="module")

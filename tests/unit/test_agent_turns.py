@@ -65,7 +65,8 @@ def test_trajectories_are_bounded_and_forgotten_when_ended_or_idle():
 
 def test_token_fields_of_a_message_are_checked_by_name():
     assert token_fields({"role": "assistant", "content": "x"}) is None
-    assert token_fields({"prompt_token_ids": [1], "generation_token_ids": [2]}).all_token_ids == (1, 2)
+    both = token_fields({"prompt_token_ids": [1], "generation_token_ids": [2]})
+    assert both.all_token_ids == (1, 2)
     with pytest.raises(InvalidValue) as refused:
         token_fields({"prompt_token_ids": [1, -4], "generation_token_ids": [2]})
     assert refused.value.field == "prompt_token_ids"
