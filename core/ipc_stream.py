@@ -115,13 +115,16 @@ async def receive_weight_stream(stream: WeightStream, target: ColocatedTarget, i
     """Load every group of ``stream`` into ``target``; the weight version it commits.
 
     What the engine cannot take (names, shapes, dtypes, a version that does not go up) is
-    refused before anything loads, as for every colocated refit. After a failure every later
-    message is still answered, unloaded, until the final one, so the trainer ends at once;
-    the engine has recovered (its previous weights), and the error is raised then."""
-    manifest = stream_manifest(info, target.colocated_transports()[0])
-    check_manifest(target, manifest, version)
-    await target.begin_colocated(manifest, mode=refit_mode(mode))
+    refused before anything loads, as for every colocated refit. After a refusal or a failure
+    every later message is still answered, unloaded, until the final one, so the trainer ends
+    at once; the engine serves its previous weights, and the error is raised then."""
     receiving = _Receiving(target, StreamedRefit(info))
+    try:
+        manifest = stream_manifest(info, target.colocated_transports()[0])
+        check_manifest(target, manifest, version)
+        await target.begin_colocated(manifest, mode=refit_mode(mode))
+    except Exception as error:  # noqa: BLE001 - nothing begun: drained, then raised
+        receiving.refused(error)
     try:
         await receiving.every_group(stream)
         if receiving.failure is None:
@@ -169,6 +172,10 @@ class _Receiving:
             await self.target.load_colocated_bucket(bucket, group.handle)
         except Exception as error:  # noqa: BLE001 - answered; raised once the stream ends
             await self.abandon(error)
+
+    def refused(self, error: BaseException) -> None:
+        """The engine refused the refit before it began: nothing to abandon."""
+        self.failure = error
 
     async def abandon(self, error: BaseException) -> None:
         if self.failure is None:

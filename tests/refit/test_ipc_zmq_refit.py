@@ -60,42 +60,51 @@ class Dropin:
     address: str
 
 
+class TrainerRank:
+    """The restated sender on a thread, bound at the worker's address (as a trainer rank)."""
+
+    def __init__(self, address: str, named_tensors) -> None:
+        self.address, self.failures = address, []
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.REQ)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_S * 1000)  # as NeMo-RL's sockets wait
+        self.socket.bind(address)
+        self.sender = IpcStreamSender(self.socket, BUFFER_BYTES)
+        self.thread = threading.Thread(target=self._stream, args=(named_tensors,))
+        self.thread.start()
+
+    def _stream(self, named_tensors) -> None:
+        try:
+            self.sender.stream(named_tensors)
+        except Exception as error:  # noqa: BLE001 - reported by the test
+            self.failures.append(error)
+
+    def join(self) -> None:
+        """Wait for the stream's end; it ended without error (every message answered)."""
+        self.thread.join(TIMEOUT_S)
+        self.socket.close(linger=0)
+        self.context.term()
+        os.unlink(self.address.removeprefix("ipc://"))  # the binder's file: libzmq leaves it
+        assert self.failures == [] and not self.thread.is_alive()
+
+
 def stream_and_update(dropin, named_tensors):
     """One refit in NeMo-RL's colocated order; the sender (its group counts) and the answers
     of ``update_weights_via_ipc_zmq``'s futures."""
-    context = zmq.Context()
-    socket = context.socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_S * 1000)
-    socket.bind(dropin.address)
     generation = dropin.generation
-    sender, failures = IpcStreamSender(socket, BUFFER_BYTES), []
-
-    def stream():
-        try:
-            sender.stream(named_tensors)
-        except Exception as error:  # noqa: BLE001 - reported by the test
-            failures.append(error)
-
+    assert generation.prepare_for_generation(tags=["weights"]) is True
+    trainer = TrainerRank(dropin.address, named_tensors)
     try:
-        assert generation.prepare_for_generation(tags=["weights"]) is True
-        trainer = threading.Thread(target=stream)
-        trainer.start()
         futures = generation.update_weights_via_ipc_zmq()
-        try:
-            answers = ray.get(futures, timeout=TIMEOUT_S)
-        finally:
-            trainer.join(TIMEOUT_S)
-        # NeMo-RL's synchroniser: a literal True from each of dp_size workers, then coverage.
-        assert len(futures) == generation.dp_size
-        assert generation.refit_reconstructs_all_runtime_weights() is True
-        assert generation.prepare_for_generation(tags=["kv_cache"]) is True
+        answers = ray.get(futures, timeout=TIMEOUT_S)
     finally:
-        socket.close(linger=0)
-        context.term()
-        os.unlink(dropin.address.removeprefix("ipc://"))  # the binder's file: libzmq leaves it
-    assert failures == [] and not trainer.is_alive()
-    return sender, answers
+        trainer.join()
+    # NeMo-RL's synchroniser: a literal True from each of dp_size workers, then coverage.
+    assert len(futures) == generation.dp_size
+    assert generation.refit_reconstructs_all_runtime_weights() is True
+    assert generation.prepare_for_generation(tags=["kv_cache"]) is True
+    return trainer.sender, answers
 
 
 def model_tensors(folder):
@@ -124,3 +133,26 @@ def test_a_stream_with_a_tensor_the_refit_info_lacks_is_refused_and_the_weights_
     assert dropin.generation.native.get_weight_versions() == before
     serving = 0 if before["worker-0"] % 2 == 0 else 1  # model A at even versions
     assert_serves(dropin.generation.native, reference, serving)
+
+
+def test_a_refit_the_worker_refuses_before_loading_is_drained_so_the_trainer_ends(
+        dropin, models, reference):
+    """A version that would not go up is refused before anything loads; every message is still
+    answered, so the trainer's sender ends instead of waiting out its socket's timeout."""
+    from rollout_fleet.core.refit import RefitInfo
+    from rollout_fleet.wiring.fleet import call_control
+
+    fleet, native = dropin.generation._fleet, dropin.generation.native
+    before = native.get_weight_versions()
+    body = {"refit_info": RefitInfo.from_state_dict_info(info_of(models[1])).to_wire(),
+            "weight_version": before["worker-0"]}
+    trainer = TrainerRank(dropin.address, model_tensors(models[1]))
+    try:
+        with pytest.raises(ValueError, match="weight_version=.*must be an int above this"):
+            call_control(fleet.control_url(fleet.workers[0]), "ipc_zmq_update", fleet.secret,
+                         body, timeout_s=TIMEOUT_S)
+    finally:
+        trainer.join()  # the sender saw every message answered
+    assert trainer.sender.groups > 3
+    assert native.get_weight_versions() == before
+    assert_serves(native, reference, 0 if before["worker-0"] % 2 == 0 else 1)
