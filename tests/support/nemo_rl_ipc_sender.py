@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import enum
 import pickle
-import sys
-import types
 from collections.abc import Iterable
 
 import torch
 
 from rollout_fleet.adapters.shared.segments import Segment, new_segment_name
+from tests.support.nemo_rl_sender import pickled_as_if_from
 
 ALIGNMENT = 512
 NEMO_RL_MODULE = "nemo_rl.models.policy.utils"
@@ -50,22 +49,8 @@ def complete_message() -> bytes:
         COMPLETE = "complete"
         ACK = "ack"
 
-    IPCProtocol.__module__ = NEMO_RL_MODULE
-    IPCProtocol.__qualname__ = "IPCProtocol"
-    names = NEMO_RL_MODULE.split(".")
-    modules = [".".join(names[:i + 1]) for i in range(len(names))]
-    saved = {name: sys.modules.get(name) for name in modules}
-    try:
-        for name in modules:
-            sys.modules[name] = types.ModuleType(name)
-        sys.modules[NEMO_RL_MODULE].IPCProtocol = IPCProtocol
-        return pickle.dumps(IPCProtocol.COMPLETE, pickle.DEFAULT_PROTOCOL)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    return pickled_as_if_from(NEMO_RL_MODULE, IPCProtocol, lambda: IPCProtocol.COMPLETE,
+                              pickle.DEFAULT_PROTOCOL)
 
 
 class StagingBuffer:

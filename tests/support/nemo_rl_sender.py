@@ -45,16 +45,22 @@ def pickled_as_vllm_unique_id(raw: bytes) -> bytes:
     class ncclUniqueId(ctypes.Structure):  # noqa: N801 - vLLM's class name, as pickled
         _fields_ = [("internal", ctypes.c_byte * 128)]
 
-    ncclUniqueId.__module__ = VLLM_ID_MODULE
-    ncclUniqueId.__qualname__ = "ncclUniqueId"
-    names = VLLM_ID_MODULE.split(".")
+    return pickled_as_if_from(VLLM_ID_MODULE, ncclUniqueId,
+                              lambda: ncclUniqueId.from_buffer_copy(raw))
+
+
+def pickled_as_if_from(module_name: str, cls: type, value, protocol: int | None = None) -> bytes:
+    """``value()`` pickled as if ``cls`` were defined in ``module_name`` (a module not installed
+    here): the module and its parents stand in ``sys.modules`` only while pickling."""
+    cls.__module__, cls.__qualname__ = module_name, cls.__name__
+    names = module_name.split(".")
     modules = [".".join(names[:i + 1]) for i in range(len(names))]
     saved = {name: sys.modules.get(name) for name in modules}
     try:
         for name in modules:
             sys.modules[name] = types.ModuleType(name)
-        sys.modules[VLLM_ID_MODULE].ncclUniqueId = ncclUniqueId
-        return pickle.dumps(ncclUniqueId.from_buffer_copy(raw))
+        setattr(sys.modules[module_name], cls.__name__, cls)
+        return pickle.dumps(value(), protocol)
     finally:
         for name, module in saved.items():
             if module is None:
