@@ -81,7 +81,10 @@ def visible_gpu_uuid() -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
     if visible.startswith("GPU-"):
         return visible
-    import pynvml
+    try:
+        import pynvml
+    except ImportError:  # vLLM ships its own copy, and a GPU worker has vLLM
+        from vllm.third_party import pynvml
 
     pynvml.nvmlInit()
     try:

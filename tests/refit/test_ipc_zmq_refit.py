@@ -10,19 +10,16 @@ transformers' greedy decodes of the weights streamed (tests/refit/conftest.py)."
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
 from typing import Any
 
 import pytest
 import ray
-import zmq
 from safetensors.torch import load_file
 
 from rollout_fleet.core.errors import ControlRefused
 from tests.refit.conftest import EOS, STEPS
 from tests.refit.test_refit_fleet import assert_serves, info_of
-from tests.support.nemo_rl_ipc_sender import IpcStreamSender
+from tests.support.nemo_rl_ipc_sender import TrainerRank
 
 BUFFER_BYTES = 2 * (64 << 10)  # two 64 KiB buffers: many groups, the embeddings each alone
 TIMEOUT_S = 120
@@ -60,41 +57,12 @@ class Dropin:
     address: str
 
 
-class TrainerRank:
-    """The restated sender on a thread, bound at the worker's address (as a trainer rank)."""
-
-    def __init__(self, address: str, named_tensors) -> None:
-        self.address, self.failures = address, []
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.REQ)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_S * 1000)  # as NeMo-RL's sockets wait
-        self.socket.bind(address)
-        self.sender = IpcStreamSender(self.socket, BUFFER_BYTES)
-        self.thread = threading.Thread(target=self._stream, args=(named_tensors,))
-        self.thread.start()
-
-    def _stream(self, named_tensors) -> None:
-        try:
-            self.sender.stream(named_tensors)
-        except Exception as error:  # noqa: BLE001 - reported by the test
-            self.failures.append(error)
-
-    def join(self) -> None:
-        """Wait for the stream's end; it ended without error (every message answered)."""
-        self.thread.join(TIMEOUT_S)
-        self.socket.close(linger=0)
-        self.context.term()
-        os.unlink(self.address.removeprefix("ipc://"))  # the binder's file: libzmq leaves it
-        assert self.failures == [] and not self.thread.is_alive()
-
-
 def stream_and_update(dropin, named_tensors):
     """One refit in NeMo-RL's colocated order; the sender (its group counts) and the answers
     of ``update_weights_via_ipc_zmq``'s futures."""
     generation = dropin.generation
     assert generation.prepare_for_generation(tags=["weights"]) is True
-    trainer = TrainerRank(dropin.address, named_tensors)
+    trainer = TrainerRank(dropin.address, named_tensors, BUFFER_BYTES, timeout_s=TIMEOUT_S)
     try:
         futures = generation.update_weights_via_ipc_zmq()
         answers = ray.get(futures, timeout=TIMEOUT_S)
@@ -146,7 +114,8 @@ def test_a_refit_the_worker_refuses_before_loading_is_drained_so_the_trainer_end
     before = native.get_weight_versions()
     body = {"refit_info": RefitInfo.from_state_dict_info(info_of(models[1])).to_wire(),
             "weight_version": before["worker-0"]}
-    trainer = TrainerRank(dropin.address, model_tensors(models[1]))
+    trainer = TrainerRank(dropin.address, model_tensors(models[1]), BUFFER_BYTES,
+                          timeout_s=TIMEOUT_S)
     try:
         with pytest.raises(ValueError, match="weight_version=.*must be an int above this"):
             call_control(fleet.control_url(fleet.workers[0]), "ipc_zmq_update", fleet.secret,

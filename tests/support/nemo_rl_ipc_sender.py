@@ -26,10 +26,13 @@ here, so its enum is pickled through a look-alike standing under its module name
 from __future__ import annotations
 
 import enum
+import os
 import pickle
+import threading
 from collections.abc import Iterable
 
 import torch
+import zmq
 
 from rollout_fleet.adapters.shared.segments import Segment, new_segment_name
 from tests.support.nemo_rl_sender import pickled_as_if_from
@@ -146,3 +149,34 @@ class IpcStreamSender:
     def _buffer(self, nbytes: int) -> StagingBuffer:
         self._slots += 1
         return StagingBuffer(nbytes, self.device, self._slots)
+
+
+class TrainerRank:
+    """The sender on a thread, bound at the worker's address as a trainer rank binds it, each
+    wait bounded by ``timeout_s`` (as NeMo-RL's sockets are)."""
+
+    def __init__(self, address: str, named_tensors, buffer_bytes: int, *, timeout_s: float,
+                 device: torch.device | str = "cpu") -> None:
+        self.address, self.timeout_s, self.failures = address, timeout_s, []
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.REQ)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self.socket.bind(address)
+        self.sender = IpcStreamSender(self.socket, buffer_bytes, device)
+        self.thread = threading.Thread(target=self._stream, args=(named_tensors,))
+        self.thread.start()
+
+    def _stream(self, named_tensors) -> None:
+        try:
+            self.sender.stream(named_tensors)
+        except Exception as error:  # noqa: BLE001 - reported by join
+            self.failures.append(error)
+
+    def join(self) -> None:
+        """Wait for the stream's end; it ended without error (every message answered)."""
+        self.thread.join(self.timeout_s)
+        self.socket.close(linger=0)
+        self.context.term()
+        os.unlink(self.address.removeprefix("ipc://"))  # the binder's file: libzmq leaves it
+        assert self.failures == [] and not self.thread.is_alive()
