@@ -2,7 +2,8 @@
 # The GPU tier on a machine prepared by scripts/gpu_bundle.sh (its parts stashed in /root/stash).
 # Run from the checkout's root there:
 #   scripts/gpu_tier.sh install      install the bundle and the project's wheel into /root/site
-#   scripts/gpu_tier.sh tests        pytest tests/gpu (serve / generate / refit on the GPU)
+#   scripts/gpu_tier.sh tests [ARGS] pytest ARGS, by default tests/gpu (serve / generate / refit
+#                                    on the GPU; NeMo-RL's IPC refit through CUDA IPC)
 #   scripts/gpu_tier.sh bench [ARGS] bench/bench_gpu_fleet.py (fleet vs bare vLLM)
 #   scripts/gpu_tier.sh standard-clients [ARGS]
 #                                    bench/bench_standard_clients.py --gpu (vllm bench serve
@@ -57,7 +58,8 @@ case "${1:-}" in
     ;;
   tests)
     shift
-    python3 -m pytest tests/gpu -v -p no:cacheprovider -o addopts="" --timeout=580 "$@" 2>&1 | tee "$OUT/gpu-tests.log"
+    [ "$#" -gt 0 ] || set -- tests/gpu
+    python3 -m pytest -v -p no:cacheprovider -o addopts="" --timeout=580 "$@" 2>&1 | tee "$OUT/gpu-tests.log"
     ;;
   bench)
     shift

@@ -59,8 +59,20 @@ def _no_shared_memory_left_behind():
     gc.collect()  # a dropped multiprocessing object's semaphore goes with it
     # A semaphore that this live process still holds is not left: its exit removes it.
     held = {path for path in tracker.in_use() if os.path.basename(path).startswith("sem.")}
+    held |= {path for path in tracker.seen() if _named_after_this_process(path)}
     left = tracker.remove_all(keep=held)  # removed now, so one failed run litters nothing
     assert left == [], f"segments processes of this run used were left in /dev/shm: {left}"
+
+
+def _named_after_this_process(path: str) -> bool:
+    """Where this process is a trainer rank producing CUDA IPC handles (the GPU tier): torch's
+    reference-count file and the CUDA driver's IPC file, both named after it and removed by its
+    exit (removing them earlier makes torch abort at exit)."""
+    name, pid = os.path.basename(path), os.getpid()
+    if name.startswith(f"torch_{pid}_"):
+        return True
+    parts = name.split(".")  # cuda.shm.<device>.<pid in hex>.<n>
+    return name.startswith("cuda.shm.") and len(parts) > 3 and parts[3] == f"{pid:x}"
 
 
 _LOG_TAIL_BYTES = 8_000

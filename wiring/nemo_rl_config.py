@@ -54,9 +54,11 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
     interval = float(vllm.get("vllm_metrics_logger_interval") or 1.0)
     extension = dict(config.get("rollout_fleet") or {})
     on_gpu = _fleet_device(extension, cluster) == "gpu"
+    colocation = _colocation(config.get("colocated"))
     fleet = {
         "model": _get(config, "model_name"), "served_model_name": _get(config, "model_name"),
-        "engine": _engine(vllm, config.get("vllm_kwargs") or {}, on_gpu),
+        "engine": _engine(vllm, config.get("vllm_kwargs") or {}, on_gpu,
+                          colocated=bool(colocation)),
         "ranks_per_worker": ranks, "max_model_len": int(_get(vllm, "max_model_len", "vllm_cfg")),
         "max_new_tokens": int(_get(config, "max_new_tokens")),
         "stop_strings": list(config.get("stop_strings") or []),
@@ -71,7 +73,6 @@ def read_nemo_rl_config(config: Mapping[str, Any], cluster: Any = None) -> DropI
     router = (dynamo.get("frontend_args") or {}).get("router_mode")
     if router is not None:
         fleet["router"] = router
-    colocation = _colocation(config.get("colocated"))
     if colocation:
         fleet["colocation"] = colocation
     if "colocation" in extension and isinstance(extension["colocation"], Mapping):
@@ -122,8 +123,8 @@ def _colocation(colocated: Any) -> dict[str, Any]:
     return {"enabled": True} if enabled else {}
 
 
-def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: bool
-            ) -> dict[str, Any]:
+def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: bool, *,
+            colocated: bool) -> dict[str, Any]:
     """vLLM's engine options from ``vllm_cfg`` and ``vllm_kwargs``: each key passed on, or
     refused by name; none dropped."""
     precision = str(vllm.get("precision") or "bfloat16").lower()
@@ -135,8 +136,11 @@ def _engine(vllm: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], on_gpu: boo
                               "max_model_len": int(_get(vllm, "max_model_len", "vllm_cfg")),
                               "tensor_parallel_size": tensor,
                               "pipeline_parallel_size": int(vllm.get("pipeline_parallel_size") or 1)}
-    if on_gpu:  # what NeMo-RL's trainer sends: vLLM's own packed NCCL broadcast
-        engine.update(device="gpu", refit_protocol=RefitProtocol.VLLM.value)
+    if on_gpu:
+        # What NeMo-RL's trainer sends: apart, vLLM's own packed NCCL broadcast; colocated, its
+        # IPC stream, which the fleet's own transfer engine loads.
+        protocol = RefitProtocol.PACKED if colocated else RefitProtocol.VLLM
+        engine.update(device="gpu", refit_protocol=protocol.value)
     for key in ("gpu_memory_utilization", "enforce_eager") if on_gpu else ("enforce_eager",):
         if vllm.get(key) is not None:
             engine[key] = vllm[key]

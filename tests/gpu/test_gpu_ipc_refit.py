@@ -44,7 +44,7 @@ def gpu_policy_generation(model: Path, run_dir: Path) -> dict:
                      "precision": "float32", "gpu_memory_utilization": 0.15, "max_model_len": 512,
                      "enforce_eager": True, "expose_http_server": False},
         "vllm_kwargs": {},
-        "colocated": {"enabled": False},
+        "colocated": {"enabled": True},  # NeMo-RL streams over IPC only when colocated
         "rollout_fleet": {"device": DEVICE, "num_workers": 1, "placement": "local",
                           "run_dir": str(run_dir)},
     }

@@ -141,6 +141,14 @@ def test_gpu_fleets_receive_what_nemo_rls_trainer_sends_cpu_ones_the_packed_prot
     assert fleet.engine["pipeline_parallel_size"] == 1  # NeMo-RL's options kept beside it
 
 
+def test_a_colocated_gpu_fleet_takes_nemo_rls_ipc_stream_through_the_packed_protocol(tiny):
+    colocated = generation_config(tiny)
+    colocated["colocated"] = {"enabled": True}
+    fleet = read_nemo_rl_config(colocated, GpuCluster(2)).fleet
+    assert fleet.colocation.enabled
+    assert fleet.sender_spec.protocol is RefitProtocol.PACKED  # vLLM's own takes no IPC stream
+
+
 def test_each_vllm_worker_gets_its_own_engine_seed(tmp_path):
     config = parse_config({"engine": {"kind": "vllm", "seed": 7}, "num_workers": 3,
                            "run_dir": str(tmp_path)})
