@@ -79,6 +79,12 @@ class Placement(ABC):
     def alive(self) -> Mapping[str, bool]:
         """Worker name -> whether its process still runs."""
 
+    def exit_status(self, name: str) -> int | None:
+        """How one worker's process ended, once it has: its exit code, or minus the signal
+        that ended it (-9: SIGKILL, the kernel's out-of-memory killer's); None while it runs
+        or where this placement cannot tell."""
+        return None
+
     @abstractmethod
     def kill(self, name: str) -> None:
         """Stop one worker's process now (fault drills, a failed health check)."""

@@ -59,7 +59,7 @@ def _no_shared_memory_left_behind():
     gc.collect()  # a dropped multiprocessing object's semaphore goes with it
     # A semaphore that this live process still holds is not left: its exit removes it.
     held = {path for path in tracker.in_use() if os.path.basename(path).startswith("sem.")}
-    held |= {path for path in tracker.seen() if _named_after_this_process(path)}
+    held |= {path for path in tracker.seen if _named_after_this_process(path)}
     left = tracker.remove_all(keep=held)  # removed now, so one failed run litters nothing
     assert left == [], f"segments processes of this run used were left in /dev/shm: {left}"
 

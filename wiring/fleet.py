@@ -236,7 +236,8 @@ class Fleet:
         it left by itself, else that it exited. A worker whose engine dies leaves the
         frontend's routing at once and exits; a driver from ``generation()`` refits without it."""
         logs = {w.name: w.log_path for w in self.workers}
-        return {name: exit_reason(logs.get(name, "")) for name in self.dead_workers()}
+        return {name: exit_reason(logs.get(name, ""), self.placement.exit_status(name))
+                for name in self.dead_workers()}
 
     @property
     def instance_ids(self) -> dict[str, int]:

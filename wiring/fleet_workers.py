@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -95,8 +96,9 @@ def wait_worker_ready(placement: Placement, worker: WorkerHandle, url: str, secr
     FleetStartError when it exits, is not ready by ``deadline`` or the fleet stops first."""
     while time.monotonic() < deadline and not stopping.is_set():
         if not placement.alive().get(worker.name, False):
-            raise FleetStartError(f"{worker.name} exited while starting: "
-                                  f"{worker_failure(worker.log_path)} (log {worker.log_path})")
+            how = worker_failure(worker.log_path, placement.exit_status(worker.name))
+            raise FleetStartError(f"{worker.name} exited while starting: {how} "
+                                  f"(log {worker.log_path})")
         if health_ready(url):
             return call_control(url, "stats", secret)["instance_id"]
         time.sleep(0.25)
@@ -126,19 +128,35 @@ def write_private(path: Path, text: str) -> Path:
     return path
 
 
-def worker_failure(log_path: str) -> str:
+def worker_failure(log_path: str, exit_status: int | None = None) -> str:
     """What a worker that failed to start said of it: its exception's own message (the line
-    the worker writes last), else the tail of its log; and the error that one of its engine's
-    own processes logged before, which the worker's message only points at (vLLM's "Engine
-    core initialization failed. See root cause above")."""
+    the worker writes last), else how it ended (``exit_status``, as the placement saw it) and
+    the tail of its log; and the error that one of its engine's own processes logged before,
+    which the worker's message only points at (vLLM's "Engine core initialization failed. See
+    root cause above")."""
     tail = read_tail(log_path, 64_000)
     said = [line.removeprefix(FAILURE_MARK) for line in tail.splitlines()
             if line.startswith(FAILURE_MARK)]
     cause = engine_process_error(tail)
     if said:
         return f"{said[-1]}; {cause}" if cause else said[-1]
-    return f"no error reported; {cause}" if cause else \
-        f"no error reported; its log ends:\n{tail[-3000:]}"
+    silent = silent_exit(exit_status)
+    return f"{silent}; {cause}" if cause else f"{silent}; its log ends:\n{tail[-3000:]}"
+
+
+def silent_exit(exit_status: int | None) -> str:
+    """How a worker that reported no error ended, in words."""
+    if exit_status is None:
+        return "no error reported"
+    if exit_status >= 0:
+        return f"exited with status {exit_status}, no error reported"
+    try:
+        name = signal.Signals(-exit_status).name
+    except ValueError:
+        name = f"signal {-exit_status}"
+    if -exit_status == signal.SIGKILL:
+        name += " (the kernel's out-of-memory killer sends it, as does kill -9)"
+    return f"killed by {name}, no error reported"
 
 
 # vLLM prefixes what its own processes log with their name and pid; an error's last line is
@@ -157,8 +175,12 @@ def engine_process_error(log: str) -> str:
     return ""
 
 
-def exit_reason(log_path: str) -> str:
-    """One line: what a worker that exited said of it, or that it said nothing (killed)."""
+def exit_reason(log_path: str, exit_status: int | None = None) -> str:
+    """One line: what a worker that exited said of it, or how it ended without a word."""
     said = [line.removeprefix(FAILURE_MARK) for line in read_tail(log_path, 64_000).splitlines()
             if line.startswith(FAILURE_MARK)]
-    return said[-1] if said else "exited without a word (killed, or its host went away)"
+    if said:
+        return said[-1]
+    if exit_status is None:
+        return "exited without a word (killed, or its host went away)"
+    return silent_exit(exit_status)

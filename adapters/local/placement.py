@@ -65,6 +65,9 @@ class LocalPlacement(Placement):
         # A copy: a launch from another thread may add a worker meanwhile.
         return {name: process.poll() is None for name, process in list(self._processes.items())}
 
+    def exit_status(self, name: str) -> int | None:
+        return self._process(name).poll()
+
     def kill(self, name: str) -> None:
         process = self._process(name)
         self._segments.scan()  # what it uses now, to remove once it is dead

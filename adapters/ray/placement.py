@@ -17,6 +17,7 @@ from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch
 
 
 _ALIVE_TIMEOUT_S = 30.0
+_EXIT_STATUS_TIMEOUT_S = 5.0  # asked only of a worker already found gone: words, not a verdict
 _REPLACE_PAUSE_S = 1.0  # before another supervisor in a bundle whose node just died
 
 
@@ -221,6 +222,16 @@ class RayPlacement(Placement):
             except Exception:  # noqa: BLE001 - a dead actor means a dead worker
                 status[name] = False
         return status
+
+    def exit_status(self, name: str) -> int | None:
+        import ray
+
+        if name in self._replaced:
+            return None  # its supervisor, which saw it end, was ended
+        try:
+            return ray.get(self._actors[name].exit_status.remote(), timeout=_EXIT_STATUS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - its supervisor (or node) is gone: nobody saw it end
+            return None
 
     def kill(self, name: str) -> None:
         import ray

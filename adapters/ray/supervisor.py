@@ -69,6 +69,9 @@ class ProcessSupervisor:
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def exit_status(self) -> int | None:
+        return None if self._process is None else self._process.poll()
+
     def kill(self) -> None:
         self._segments.scan()  # what it uses now, to remove once it is dead
         self._signal(signal.SIGKILL)

@@ -146,6 +146,9 @@ class PlacementContract:
         placement.kill("w0")
         assert _wait(lambda: placement.alive() == {"w0": False, "w1": True}), placement.alive()
         assert _gone(w0.pid) and not _gone(w1.pid)
+        # How each ended, for the fleet's error: killed by SIGKILL; the other still running.
+        assert placement.exit_status("w0") == -signal.SIGKILL
+        assert placement.exit_status("w1") is None
 
     def test_a_signal_reaches_the_workers_process_group(self, placement_under_test, tmp_path):
         placement: Placement = placement_under_test

@@ -21,6 +21,7 @@ from rollout_fleet.adapters.agent_door.door import TRAJECTORY_HEADER
 from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
 from rollout_fleet.wiring.agent_door import AgentDoorServer, build_door
 from rollout_fleet.wiring.nemo_rl import DynamoGeneration
+from tests.support.teacher_forced import teacher_forced_logprobs
 from tests.unit.test_nemo_rl_config import generation_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.dynamo]
@@ -238,10 +239,14 @@ def test_chat_on_a_model_without_a_template_is_refused_naming_the_model(fleet, t
     assert "no chat template" in answer.json()["error"]["message"]
 
 
-def test_an_openai_agents_run_gets_token_exact_turns_by_its_trajectory_name(door, model):
+def test_an_openai_agents_run_gets_token_exact_turns_by_its_trajectory_name(door, model,
+                                                                            tool_model):
     """The openai-agents SDK (a client no one here wrote) runs a tool-use loop of three model
     turns; it sends text only, and names its trajectory in a header. Each answer the door
-    gave (read off the wire) starts its prompt with the turn before it, exactly."""
+    gave (read off the wire) starts its prompt with the turn before it, exactly, and every
+    turn's logprobs are those the model gave under the tool's grammar: never below a
+    transformers forward of the whole final sequence (the grammar only takes tokens away), and
+    0 where it left one token."""
     import agents
 
     agents.set_tracing_disabled(True)  # nothing leaves loopback
@@ -285,3 +290,38 @@ def test_an_openai_agents_run_gets_token_exact_turns_by_its_trajectory_name(door
         if earlier is not None:
             assert prompt[:len(earlier)] == earlier, f"turn {turn} re-tokenized its prefix"
         earlier = prompt + message["generation_token_ids"]
+    # The trajectory a trainer would train on: the last turn's prompt and generated tokens.
+    reference = teacher_forced_logprobs(tool_model, earlier)
+    for turn, answer in enumerate(answers):
+        message = answer["choices"][0]["message"]
+        start, generated = len(message["prompt_token_ids"]), message["generation_token_ids"]
+        assert earlier[start:start + len(generated)] == generated
+        for served, free in zip(message["generation_log_probs"],
+                                reference[start:start + len(generated)], strict=True):
+            assert served >= free - 1e-4, f"turn {turn}: {served} below the model's {free}"
+    forced = [lp for a in answers for lp in a["choices"][0]["message"]["generation_log_probs"]]
+    assert 0.0 in forced and min(forced) < 0.0  # the grammar forced some tokens, not all
+
+
+def test_a_free_text_trajectory_has_the_logprobs_of_a_forward_of_its_final_tokens(
+        door, model, tool_model):
+    """Three sampled turns by trajectory name, no grammar: every turn's logprobs equal a
+    transformers forward of the whole final sequence (float32, within 1e-4)."""
+    messages = [{"role": "user", "content": "Tell me about the weather."}]
+    answers = []
+    with door_client(door, trajectory="free-text-1") as client:
+        for turn in range(3):
+            answer = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=12, seed=turn, temperature=1.0)
+            message = answer.choices[0].message
+            answers.append(message)
+            messages += [{"role": "assistant", "content": message.content},
+                         {"role": "user", "content": f"And tomorrow, day {turn}?"}]
+    assert sum(len(m.generation_token_ids) for m in answers) > 3  # tokens to compare
+    final = answers[-1].prompt_token_ids + answers[-1].generation_token_ids
+    reference = teacher_forced_logprobs(tool_model, final)
+    for turn, message in enumerate(answers):
+        start, generated = len(message.prompt_token_ids), message.generation_token_ids
+        assert final[start:start + len(generated)] == generated, f"turn {turn} not a prefix"
+        assert message.generation_log_probs == pytest.approx(
+            reference[start:start + len(generated)], abs=1e-4), f"turn {turn}"

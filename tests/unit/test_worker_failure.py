@@ -32,3 +32,17 @@ def test_a_worker_that_said_nothing_is_reported_by_its_engine_cores_error_or_its
     log.write_text(f"{OWN}\nKilled\n")
     said = worker_failure(str(log))
     assert said.startswith("no error reported; its log ends:") and said.endswith("Killed\n")
+
+
+def test_a_silent_worker_is_reported_by_how_it_ended(tmp_path):
+    import signal
+
+    log = tmp_path / "worker-0.log"
+    log.write_text(f"{OWN}\n")
+    said = worker_failure(str(log), -signal.SIGKILL)
+    assert said.startswith("killed by SIGKILL (the kernel's out-of-memory killer sends it")
+    assert "no error reported; its log ends:" in said
+    assert worker_failure(str(log), -signal.SIGSEGV).startswith("killed by SIGSEGV, no error")
+    assert worker_failure(str(log), 3).startswith("exited with status 3, no error reported;")
+    log.write_text(f"{FAILURE_MARK}RuntimeError: its own words\n")
+    assert worker_failure(str(log), 1) == "RuntimeError: its own words"  # its word comes first
