@@ -10,7 +10,8 @@ prompt goes to Dynamo as ``nvext.token_data``: Dynamo still runs the tool-call a
 parsers and turns a ``tool_choice`` into structured decoding; the worker returns every
 generated ID and logprob in ``engine_data`` (the turn-tokens annotation). The answer carries
 NeMo-Gym's three fields on its message, and vLLM's ``prompt_token_ids`` / ``token_ids`` when
-the request asks ``return_token_ids``.
+the request asks ``return_token_ids``. A request for ``n > 1`` samples is served as one rollout
+group (``groups.py``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from rollout_fleet.adapters.agent_door.groups import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS, chat_answer, completion_answer, group_request, group_size,
+)
 from rollout_fleet.adapters.agent_door.template import ChatTemplate
 from rollout_fleet.core.agent_turns import (
     RecordedTurn, Trajectories, TurnTokens, joined_prompt, recorded_turn_applies, token_fields,
 )
 from rollout_fleet.core.clock import Clock, SystemClock
-from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.wire import TURN_TOKENS_ANNOTATION
+from rollout_fleet.core.errors import HttpStatusError, InvalidValue, WireError
+from rollout_fleet.core.wire import TURN_TOKENS_ANNOTATION, completion_body, parse_group_answer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,12 @@ class AgentDoor:
             trajectory = _trajectory_name(request, body)
             wants_ids, wants_logprobs = _token_wishes(body)
             messages, roles, known = _split_messages(body)
+            if group_size(body) > 1:
+                if trajectory is not None:
+                    raise InvalidValue(TRAJECTORY_FIELD, trajectory,
+                                       "a trajectory continues one sample: n must be 1")
+                return await self._group({**body, "return_token_ids": wants_ids},
+                                         self._prompt(body, messages, known), chat=True)
             latest = self._latest(trajectory)
             if latest is not None and not known:
                 known = {recorded_turn_applies(latest, roles, "messages"): latest.tokens}
@@ -86,19 +96,18 @@ class AgentDoor:
     async def completions(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
+            if group_size(body) > 1:
+                return await self._group(body, self._completion_prompt(body), chat=False)
             wants_ids, _ = _token_wishes(body)
         except InvalidValue as exc:
             return _refusal(exc)
         if not wants_ids:
             status, answer = await self._forward("/v1/completions", body)
             return web.json_response(answer, status=status)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            prompt = self.template.encode(prompt, special_tokens=True)
-        if not isinstance(prompt, list) or not prompt or not all(
-                isinstance(t, int) for t in prompt):
-            return _refusal(InvalidValue("prompt", body.get("prompt"), "with return_token_ids, "
-                                         "one prompt: a string or a list of token IDs"))
+        try:
+            prompt = self._completion_prompt(body)
+        except InvalidValue as exc:
+            return _refusal(exc)
         status, answer = await self._forward(
             "/v1/completions", _with_token_data({**body, "prompt": prompt}, None))
         if status == 200:
@@ -108,6 +117,36 @@ class AgentDoor:
             choice["prompt_token_ids"] = list(tokens.prompt_token_ids)
             choice["token_ids"] = list(tokens.generation_token_ids)
         return web.json_response(answer, status=status)
+
+    def _completion_prompt(self, body: Mapping[str, Any]) -> list[int]:
+        """The one prompt of a completions request the door tokenizes (or takes as IDs)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt = self.template.encode(prompt, special_tokens=True)
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidValue("prompt", body.get("prompt"), "with return_token_ids or n > 1, "
+                               "one prompt: a string or a list of token IDs")
+        return prompt
+
+    async def _group(self, body: Mapping[str, Any], prompt: list[int], *,
+                     chat: bool) -> web.Response:
+        """``n`` samples of one prompt as one rollout group, answered as ``n`` choices."""
+        request = group_request(body, prompt, default_max_tokens=None if chat
+                                else COMPLETIONS_DEFAULT_MAX_TOKENS)
+        sent = completion_body(request, self.template.served_model_name)
+        status, text = await self._forward_text("/v1/completions", sent)
+        if status != 200:
+            return web.Response(text=text, status=status, content_type="application/json")
+        try:
+            samples = parse_group_answer(text, request.n)
+        except HttpStatusError as exc:  # a worker's refusal, carried in its answer
+            return _error(str(exc), exc.status)
+        except WireError as exc:
+            return _error(f"the worker's group answer was unreadable: {exc}", 502)
+        write = chat_answer if chat else completion_answer
+        return web.json_response(write(body, prompt, samples, self.template.decode,
+                                       self.template.token_strings))
 
     async def end_trajectory(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -161,12 +200,15 @@ class AgentDoor:
         return status, answer
 
     async def _forward(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
-        async with self._client().post(f"{self.frontend_url}{path}", json=body) as answer:
-            text = await answer.text()
+        status, text = await self._forward_text(path, body)
         try:
-            return answer.status, json.loads(text)
+            return status, json.loads(text)
         except ValueError:
-            return answer.status, {"error": {"message": text, "code": answer.status}}
+            return status, {"error": {"message": text, "code": status}}
+
+    async def _forward_text(self, path: str, body: Mapping[str, Any]) -> tuple[int, str]:
+        async with self._client().post(f"{self.frontend_url}{path}", json=body) as answer:
+            return answer.status, await answer.text()
 
     async def _close(self, _app: web.Application) -> None:
         if self._session is not None:
@@ -182,8 +224,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise InvalidValue("body", type(body).__name__, "must be a JSON object")
     if body.get("stream"):
         raise InvalidValue("stream", True, "the agent door answers whole turns (stream: false)")
-    if body.get("n") not in (None, 1):
-        raise InvalidValue("n", body["n"], "one choice per turn: send n requests instead")
     return body
 
 
@@ -266,6 +306,10 @@ def _write_chat_tokens(answer: dict[str, Any], tokens: TurnTokens, *, wants_ids:
         choice["token_ids"] = list(tokens.generation_token_ids)
     if not wants_logprobs:
         choice["logprobs"] = None
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
 def _refusal(exc: InvalidValue) -> web.Response:

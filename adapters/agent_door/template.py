@@ -52,3 +52,11 @@ class ChatTemplate:
 
     def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Generated IDs as text, special tokens left out (as vLLM's answers write them)."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each ID's own token string (the ``tokens`` of a completion's logprobs)."""
+        return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))

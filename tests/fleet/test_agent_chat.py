@@ -219,6 +219,43 @@ def test_completions_return_their_prompt_and_generated_token_ids(door, model, to
     assert len(choice["logprobs"]["token_logprobs"]) == 5
 
 
+def test_n_samples_of_a_prompt_are_one_group_each_choice_its_own_seeds_sample(door, model):
+    """The official client asks the door for n=4 (a GRPO group): one request, served by one
+    worker with vLLM's own n; choice i is what a single request with seed + i samples."""
+    asked = dict(model=model, prompt="The weather is", max_tokens=8, temperature=1.0, logprobs=1,
+                 extra_body={"return_token_ids": True})
+    with door_client(door) as client:
+        group = client.completions.create(n=4, seed=11, **asked)
+        alone = [client.completions.create(seed=11 + i, **asked).choices[0] for i in range(4)]
+    assert [choice.index for choice in group.choices] == [0, 1, 2, 3]
+    assert len({tuple(choice.token_ids) for choice in group.choices}) > 1  # four seeds, used
+    for grouped, single in zip(group.choices, alone):
+        assert grouped.token_ids == single.token_ids and grouped.text == single.text
+        assert grouped.finish_reason == single.finish_reason
+        assert grouped.logprobs.token_logprobs == pytest.approx(single.logprobs.token_logprobs,
+                                                                abs=1e-3)
+    assert group.usage.completion_tokens == sum(len(c.token_ids) for c in group.choices)
+
+
+def test_a_chat_group_answers_n_messages_and_what_a_group_cannot_serve_is_refused(door, model):
+    messages = [{"role": "user", "content": "Weather?"}]
+    with door_client(door) as client:
+        group = client.chat.completions.create(model=model, messages=messages, n=3, seed=4,
+                                               max_tokens=8, temperature=1.0)
+        assert len(group.choices) == 3
+        prompts = {tuple(choice.message.prompt_token_ids) for choice in group.choices}
+        assert len(prompts) == 1  # one prompt, three samples of it
+        for choice in group.choices:
+            assert len(choice.message.generation_log_probs) == len(
+                choice.message.generation_token_ids) > 0
+        with pytest.raises(openai.BadRequestError, match="tools"):  # parsed per single choice
+            client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=4,
+                                           tools=[WEATHER_TOOL])
+    with door_client(door, trajectory="group-1") as client, \
+            pytest.raises(openai.BadRequestError, match="trajectory"):
+        client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=4)
+
+
 def test_chat_on_a_model_without_a_template_is_refused_naming_the_model(fleet, tool_model,
                                                                          tmp_path):
     bare = tmp_path / "bare-model"
