@@ -39,6 +39,8 @@ class RolloutPiece:
     logprobs: tuple[float, ...]
     finish_reason: FinishReason | None = None  # set on the last piece only
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    # The last piece, where the engine tells: how many prompt tokens its prefix cache held.
+    cached_prompt_tokens: int | None = None
 
     @classmethod
     def whole(cls, served: ServedRollout) -> "RolloutPiece":

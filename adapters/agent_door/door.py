@@ -85,7 +85,9 @@ class AgentDoor:
             forward, latest.worker if latest is not None else None)
         if status != 200:
             return web.json_response(answer, status=status)
-        tokens, worker = _turn_tokens(answer, prompt), _served_by(answer, body)
+        engine = _engine_data(answer)
+        tokens, worker = _turn_tokens(engine, prompt), _served_by(answer, body)
+        _write_cached_tokens(answer, engine)
         _write_chat_tokens(answer, tokens, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
         if trajectory is not None:
             self.trajectories.record(
@@ -111,7 +113,9 @@ class AgentDoor:
         status, answer = await self._forward(
             "/v1/completions", _with_token_data({**body, "prompt": prompt}, None))
         if status == 200:
-            tokens = _turn_tokens(answer, prompt)
+            engine = _engine_data(answer)
+            tokens = _turn_tokens(engine, prompt)
+            _write_cached_tokens(answer, engine)
             _served_by(answer, body)
             choice = answer["choices"][0]
             choice["prompt_token_ids"] = list(tokens.prompt_token_ids)
@@ -274,13 +278,27 @@ def _with_token_data(body: Mapping[str, Any], prompt: list[int] | None) -> dict[
     return {**body, "nvext": nvext}
 
 
-def _turn_tokens(answer: dict[str, Any], prompt: list[int]) -> TurnTokens:
+def _engine_data(answer: dict[str, Any]) -> dict[str, Any]:
+    """The worker's ``engine_data``, taken out of the answer (the client did not ask for it)."""
     nvext = answer.get("nvext") or {}
     engine = nvext.pop("engine_data", None) or {}
     if not nvext:
         answer.pop("nvext", None)
+    return engine
+
+
+def _turn_tokens(engine: Mapping[str, Any], prompt: list[int]) -> TurnTokens:
     return TurnTokens(prompt, engine.get("token_ids") or (), engine.get("log_probs") or (),
                       engine.get("weight_version"))
+
+
+def _write_cached_tokens(answer: dict[str, Any], engine: Mapping[str, Any]) -> None:
+    """The turn's prefix-cache hit, where the engine told it, in OpenAI's own field: how many
+    of the prompt's tokens the serving worker already held."""
+    cached = engine.get("cached_prompt_tokens")
+    if isinstance(cached, int) and isinstance(answer.get("usage"), dict):
+        details = answer["usage"].get("prompt_tokens_details") or {}
+        answer["usage"]["prompt_tokens_details"] = {**details, "cached_tokens": cached}
 
 
 def _served_by(answer: dict[str, Any], asked: Mapping[str, Any]) -> int | None:

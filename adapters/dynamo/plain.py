@@ -168,13 +168,18 @@ class GeneratedTurn:
         self._refit = engine if isinstance(engine, RefitTarget) else None
         self.token_ids: list[int] = []
         self.log_probs: list[float] = []
+        self.cached_prompt_tokens: int | None = None
 
     def add(self, piece: RolloutPiece) -> None:
         self.token_ids += piece.token_ids
         self.log_probs += piece.logprobs or ()
+        if piece.cached_prompt_tokens is not None:
+            self.cached_prompt_tokens = piece.cached_prompt_tokens
 
     def engine_data(self) -> dict[str, Any]:
         data: dict[str, Any] = {"token_ids": self.token_ids, "log_probs": self.log_probs}
         if self._refit is not None:
             data["weight_version"] = self._refit.weight_version()
+        if self.cached_prompt_tokens is not None:
+            data["cached_prompt_tokens"] = self.cached_prompt_tokens
         return data

@@ -65,14 +65,16 @@ def piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> Rollout
     if with_logprobs and len(steps) != len(token_ids):
         raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(steps)} logprobs "
                           f"for request {output.request_id!r}")
-    reason = None
+    reason = cached = None
     if output.finished:
         reason = _FINISH_REASONS.get(completion.finish_reason)
         if reason is None:
             raise EngineError(f"vLLM ended request {output.request_id!r} with finish_reason="
                               f"{completion.finish_reason!r}")
+        cached = getattr(output, "num_cached_tokens", None)
     return RolloutPiece(token_ids, tuple(step[token].logprob for step, token in zip(steps, token_ids)),
-                        reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None)
+                        reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None,
+                        cached_prompt_tokens=cached)
 
 
 def to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:

@@ -142,7 +142,8 @@ def served_by(answer) -> int:
 
 def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(door, model):
     """... and every turn is served by the worker that served the first, which holds the
-    trajectory's prefix (round-robin alone would alternate between the two workers)."""
+    trajectory's prefix (round-robin alone would alternate between the two workers): each
+    later turn's answer reports its prefix-cache hit in ``usage.prompt_tokens_details``."""
     messages = [{"role": "user", "content": "What is the weather in three cities?"}]
     earlier: list[int] | None = None
     workers = []
@@ -156,9 +157,14 @@ def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(d
             assert message.prompt_token_ids == prompt and message.generation_token_ids == generated
             assert len(message.generation_log_probs) == len(generated) > 0
             assert message.weight_version == 0  # the weights the workers started with
+            cached = answer.usage.prompt_tokens_details.cached_tokens
+            assert 0 <= cached <= len(prompt)
             if earlier is not None:
                 assert prompt[:len(earlier)] == earlier, f"turn {turn} re-tokenized its prefix"
                 assert len(prompt) > len(earlier)  # and the tool's answer follows it
+                # The worker held the earlier turns: their whole KV blocks were prefix-cache
+                # hits (vLLM-CPU's blocks are 128 tokens; more than half the earlier tokens).
+                assert cached > len(earlier) // 2, (turn, cached, len(earlier))
             earlier = prompt + generated
             workers.append(served_by(answer))
             messages += [as_an_agent_sends_it(message),
