@@ -10,8 +10,9 @@ prompt goes to Dynamo as ``nvext.token_data``: Dynamo still runs the tool-call a
 parsers and turns a ``tool_choice`` into structured decoding; the worker returns every
 generated ID and logprob in ``engine_data`` (the turn-tokens annotation). The answer carries
 NeMo-Gym's three fields on its message, and vLLM's ``prompt_token_ids`` / ``token_ids`` when
-the request asks ``return_token_ids``. A request for ``n > 1`` samples is served as one rollout
-group (``groups.py``).
+the request asks ``return_token_ids`` (``answers.py``). A streamed chat turn is relayed chunk by
+chunk, rewritten the same way. A request for ``n > 1`` samples is served as one rollout group
+(``groups.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from aiohttp import web
 
 from rollout_fleet.adapters.agent_door.groups import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, chat_answer, completion_answer, group_request, group_size,
+)
+from rollout_fleet.adapters.agent_door.answers import (
+    TurnStream, engine_data, served_by, turn_tokens, write_cached_tokens, write_chat_tokens,
 )
 from rollout_fleet.adapters.agent_door.template import ChatTemplate
 from rollout_fleet.core.agent_turns import (
@@ -81,23 +85,36 @@ class AgentDoor:
         except InvalidValue as exc:
             return _refusal(exc)
         forward = _with_token_data({**body, "messages": messages, "logprobs": True}, prompt)
-        status, answer = await self._forward_to_worker(
-            forward, latest.worker if latest is not None else None)
+        pinned = latest.worker if latest is not None else None
+        if body.get("stream"):
+            relay = TurnStream(prompt, body, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
+            response = await self._relay_stream(request, forward, pinned, relay)
+            if trajectory is not None and relay.tokens is not None:
+                self._record(trajectory, messages, roles, relay.tokens, relay.worker)
+            return response
+        status, answer = await self._forward_to_worker(forward, pinned)
         if status != 200:
             return web.json_response(answer, status=status)
-        engine = _engine_data(answer)
-        tokens, worker = _turn_tokens(engine, prompt), _served_by(answer, body)
-        _write_cached_tokens(answer, engine)
-        _write_chat_tokens(answer, tokens, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
+        engine = engine_data(answer)
+        tokens, worker = turn_tokens(engine, prompt), served_by(answer, body)
+        write_cached_tokens(answer, engine)
+        write_chat_tokens(answer, tokens, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
         if trajectory is not None:
-            self.trajectories.record(
-                trajectory, RecordedTurn(len(messages), tuple(roles), tokens, worker),
-                self.clock.monotonic())
+            self._record(trajectory, messages, roles, tokens, worker)
         return web.json_response(answer)
+
+    def _record(self, trajectory: str, messages: list[dict[str, Any]], roles: list[str],
+                tokens: TurnTokens, worker: int | None) -> None:
+        self.trajectories.record(trajectory,
+                                 RecordedTurn(len(messages), tuple(roles), tokens, worker),
+                                 self.clock.monotonic())
 
     async def completions(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
+            if body.get("stream"):
+                raise InvalidValue("stream", True, "the door's completions are whole (stream: "
+                                   "false); chat turns stream")
             if group_size(body) > 1:
                 return await self._group(body, self._completion_prompt(body), chat=False)
             wants_ids, _ = _token_wishes(body)
@@ -113,10 +130,10 @@ class AgentDoor:
         status, answer = await self._forward(
             "/v1/completions", _with_token_data({**body, "prompt": prompt}, None))
         if status == 200:
-            engine = _engine_data(answer)
-            tokens = _turn_tokens(engine, prompt)
-            _write_cached_tokens(answer, engine)
-            _served_by(answer, body)
+            engine = engine_data(answer)
+            tokens = turn_tokens(engine, prompt)
+            write_cached_tokens(answer, engine)
+            served_by(answer, body)
             choice = answer["choices"][0]
             choice["prompt_token_ids"] = list(tokens.prompt_token_ids)
             choice["token_ids"] = list(tokens.generation_token_ids)
@@ -197,11 +214,43 @@ class AgentDoor:
             return await self._forward("/v1/chat/completions", body)
         pinned = {**body, "nvext": {**body["nvext"], "backend_instance_id": worker}}
         status, answer = await self._forward("/v1/chat/completions", pinned)
-        if status in (404, 408, 429) or status >= 500:
+        if _worker_could_not_serve(status):
             logger.info("worker %s did not serve a pinned turn (%s); routing it afresh", worker,
                         status)
             return await self._forward("/v1/chat/completions", body)
         return status, answer
+
+    async def _relay_stream(self, request: web.Request, body: dict[str, Any],
+                            worker: int | None, relay: TurnStream) -> web.StreamResponse:
+        """A streamed turn: the frontend's events relayed as they come, each rewritten by
+        ``relay``; pinned to ``worker`` first, as a whole turn is."""
+        answer = await self._open_stream(body, worker)
+        try:
+            if answer.status != 200:
+                return web.Response(text=await answer.text(), status=answer.status,
+                                    content_type="application/json")
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            async for line in answer.content:
+                await response.write(relay.line(line))
+            await response.write_eof()
+            return response
+        finally:
+            answer.release()
+
+    async def _open_stream(self, body: dict[str, Any], worker: int | None
+                           ) -> aiohttp.ClientResponse:
+        url = f"{self.frontend_url}/v1/chat/completions"
+        if worker is not None:
+            pinned = {**body, "nvext": {**body["nvext"], "backend_instance_id": worker}}
+            answer = await self._client().post(url, json=pinned)
+            if not _worker_could_not_serve(answer.status):
+                return answer
+            answer.release()
+            logger.info("worker %s did not serve a pinned turn (%s); routing it afresh", worker,
+                        answer.status)
+        return await self._client().post(url, json=body)
 
     async def _forward(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
         status, text = await self._forward_text(path, body)
@@ -226,8 +275,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise InvalidValue("body", "(not JSON)", f"must be a JSON object: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidValue("body", type(body).__name__, "must be a JSON object")
-    if body.get("stream"):
-        raise InvalidValue("stream", True, "the agent door answers whole turns (stream: false)")
     return body
 
 
@@ -278,52 +325,9 @@ def _with_token_data(body: Mapping[str, Any], prompt: list[int] | None) -> dict[
     return {**body, "nvext": nvext}
 
 
-def _engine_data(answer: dict[str, Any]) -> dict[str, Any]:
-    """The worker's ``engine_data``, taken out of the answer (the client did not ask for it)."""
-    nvext = answer.get("nvext") or {}
-    engine = nvext.pop("engine_data", None) or {}
-    if not nvext:
-        answer.pop("nvext", None)
-    return engine
-
-
-def _turn_tokens(engine: Mapping[str, Any], prompt: list[int]) -> TurnTokens:
-    return TurnTokens(prompt, engine.get("token_ids") or (), engine.get("log_probs") or (),
-                      engine.get("weight_version"))
-
-
-def _write_cached_tokens(answer: dict[str, Any], engine: Mapping[str, Any]) -> None:
-    """The turn's prefix-cache hit, where the engine told it, in OpenAI's own field: how many
-    of the prompt's tokens the serving worker already held."""
-    cached = engine.get("cached_prompt_tokens")
-    if isinstance(cached, int) and isinstance(answer.get("usage"), dict):
-        details = answer["usage"].get("prompt_tokens_details") or {}
-        answer["usage"]["prompt_tokens_details"] = {**details, "cached_tokens": cached}
-
-
-def _served_by(answer: dict[str, Any], asked: Mapping[str, Any]) -> int | None:
-    """The Dynamo instance that generated the answer; its ``worker_id`` is left in the answer
-    only when the client asked for it."""
-    nvext = answer.get("nvext") or {}
-    asked_fields = (asked.get("nvext") or {}).get("extra_fields") or []
-    served = nvext.get("worker_id") if "worker_id" in asked_fields else nvext.pop("worker_id", None)
-    if not nvext:
-        answer.pop("nvext", None)
-    return (served or {}).get("decode_worker_id")
-
-
-def _write_chat_tokens(answer: dict[str, Any], tokens: TurnTokens, *, wants_ids: bool,
-                       wants_logprobs: bool) -> None:
-    choice = answer["choices"][0]
-    choice["message"].update(prompt_token_ids=list(tokens.prompt_token_ids),
-                             generation_token_ids=list(tokens.generation_token_ids),
-                             generation_log_probs=list(tokens.generation_log_probs),
-                             weight_version=tokens.weight_version)
-    if wants_ids:
-        answer["prompt_token_ids"] = list(tokens.prompt_token_ids)
-        choice["token_ids"] = list(tokens.generation_token_ids)
-    if not wants_logprobs:
-        choice["logprobs"] = None
+def _worker_could_not_serve(status: int) -> bool:
+    """A pinned turn's answer that sends it to another worker (gone, overloaded, failing)."""
+    return status in (404, 408, 429) or status >= 500
 
 
 def _error(message: str, status: int) -> web.Response:

@@ -225,6 +225,30 @@ def test_completions_return_their_prompt_and_generated_token_ids(door, model, to
     assert len(choice["logprobs"]["token_logprobs"]) == 5
 
 
+def test_a_streamed_turn_comes_in_pieces_and_the_next_turn_continues_its_exact_tokens(door,
+                                                                                     model):
+    """Streamed through the door (chunks relayed as the frontend sends them): the same turn as
+    unstreamed, token for token; its tokens are kept for the trajectory's next turn."""
+    messages = [{"role": "user", "content": "Stream me the weather."}]
+    asked = dict(model=model, max_tokens=12, seed=2, temperature=1.0,
+                 extra_body={"return_token_ids": True})
+    with door_client(door, trajectory="streamed-1") as client:
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **asked))
+        pieces = [c.choices[0] for c in chunks if c.choices]
+        generated = [t for piece in pieces for t in (piece.token_ids or [])]
+        text = "".join(piece.delta.content or "" for piece in pieces)
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": "And tomorrow?"}]
+        following = client.chat.completions.create(messages=messages, **asked)
+    with door_client(door) as client:
+        whole = client.chat.completions.create(messages=messages[:1], **asked)
+    assert len(pieces) > 2, "the turn came in one piece"
+    assert generated == whole.choices[0].token_ids and text == whole.choices[0].message.content
+    assert pieces[-1].delta.generation_token_ids == generated
+    earlier = chunks[0].prompt_token_ids + generated
+    assert following.prompt_token_ids[:len(earlier)] == earlier
+
+
 def test_n_samples_of_a_prompt_are_one_group_each_choice_its_own_seeds_sample(door, model):
     """The official client asks the door for n=4 (a GRPO group): one request, served by one
     worker with vLLM's own n; choice i is what a single request with seed + i samples."""
