@@ -1,6 +1,6 @@
 """Chat for agents, on a fleet of two real vLLM workers (local processes) started by NeMo-RL's
 drop-in with ``expose_http_server`` and the ``hermes`` tool-call parser, serving a tiny model
-whose chat template writes Hermes-style tool calls. Through the official ``openai`` client: a
+whose chat template writes Hermes-style tool calls. The last test kills one of the two workers. Through the official ``openai`` client: a
 ``tool_choice`` that names a function is served by structured decoding in vLLM, so even random
 weights answer with a call that parses against the tool's schema; through the agent door at
 the drop-in's ``dp_openai_server_base_urls``, every turn of a trajectory starts with the exact
@@ -392,3 +392,27 @@ def test_a_free_text_trajectory_has_the_logprobs_of_a_forward_of_its_final_token
         assert final[start:start + len(generated)] == generated, f"turn {turn} not a prefix"
         assert message.generation_log_probs == pytest.approx(
             reference[start:start + len(generated)], abs=1e-4), f"turn {turn}"
+
+
+# Last in the module: it kills one of the fleet's two workers.
+def test_a_trajectory_whose_worker_is_lost_continues_on_the_other_exactly(door, model, fleet):
+    """The worker holding a trajectory is killed between its turns: the next turn goes to the
+    other worker (the prefix recomputed there), its prompt still the last turn's exact tokens."""
+    from tests.support.lost_worker import wait_until_lost
+
+    messages = [{"role": "user", "content": "What is the weather?"}]
+    with door_client(door, trajectory="lost-1") as client:
+        first = tool_turn(client, model, messages, seed=21)
+        holder = served_by(first)
+        (name,) = [n for n, instance in fleet.instance_ids.items() if instance == holder]
+        fleet.placement.kill(name)
+        wait_until_lost(fleet, name)
+        message = first.choices[0].message
+        messages += [as_an_agent_sends_it(message),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                      "content": "sunny"}]
+        second = tool_turn(client, model, messages, seed=22)
+    earlier = first.prompt_token_ids + first.choices[0].token_ids
+    assert second.prompt_token_ids[:len(earlier)] == earlier
+    assert served_by(second) != holder
+    assert second.choices[0].message.tool_calls  # served whole, parsed as ever
