@@ -1,10 +1,11 @@
 """Chat for agents, on a fleet of two real vLLM workers (local processes) started by NeMo-RL's
 drop-in with ``expose_http_server`` and the ``hermes`` tool-call parser, serving a tiny model
-whose chat template writes Hermes-style tool calls. The last test kills one of the two workers. Through the official ``openai`` client: a
+whose chat template writes Hermes-style tool calls. Through the official ``openai`` client: a
 ``tool_choice`` that names a function is served by structured decoding in vLLM, so even random
 weights answer with a call that parses against the tool's schema; through the agent door at
 the drop-in's ``dp_openai_server_base_urls``, every turn of a trajectory starts with the exact
-tokens of the turn before it. The fleet is started once for the module."""
+tokens of the turn before it. The fleet is started once for the module; its last test kills one
+of the two workers."""
 
 from __future__ import annotations
 
