@@ -10,6 +10,7 @@ their bounded waits, and checks the global default group was never initialised.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import sys
 import time
@@ -35,11 +36,12 @@ def main() -> None:
     port = listen.getsockname()[1]
     timeout = datetime.timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False,
-                          master_listen_fd=listen.fileno())
+                          master_listen_fd=os.dup(listen.fileno()))  # the store closes its own
+    listen.close()
     pg = _process_group(store, "nccl", "127.0.0.1", 0, 1, timeout, 0, 30.0)
     # world_size 1, no trainer ranks beyond rank 0: a data group of the sender alone.
     group = CollectiveGroup(host="127.0.0.1", port=port, rank=0, world_size=1, train_world_size=1,
-                            backend="nccl", timeout_s=30.0, store=store, listen_socket=listen,
+                            backend="nccl", timeout_s=30.0, store=store,
                             process_group=pg, data_rank=0)
     state = bench_gpu_pack.state_dict(1, torch.device("cuda"))
     info = refit_info_of(state)

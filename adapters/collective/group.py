@@ -40,8 +40,7 @@ class CollectiveGroup:
     """One member of a refit group: the store connection plus, for data ranks, the process group."""
 
     def __init__(self, *, host: str, port: int, rank: int, world_size: int, train_world_size: int,
-                 backend: str, timeout_s: float, store: Any, listen_socket: socket.socket | None,
-                 process_group: Any, data_rank: int | None, every_rank: bool = False) -> None:
+                 backend: str, timeout_s: float, store: Any, process_group: Any, data_rank: int | None, every_rank: bool = False) -> None:
         self.host, self.port = host, port
         self.rank, self.world_size, self.train_world_size = rank, world_size, train_world_size
         self.backend, self.timeout_s = backend, timeout_s
@@ -49,7 +48,6 @@ class CollectiveGroup:
         self.every_rank = every_rank
         self.data_size = world_size if every_rank else 1 + world_size - train_world_size
         self._store = store
-        self._listen_socket = listen_socket
         self._pg = process_group
         self.broken: str | None = None  # why the group can no longer be used, once a step failed
 
@@ -144,9 +142,6 @@ class CollectiveGroup:
             # abort() does not wait for a peer that may be gone; shutdown() would.
             getattr(pg, "abort", getattr(pg, "shutdown", lambda: None))()
         self._store = None
-        sock, self._listen_socket = self._listen_socket, None
-        if sock is not None:
-            sock.close()
         if self.broken is None:
             self.broken = "closed"
 
@@ -200,20 +195,15 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str = 
 
     deadline = time.monotonic() + timeout_s
     timeout = datetime.timedelta(seconds=timeout_s)
-    listen_socket = None
-    if rank == 0:
-        # Bind the store ourselves: TCPStore would otherwise listen on every interface.
-        listen_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listen_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listen_socket.bind((host, port))
-        except OSError as exc:
-            listen_socket.close()
-            raise RefitError(f"refit group rank 0 could not listen on {host}:{port}: {exc}") from exc
-        listen_socket.listen(128)
+    listen_socket = _listen_on(host, port) if rank == 0 else None
+    if listen_socket is not None:
         port = listen_socket.getsockname()[1]
     try:
         store = _connect_store(host, port, rank, timeout, listen_socket)
+    finally:
+        if listen_socket is not None:
+            listen_socket.close()  # the store listens on its own duplicate
+    try:
         declaration = {"world_size": world_size, "train_world_size": train_world_size,
                        "backend": backend, "every_rank": bool(every_rank)}
         train_world_size = _rendezvous(store, rank, world_size, declaration, deadline, timeout_s)
@@ -224,13 +214,25 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str = 
             pg = _process_group(store, backend, host, data_rank, data_size, timeout, rank,
                                 timeout_s)
     except BaseException:
-        if listen_socket is not None:
-            listen_socket.close()
+        store = None  # closes the store's listening socket (from its own thread)
         raise
     return CollectiveGroup(host=host, port=port, rank=rank, world_size=world_size,
                            train_world_size=train_world_size, backend=backend,
-                           timeout_s=timeout_s, store=store, listen_socket=listen_socket,
+                           timeout_s=timeout_s, store=store,
                            process_group=pg, data_rank=data_rank, every_rank=bool(every_rank))
+
+
+def _listen_on(host: str, port: int) -> socket.socket:
+    """Rank 0 binds the store's socket itself: TCPStore would listen on every interface."""
+    listen_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listen_socket.bind((host, port))
+    except OSError as exc:
+        listen_socket.close()
+        raise RefitError(f"refit group rank 0 could not listen on {host}:{port}: {exc}") from exc
+    listen_socket.listen(128)
+    return listen_socket
 
 
 def _check_train_world_size(train_world_size: Any, world_size: int) -> None:
@@ -252,8 +254,11 @@ def _connect_store(host: str, port: int, rank: int, timeout: datetime.timedelta,
                    listen_socket: socket.socket | None) -> Any:
     try:
         if listen_socket is not None:
+            # The store's server closes the descriptor it is given, from its own thread and at
+            # a moment of its choosing: it gets a duplicate, so that no number is closed twice
+            # (a second close would hit whatever file another thread opened there meanwhile).
             return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False,
-                                 master_listen_fd=listen_socket.fileno())
+                                 master_listen_fd=os.dup(listen_socket.fileno()))
         return dist.TCPStore(host, port, None, False, timeout)
     except Exception as exc:
         raise RefitError(f"refit group rank {rank} could not reach the group's store at"

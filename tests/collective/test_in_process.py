@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -148,6 +150,34 @@ def test_a_worker_adopts_the_trainer_world_size_of_rank_0():
     finally:
         for g in groups:
             g.close()
+
+
+def test_a_closed_group_never_closes_a_descriptor_it_no_longer_owns():
+    # The store's server owns the listening socket it is given and closes it from its own
+    # thread; a second close of that number by this process would hit whatever file another
+    # thread opened there meanwhile. A witness thread keeps taking the lowest free numbers.
+    stop, hits = threading.Event(), []
+
+    def witness():
+        while not stop.is_set():
+            fd = os.open(os.devnull, os.O_RDONLY)
+            time.sleep(0.0005)
+            try:
+                os.fstat(fd)
+                os.close(fd)
+            except OSError as exc:
+                hits.append(f"fd {fd}: {exc.strerror}")
+
+    thread = threading.Thread(target=witness, daemon=True)
+    thread.start()
+    try:
+        for _ in range(20):
+            _, _, close = open_pair()
+            close()
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not hits, f"descriptors closed behind this process's back: {hits}"
 
 
 @pytest.mark.parametrize("kwargs, field", [

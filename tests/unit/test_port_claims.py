@@ -12,16 +12,26 @@ import sys
 import time
 
 import pytest
-from rollout_fleet.adapters.shared.net import free_port
+from rollout_fleet.adapters.shared.net import PORT_RANGE, free_port
 from rollout_fleet.adapters.shared.port_claims import CLAIMS_DIR_ENV, PortClaims
 
-RANGE = (24100, 24109)  # ten ports; nothing else in the test namespace probes them
-CLAIMER = """
+# Ten ports nothing else in the test namespace takes: above the fleet's range (tests beside
+# these ones claim ports there) and above the kernel's ephemeral range (client sockets).
+RANGE = (61000, 61009)
+CLAIMER = f"""
 import sys
 from rollout_fleet.adapters.shared.net import free_port
-print(*sorted(free_port(port_range=(24100, 24109)) for _ in range(5)), flush=True)
+print(*sorted(free_port(port_range={RANGE}) for _ in range(5)), flush=True)
 sys.stdin.readline()  # hold the claims until told to exit
 """
+
+
+def test_the_test_range_is_one_nothing_else_takes():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+        ephemeral_high = int(ranges.read().split()[1])
+    assert RANGE[0] > max(PORT_RANGE[1], ephemeral_high), (
+        f"the port-claim tests' range {RANGE} overlaps the fleet's {PORT_RANGE} or the kernel's"
+        f" ephemeral ports (up to {ephemeral_high}): move it above both")
 
 
 def start_claimer(folder) -> tuple[subprocess.Popen, set[int]]:
@@ -39,7 +49,7 @@ def test_another_process_never_gets_a_port_a_live_one_was_handed(tmp_path):
         claims = PortClaims(str(folder))
         mine = {free_port(port_range=RANGE, claims=claims) for _ in range(5)}
         assert mine.isdisjoint(theirs) and len(mine) == 5
-        with pytest.raises(OSError, match="no free port in 24100-24109"):
+        with pytest.raises(OSError, match=f"no free port in {RANGE[0]}-{RANGE[1]}"):
             free_port(port_range=RANGE, claims=claims)
     finally:
         child.communicate("exit\n", timeout=30)
