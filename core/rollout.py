@@ -10,7 +10,8 @@ from typing import Any
 import attrs
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.validate import (
-    check_int_at_least, check_int_in, int_at_least, is_finite_number, is_int, is_real, non_empty_str,
+    a_bool, check_int_at_least, check_int_in, int_at_least, is_finite_number, is_int, is_real,
+    non_empty_str,
 )
 
 
@@ -206,6 +207,9 @@ class RolloutRequest:
     # A group: n samples of this prompt in one request (one prefill, one worker); sample i
     # draws with ``sample_sampling(sampling, i)``.
     n: int = 1
+    # Generate the whole budget: an end-of-sequence token does not end the rollout (fixed
+    # lengths, as benchmarks ask); stop strings and stop_token_ids still do.
+    ignore_eos: bool = attrs.field(default=False, validator=a_bool("ignore_eos"))
 
     def __attrs_post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -57,6 +57,7 @@ class RolloutSpec:
     stop_strings: tuple[str, ...]
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples of the prompt (a group)
+    ignore_eos: bool = False
 
     def to_request(self, prompt_token_ids: Sequence[int]) -> RolloutRequest:
         return RolloutRequest(
@@ -67,6 +68,7 @@ class RolloutSpec:
             stop_strings=self.stop_strings,
             stop_token_ids=self.stop_token_ids,
             n=self.n,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -85,6 +87,8 @@ def encode_rollout_annotation(request: RolloutRequest) -> str:
         text += f',"stop_token_ids":[{",".join(map(_json, request.stop_token_ids))}]'
     if request.n != 1:  # optional within v1, as stop_token_ids
         text += f',"n":{_json(request.n)}'
+    if request.ignore_eos:  # optional within v1, as stop_token_ids
+        text += ',"ignore_eos":true'
     return ROLLOUT_ANNOTATION_PREFIX + text + "}"
 
 
@@ -136,11 +140,12 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
             stop_strings=stop_strings if isinstance(stop_strings, list) else stop_strings,
             stop_token_ids=spec.get("stop_token_ids") or (),
             n=spec.get("n", 1),
+            ignore_eos=spec.get("ignore_eos", False),
         )
     except InvalidValue as exc:
         raise AnnotationError(f"rollout spec has a bad field: {exc}") from None
     return RolloutSpec(spec["request_id"], spec["max_new_tokens"], sampling, tuple(stop_strings),
-                       checked.stop_token_ids, checked.n)
+                       checked.stop_token_ids, checked.n, checked.ignore_eos)
 
 
 def find_annotation(annotations: Sequence[Any] | None, prefix: str) -> str | None:

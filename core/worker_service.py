@@ -38,7 +38,11 @@ async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
             else decode_rollout_annotation(annotation))
     request = spec.to_request(prompt_token_ids)
     # Only when asked: an engine without the optional keyword still serves every other rollout.
-    extra = {"stop_token_ids": request.stop_token_ids} if request.stop_token_ids else {}
+    extra: dict[str, Any] = {}
+    if request.stop_token_ids:
+        extra["stop_token_ids"] = request.stop_token_ids
+    if request.ignore_eos:
+        extra["extra_sampling"] = {"ignore_eos": True}
     if request.n > 1:  # a group: n samples from one request, on this one worker
         return group_engine_data_of(await engine.serve_group(
             request.prompt_token_ids, request_id=request.request_id, n=request.n,

@@ -16,6 +16,10 @@ class WorkerLoad:
     kv_cache_usage: float | None = None  # fraction of the KV cache in use, 0..1
     generated_tokens: float | None = None  # cumulative count since the worker started
     pending_requests: float | None = None  # taken by the worker, not yet running in the engine
+    # Cumulative token counts of the requests whose engine told its prefix-cache hit: their
+    # prompt tokens, and how many of those the cache already held (hits / queried = hit rate).
+    prefix_cache_queried_tokens: float | None = None
+    prefix_cache_hit_tokens: float | None = None
 
 
 class WorkerMetrics(ABC):

@@ -11,8 +11,8 @@ parsers and turns a ``tool_choice`` into structured decoding; the worker returns
 generated ID and logprob in ``engine_data`` (the turn-tokens annotation). The answer carries
 NeMo-Gym's three fields on its message, and vLLM's ``prompt_token_ids`` / ``token_ids`` when
 the request asks ``return_token_ids`` (``answers.py``). A streamed chat turn is relayed chunk by
-chunk, rewritten the same way. A request for ``n > 1`` samples is served as one rollout group
-(``groups.py``).
+chunk, rewritten the same way; a streamed completion is relayed as the frontend writes it. A
+request for ``n > 1`` samples is served as one rollout group (``groups.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from aiohttp import web
 
 from rollout_fleet.adapters.agent_door.groups import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, chat_answer, completion_answer, group_request, group_size,
+    stream_events,
 )
 from rollout_fleet.adapters.agent_door.answers import (
     TurnStream, engine_data, served_by, turn_tokens, write_cached_tokens, write_chat_tokens,
@@ -112,14 +113,18 @@ class AgentDoor:
     async def completions(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
-            if body.get("stream"):
-                raise InvalidValue("stream", True, "the door's completions are whole (stream: "
-                                   "false); chat turns stream")
             if group_size(body) > 1:
                 return await self._group(body, self._completion_prompt(body), chat=False)
             wants_ids, _ = _token_wishes(body)
+            if body.get("stream") and wants_ids:
+                raise InvalidValue("return_token_ids", True, "streamed completions come as the"
+                                   " frontend sends them: stream false for token IDs (chat"
+                                   " turns stream them)")
         except InvalidValue as exc:
             return _refusal(exc)
+        if body.get("stream"):
+            return await self._relay_stream(request, body, None, PassedOn(),
+                                            path="/v1/completions")
         if not wants_ids:
             status, answer = await self._forward("/v1/completions", body)
             return web.json_response(answer, status=status)
@@ -166,8 +171,11 @@ class AgentDoor:
         except WireError as exc:
             return _error(f"the worker's group answer was unreadable: {exc}", 502)
         write = chat_answer if chat else completion_answer
-        return web.json_response(write(body, prompt, samples, self.template.decode,
-                                       self.template.token_strings))
+        answer = write(body, prompt, samples, self.template.decode, self.template.token_strings)
+        if body.get("stream"):
+            return web.Response(body=stream_events(answer, body), content_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+        return web.json_response(answer)
 
     async def end_trajectory(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -221,10 +229,11 @@ class AgentDoor:
         return status, answer
 
     async def _relay_stream(self, request: web.Request, body: dict[str, Any],
-                            worker: int | None, relay: TurnStream) -> web.StreamResponse:
-        """A streamed turn: the frontend's events relayed as they come, each rewritten by
-        ``relay``; pinned to ``worker`` first, as a whole turn is."""
-        answer = await self._open_stream(body, worker)
+                            worker: int | None, relay: "TurnStream | PassedOn", *,
+                            path: str = "/v1/chat/completions") -> web.StreamResponse:
+        """A streamed answer: the frontend's events relayed as they come, each rewritten by
+        ``relay``; a turn pinned to ``worker`` first, as a whole turn is."""
+        answer = await self._open_stream(path, body, worker)
         try:
             if answer.status != 200:
                 return web.Response(text=await answer.text(), status=answer.status,
@@ -239,9 +248,9 @@ class AgentDoor:
         finally:
             answer.release()
 
-    async def _open_stream(self, body: dict[str, Any], worker: int | None
+    async def _open_stream(self, path: str, body: dict[str, Any], worker: int | None
                            ) -> aiohttp.ClientResponse:
-        url = f"{self.frontend_url}/v1/chat/completions"
+        url = f"{self.frontend_url}{path}"
         if worker is not None:
             pinned = {**body, "nvext": {**body["nvext"], "backend_instance_id": worker}}
             answer = await self._client().post(url, json=pinned)
@@ -266,6 +275,14 @@ class AgentDoor:
     async def _close(self, _app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+class PassedOn:
+    """A relay that passes each event on as the frontend wrote it (streamed completions)."""
+
+    @staticmethod
+    def line(line: bytes) -> bytes:
+        return line
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

@@ -6,10 +6,14 @@ Dynamo's frontend ends an answer at its first choice that finishes, so the door 
 as the rollout door does (``core.wire.completion_body``: the group travels in the rollout
 annotation, the worker answers every sample in ``engine_data``) and writes the choices itself.
 What a group cannot honour is refused by name: tools (Dynamo's parsers read one choice),
-streaming, stop strings and penalties (the rollout door carries none of them)."""
+stop strings and penalties (the rollout door carries none of them). A streamed
+group (``stream: true``, as ``vllm bench serve`` asks) is answered once it is whole, as one
+event per choice, the usage (when ``stream_options.include_usage``) and ``[DONE]``: its first
+event comes when its last sample ends."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -22,8 +26,11 @@ from rollout_fleet.core.validate import is_finite_number, is_int
 # What a group request may carry besides its prompt (or messages); anything else is refused.
 GROUP_FIELDS = frozenset({"model", "prompt", "messages", "n", "max_tokens",
                           "max_completion_tokens", "temperature", "top_p", "seed", "logprobs",
-                          "top_logprobs", "return_token_ids", "stream", "user",
-                          "chat_template_kwargs", "nvext"})
+                          "top_logprobs", "return_token_ids", "stream", "stream_options",
+                          "user", "chat_template_kwargs", "nvext", "repetition_penalty",
+                          "ignore_eos"})
+# Fields a group accepts only at the value that asks for nothing.
+NEUTRAL = {"repetition_penalty": (1, "a group is sampled without penalties")}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -43,8 +50,9 @@ def group_request(body: Mapping[str, Any], prompt: Sequence[int], *,
     if unserved:
         raise InvalidValue(unserved[0], body[unserved[0]],
                            "not served with n > 1 (a group is sampled by the rollout door)")
-    if body.get("stream"):
-        raise InvalidValue("stream", True, "a group (n > 1) is answered whole: stream false")
+    for field, (neutral, why) in NEUTRAL.items():
+        if field in body and body[field] != neutral:
+            raise InvalidValue(field, body[field], f"with n > 1 only {neutral!r}: {why}")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
     if max_tokens is None:
         raise InvalidValue("max_tokens", None, "a chat group (n > 1) needs a token budget")
@@ -54,7 +62,8 @@ def group_request(body: Mapping[str, Any], prompt: Sequence[int], *,
     sampling = SamplingSpec(greedy=temperature == 0, temperature=temperature or 1.0,
                             top_p=body.get("top_p", 1.0), seed=body.get("seed"))
     return RolloutRequest(f"door-group-{uuid.uuid4().hex}", tuple(prompt), max_tokens,
-                          sampling=sampling, n=group_size(body))
+                          sampling=sampling, n=group_size(body),
+                          ignore_eos=body.get("ignore_eos", False))
 
 
 def completion_answer(body: Mapping[str, Any], prompt: Sequence[int],
@@ -109,3 +118,21 @@ def _answer(kind: str, prefix: str, body: Mapping[str, Any], prompt: Sequence[in
             "model": body.get("model"), "choices": choices,
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": generated,
                       "total_tokens": len(prompt) + generated}}
+
+
+def stream_events(answer: Mapping[str, Any], body: Mapping[str, Any]) -> bytes:
+    """A whole group answer as the server-sent events of a streamed one: one chunk per choice
+    (a chat choice's message as its delta), then the usage when asked, then ``[DONE]``."""
+    chat = answer["object"] == "chat.completion"
+    head = {key: answer[key] for key in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    events = []
+    for choice in answer["choices"]:
+        if chat:
+            choice = {**{k: v for k, v in choice.items() if k != "message"},
+                      "delta": choice["message"]}
+        events.append({**head, "choices": [choice]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    lines = [f"data: {json.dumps(event)}\n\n" for event in events] + ["data: [DONE]\n\n"]
+    return "".join(lines).encode()

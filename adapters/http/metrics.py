@@ -30,6 +30,13 @@ class MetricNames:
                                          "vllm:generation_tokens_total")
     pending_requests: tuple[str, ...] = ("dynamo_work_handler_queue_depth",
                                          "vllm:num_requests_waiting")
+    prefix_cache_queried_tokens: tuple[str, ...] = (
+        "rollout_fleet_prefix_cache_queried_tokens_total", "vllm:prefix_cache_queries_total")
+    prefix_cache_hit_tokens: tuple[str, ...] = ("rollout_fleet_prefix_cache_hit_tokens_total",
+                                                "vllm:prefix_cache_hits_total")
+
+    def every_name(self) -> tuple[str, ...]:
+        return tuple(name for names in attrs.astuple(self, recurse=False) for name in names)
 
 
 def parse_prometheus_text(text: str, wanted: Iterable[str]) -> dict[str, float]:
@@ -82,12 +89,9 @@ class HttpWorkerMetrics(WorkerMetrics):
         if answer.status != 200:
             raise HttpStatusError(answer.status, answer.body[:2000])
         n = self.names
-        found = parse_prometheus_text(answer.body.decode("utf-8", "replace"),
-                                      n.inflight_requests + n.kv_cache_usage + n.generated_tokens
-                                      + n.pending_requests)
-        return WorkerLoad(self.worker_id, _first(found, n.inflight_requests),
-                          _first(found, n.kv_cache_usage), _first(found, n.generated_tokens),
-                          _first(found, n.pending_requests))
+        found = parse_prometheus_text(answer.body.decode("utf-8", "replace"), n.every_name())
+        return WorkerLoad(self.worker_id, **{
+            field: _first(found, names) for field, names in attrs.asdict(n, recurse=False).items()})
 
     def __repr__(self) -> str:
         return f"HttpWorkerMetrics({self.worker_id!r}, {self.url!r})"

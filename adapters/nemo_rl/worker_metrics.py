@@ -13,7 +13,8 @@ from typing import Any
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 log = logging.getLogger(__name__)
-METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests")
+METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests",
+               "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
 
 
 class MetricTimelines:

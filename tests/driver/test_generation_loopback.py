@@ -211,10 +211,12 @@ def test_logger_metrics_are_per_worker_timelines(generation, server):
     loads = generation.sample_worker_metrics()
     assert [l.worker_id for l in loads] == ["w0", "w1"]
     metrics = generation.get_logger_metrics()
-    assert set(metrics) == {"inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests"}
+    assert set(metrics) == {"inflight_requests", "kv_cache_usage", "generated_tokens", "pending_requests",
+                            "prefix_cache_queried_tokens", "prefix_cache_hit_tokens"}
     for key in metrics:
         assert set(metrics[key]) == {"w0", "w1"} and len(metrics[key]["w0"]) == 1
     assert metrics["generated_tokens"]["w0"][0][1] == float(server.engine.served_count * 3)
+    assert metrics["prefix_cache_hit_tokens"]["w0"][0][1] == float(server.engine.served_count * 4)
     generation.clear_logger_metrics()
     assert all(points == [] for per in generation.get_logger_metrics().values() for points in per.values())
 

@@ -293,6 +293,17 @@ class EngineOfferingNothing(MemoryEngine):
         return frozenset()
 
 
+def test_a_rollout_ignoring_eos_on_an_engine_that_does_not_offer_it_is_a_400():
+    spec = RolloutRequest(request_id="r-eos", prompt_token_ids=[3, 4], max_new_tokens=4,
+                          ignore_eos=True)
+    request = {"token_ids": [3, 4], "annotations": [encode_rollout_annotation(spec)],
+               "stop_conditions": {"max_tokens": 4, "stop_token_ids_hidden": [0]}}
+    engine = EngineOfferingNothing(seed=0)
+    with pytest.raises(InvalidArgument, match="ignore_eos=True: .*does not offer it"):
+        collect(DynamoEngineAdapter(engine, model_path="/m"), request)
+    assert engine.served_count == 0
+
+
 # What vLLM's benchmark client and other OpenAI clients send unasked, as the frontend passes it.
 NEUTRAL_ASKS = {"sampling_options": {"repetition_penalty": 1.0, "presence_penalty": 0.0,
                                      "frequency_penalty": 0.0, "min_p": 0.0, "top_k": -1},

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
 from typing import Literal
 
 import httpx
@@ -19,6 +21,7 @@ import openai
 import pytest
 
 from rollout_fleet.adapters.agent_door.door import TRAJECTORY_HEADER
+from rollout_fleet.adapters.http.metrics import HttpWorkerMetrics
 from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
 from rollout_fleet.wiring.agent_door import AgentDoorServer, build_door
 from rollout_fleet.wiring.nemo_rl import DynamoGeneration
@@ -141,13 +144,27 @@ def served_by(answer) -> int:
     return answer.nvext["worker_id"]["decode_worker_id"]
 
 
-def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(door, model):
+def prefix_cache_counts(fleet) -> dict[str, tuple[float, float]]:
+    """Each worker's running (prompt tokens queried, prefix-cache hits), read from its
+    /metrics as the driver reads them."""
+    async def sample():
+        loads = await asyncio.gather(*(HttpWorkerMetrics(e.worker_id, e.system_url).sample()
+                                       for e in fleet.endpoints()))
+        return {load.worker_id: (load.prefix_cache_queried_tokens, load.prefix_cache_hit_tokens)
+                for load in loads}
+    return asyncio.run(sample())
+
+
+def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(door, model,
+                                                                               fleet):
     """... and every turn is served by the worker that served the first, which holds the
     trajectory's prefix (round-robin alone would alternate between the two workers): each
-    later turn's answer reports its prefix-cache hit in ``usage.prompt_tokens_details``."""
+    later turn's answer reports its prefix-cache hit in ``usage.prompt_tokens_details``, and
+    that worker's metrics count them."""
     messages = [{"role": "user", "content": "What is the weather in three cities?"}]
     earlier: list[int] | None = None
-    workers = []
+    workers, prompt_tokens, hits = [], 0, 0
+    counts_before = prefix_cache_counts(fleet)
     with door_client(door, trajectory="weather-1") as client:
         for turn in range(3):
             answer = tool_turn(client, model, messages, seed=turn)
@@ -167,11 +184,18 @@ def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(d
                 # hits (vLLM-CPU's blocks are 128 tokens; more than half the earlier tokens).
                 assert cached > len(earlier) // 2, (turn, cached, len(earlier))
             earlier = prompt + generated
+            prompt_tokens, hits = prompt_tokens + len(prompt), hits + cached
             workers.append(served_by(answer))
             messages += [as_an_agent_sends_it(message),
                          {"role": "tool", "tool_call_id": call.id, "content": f"sunny in {city}"}]
     assert len(messages) == 7
     assert len(set(workers)) == 1, workers
+    # The serving worker's metrics count every turn's prompt tokens and prefix-cache hits.
+    (holder,) = [n for n, instance in fleet.instance_ids.items() if instance == workers[0]]
+    counts_after = prefix_cache_counts(fleet)
+    assert {name: (after[0] - counts_before[name][0], after[1] - counts_before[name][1])
+            for name, after in counts_after.items()} == {
+        name: (prompt_tokens, hits) if name == holder else (0, 0) for name in counts_after}
     with door_client(door) as client:  # unnamed turns are routed as ever: round-robin
         alone = {served_by(tool_turn(client, model, messages[:1], seed=9)) for _ in range(2)}
     assert len(alone) == 2, alone
@@ -285,6 +309,36 @@ def test_a_chat_group_answers_n_messages_and_what_a_group_cannot_serve_is_refuse
     with door_client(door, trajectory="group-1") as client, \
             pytest.raises(openai.BadRequestError, match="trajectory"):
         client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=4)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_vllms_benchmark_client_streams_completions_through_the_door(door, model, tool_model,
+                                                                    tmp_path, n):
+    """``vllm bench serve`` as shipped (streamed completions, its neutral sampling fields and
+    ``ignore_eos``), ``--extra-body '{"n": 4}'`` included: every request answered, and with n=4
+    each one's usage counts the tokens of its four choices (a streamed group: one event per
+    choice)."""
+    from tests.support.vllm_bench_client import client_command
+
+    prompts, output_len = 6, 8
+    result = tmp_path / "result.json"
+    command = [*client_command(tmp_path / "client-cpu.json"), "bench", "serve",
+               "--backend", "openai", "--base-url", door.removesuffix("/v1"),
+               "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tool_model),
+               "--dataset-name", "random", "--random-input-len", "16",
+               "--random-output-len", str(output_len), "--num-prompts", str(prompts),
+               "--max-concurrency", "3", "--seed", "0", "--disable-tqdm",
+               "--extra-body", json.dumps({"n": n, "seed": 5, "temperature": 1.0}),
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", result.name]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and result.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    outcome = json.loads(result.read_text())
+    errors = [error for error in outcome.get("errors", []) if error][:3]
+    assert (outcome["completed"], outcome["failed"]) == (prompts, 0), errors
+    # The client asks ignore_eos with its random dataset: each request's usage counts n whole
+    # budgets.
+    assert outcome["total_output_tokens"] == prompts * n * output_len
 
 
 def test_chat_on_a_model_without_a_template_is_refused_naming_the_model(fleet, tool_model,
@@ -417,3 +471,4 @@ def test_a_trajectory_whose_worker_is_lost_continues_on_the_other_exactly(door, 
     assert second.prompt_token_ids[:len(earlier)] == earlier
     assert served_by(second) != holder
     assert second.choices[0].message.tool_calls  # served whole, parsed as ever
+

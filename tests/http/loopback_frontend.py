@@ -150,5 +150,7 @@ class LoopbackFrontend:
             'dynamo_component_gpu_cache_usage_percent{dp_rank="0"} 0.25\n'
             'dynamo_component_gpu_cache_usage_percent{dp_rank="1"} 0.125\n'
             f"rollout_fleet_generated_tokens_total {float(self.engine.served_count * 3)}\n"
-            "dynamo_work_handler_queue_depth 0\n")
+            "dynamo_work_handler_queue_depth 0\n"
+            f"rollout_fleet_prefix_cache_queried_tokens_total {float(self.engine.served_count * 8)}\n"
+            f"rollout_fleet_prefix_cache_hit_tokens_total {float(self.engine.served_count * 4)}\n")
         return web.Response(text=text)

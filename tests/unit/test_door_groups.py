@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_fleet.adapters.agent_door.groups import (
-    chat_answer, completion_answer, group_request, group_size,
+    chat_answer, completion_answer, group_request, group_size, stream_events,
 )
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import ServedRollout, Usage
@@ -25,7 +25,8 @@ def test_a_group_request_carries_n_the_budget_and_the_sampling():
 @pytest.mark.parametrize(("body", "field"), [
     ({"n": 2, "max_tokens": 4, "stop": ["x"]}, "stop"),
     ({"n": 2, "max_tokens": 4, "tools": []}, "tools"),
-    ({"n": 2, "max_tokens": 4, "stream": True}, "stream"),
+    ({"n": 2, "max_tokens": 4, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"n": 2, "max_tokens": 4, "ignore_eos": 1}, "ignore_eos"),
     ({"n": 2}, "max_tokens"),  # a chat group: no default budget
     ({"n": 2, "max_tokens": 4, "temperature": -1}, "temperature"),
     ({"n": 2000, "max_tokens": 4}, "n"),
@@ -34,6 +35,14 @@ def test_what_a_group_cannot_serve_is_refused_by_name(body, field):
     with pytest.raises(InvalidValue) as refused:
         group_request(body, [4], default_max_tokens=None)
     assert refused.value.field == field
+
+
+def test_what_vllms_benchmark_client_sends_with_n_is_served():
+    body = {"model": "m", "prompt": "x", "n": 8, "max_tokens": 4, "repetition_penalty": 1.0,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    request = group_request(body, [4], default_max_tokens=None)
+    assert request.n == 8 and request.ignore_eos
 
 
 def test_n_must_be_a_positive_int():
@@ -63,3 +72,27 @@ def test_the_answers_have_one_choice_per_sample_in_order():
     message = chat["choices"][1]["message"]
     assert message["generation_token_ids"] == [9] and message["prompt_token_ids"] == [1, 2, 3]
     assert message["weight_version"] == 2 and chat["choices"][1]["logprobs"] is None
+
+
+def test_a_streamed_group_is_one_event_per_choice_then_the_usage_then_done():
+    import json
+
+    samples = [_served([7, 8]), _served([9], "stop")]
+    decode = lambda ids: " ".join(f"w{i}" for i in ids)  # noqa: E731
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    for write, kind in ((completion_answer, "text_completion"),
+                        (chat_answer, "chat.completion.chunk")):
+        answer = write(body, [1, 2, 3], samples, decode, lambda ids: [])
+        text = stream_events(answer, body).decode()
+        assert text.endswith("data: [DONE]\n\n")
+        events = [json.loads(e[len("data: "):]) for e in text.split("\n\n")[:-2]]
+        assert [e["object"] for e in events] == [kind] * 3
+        assert [[c["index"] for c in e["choices"]] for e in events] == [[0], [1], []]
+        assert events[-1]["usage"] == answer["usage"]
+        if kind == "chat.completion.chunk":
+            assert events[1]["choices"][0]["delta"]["generation_token_ids"] == [9]
+        else:
+            assert events[0]["choices"][0]["text"] == "w7 w8"
+    unasked = stream_events(completion_answer({"model": "m"}, [1], samples, decode,
+                                              lambda ids: []), {"model": "m"})
+    assert unasked.decode().count("data: ") == 3  # two choices and [DONE]: no usage

@@ -59,6 +59,7 @@ requests = st.builds(
     max_new_tokens=st.integers(0, 2**31),
     sampling=samplings,
     stop_strings=stop_lists,
+    ignore_eos=st.booleans(),
 )
 
 
@@ -156,7 +157,7 @@ def test_a_deeply_nested_spec_is_an_annotation_error():
 def test_annotation_round_trips_every_valid_request(request):
     spec = decode_rollout_annotation(encode_rollout_annotation(request))
     assert spec == RolloutSpec(request.request_id, request.max_new_tokens, request.sampling,
-                               request.stop_strings)
+                               request.stop_strings, ignore_eos=request.ignore_eos)
     assert spec.to_request(request.prompt_token_ids) == request
 
 
@@ -164,13 +165,16 @@ def test_annotation_round_trips_every_valid_request(request):
 @given(requests, st.lists(st.integers(0, 2**40), max_size=3))
 def test_the_annotation_is_the_text_json_dumps_writes(request, stop_token_ids):
     request = RolloutRequest(request.request_id, request.prompt_token_ids, request.max_new_tokens,
-                             request.sampling, request.stop_strings, stop_token_ids)
+                             request.sampling, request.stop_strings, stop_token_ids,
+                             ignore_eos=request.ignore_eos)
     s = request.sampling
     spec = {"v": 1, "request_id": request.request_id, "max_new_tokens": request.max_new_tokens,
             "greedy": s.greedy, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "seed": s.seed, "stop_strings": list(request.stop_strings)}
     if stop_token_ids:
         spec["stop_token_ids"] = stop_token_ids
+    if request.ignore_eos:
+        spec["ignore_eos"] = True
     expected = ROLLOUT_ANNOTATION_PREFIX + json.dumps(spec, separators=(",", ":"))
     assert encode_rollout_annotation(request) == expected
 
