@@ -40,7 +40,8 @@ class CollectiveGroup:
     """One member of a refit group: the store connection plus, for data ranks, the process group."""
 
     def __init__(self, *, host: str, port: int, rank: int, world_size: int, train_world_size: int,
-                 backend: str, timeout_s: float, store: Any, process_group: Any, data_rank: int | None, every_rank: bool = False) -> None:
+                 backend: str, timeout_s: float, store: Any, process_group: Any,
+                 data_rank: int | None, every_rank: bool = False) -> None:
         self.host, self.port = host, port
         self.rank, self.world_size, self.train_world_size = rank, world_size, train_world_size
         self.backend, self.timeout_s = backend, timeout_s

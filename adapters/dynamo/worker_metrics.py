@@ -27,7 +27,7 @@ def register_worker_metrics(metrics: Any, counts: Mapping[str, float],
     class _Collector:
         def collect(self):
             for name, count, help_text in COUNTERS:
-                yield CounterMetricFamily(name, help_text, value=counts[count])
+                yield CounterMetricFamily(name, help_text, value=counts.get(count, 0))
             usage = kv_cache_usage()
             if usage is not None:
                 yield GaugeMetricFamily("rollout_fleet_kv_cache_usage_perc",
