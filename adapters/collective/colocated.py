@@ -66,6 +66,15 @@ class BufferPool:
         for segment in segments:
             segment.close()
 
+    def release_to_views(self) -> None:
+        """Let go of the buffers without freeing them: tensors that view them (a trainer's
+        parameters held in place) keep their memory until they go. Segments lose their names
+        now, so nothing is left in /dev/shm."""
+        self._buffers, self._handles = [], []
+        segments, self._segments = self._segments, []
+        for segment in segments:
+            segment.unlink()
+
     def _allocate(self, slot: int) -> torch.Tensor:
         if self.transport == CUDA_TRANSPORT:
             return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)

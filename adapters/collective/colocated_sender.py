@@ -7,6 +7,12 @@ It packs bucket k into buffer ``k % num_buffers`` while the engine loads bucket 
 two buffers packing and loading overlap; the calls themselves go one after the other, in
 order. Its pool is allocated at the first send (sized by that refit's plan) and reused by
 every later one with the same plan; ``close`` frees it.
+
+In place (``make_resident``): the trainer's own tensors move into the sender's buffers once,
+one buffer per bucket, each tensor rebound there (``.data``); an optimizer that steps in place
+keeps them there. A refit of them then copies nothing on the trainer's side: the engine loads
+each bucket straight out of the trainer's parameters, one copy per refit in all. A tensor found
+elsewhere at a send (replaced by the trainer) is copied back into its place first, and counted.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ from typing import Any
 import attrs
 import torch
 from rollout_fleet.adapters.collective.colocated import BufferPool
-from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket
+from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket, unpack_bucket
 from rollout_fleet.adapters.collective.trainer import refit_info_of
 from rollout_fleet.core.colocated_refit import ColocatedManifest, bucket_entries_wire
-from rollout_fleet.core.errors import RefitError
-from rollout_fleet.core.refit import Bucket, refit_mode
+from rollout_fleet.core.errors import InvalidValue, RefitError
+from rollout_fleet.core.refit import Bucket, plan_buckets, refit_mode
 
 _sessions = itertools.count(1)
 
@@ -42,6 +48,8 @@ class ColocatedResult:
     buckets: int
     pool_bytes: int  # what the trainer's buffers hold: the whole transfer's footprint here
     engine: Mapping[str, Any] = attrs.field(factory=dict)  # the engine's own stats
+    # In place: the tensors found away from their place and copied back before the refit.
+    moved_tensors: int = 0
 
 
 class ColocatedSender:
@@ -52,9 +60,32 @@ class ColocatedSender:
         self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
         self.timeout_s, self.mode = timeout_s, refit_mode(mode)
         self._pool: BufferPool | None = None
+        self._resident: ColocatedManifest | None = None  # the in-place layout, once made
         # ``send``'s own loop, kept across refits: a fresh loop per refit would start new
         # threads and a new control connection each time (a few ms of a small model's refit)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def make_resident(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Move ``tensors`` (the trainer's own: ``dict(module.named_parameters())``, not a
+        ``state_dict()`` copy) into this sender's buffers and rebind each there; later sends of
+        the same names, shapes and dtypes refit in place. Once only per sender."""
+        if self._resident is not None:
+            raise RefitError("this sender already holds the trainer's tensors in place")
+        info = refit_info_of(tensors)
+        for name, tensor in tensors.items():
+            if tensor.device != self.device:
+                raise InvalidValue(f"tensors[{name!r}].device", str(tensor.device),
+                                   f"must be the sender's device ({self.device})")
+        plan = plan_buckets(info.tensors, self.buffer_bytes)
+        manifest = ColocatedManifest(info, self.buffer_bytes, max(1, len(plan)), self._transport)
+        self._close_pool()
+        pool = self._pool = BufferPool(manifest.slot_bytes, manifest.num_buffers, self.device)
+        with torch.no_grad():
+            for slot, bucket in enumerate(plan):
+                for name, view in unpack_bucket(pool.buffer(slot), bucket):
+                    view.copy_(tensors[name])
+                    tensors[name].data = view
+        self._resident = manifest
 
     def send(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> ColocatedResult:
         """One refit from a plain (synchronous) trainer loop; see ``send_async``."""
@@ -68,9 +99,12 @@ class ColocatedSender:
         (``version`` when given) and the timings. A refusal or failure raises after telling
         the worker to give the refit up, so it keeps serving."""
         info = refit_info_of(state_dict)
-        manifest = ColocatedManifest(info, self.buffer_bytes, self.num_buffers,
-                                     "cuda" if self.device.type == "cuda" else "shm")
-        pool = self._pool_for(manifest)
+        manifest = self._resident or ColocatedManifest(info, self.buffer_bytes, self.num_buffers,
+                                                       self._transport)
+        if manifest.info != info:
+            raise InvalidValue("state_dict", f"{len(info.tensors)} tensors", "the sender holds"
+                               " other tensors in place: send those (same names, shapes, dtypes)")
+        pool = self._pool if self._resident else self._pool_for(manifest)
         session = f"colocated-{os.getpid()}-{next(_sessions)}"
         started = time.perf_counter()
         start = {"session": session, "manifest": manifest.to_wire(), "mode": self.mode}
@@ -78,14 +112,34 @@ class ColocatedSender:
             start["weight_version"] = version
         await self._call("colocated_start", start)
         try:
-            pack_s, wait_s = await self._buckets(session, manifest.plan, pool, state_dict)
+            if self._resident:
+                pack_s, moved = await asyncio.to_thread(_back_in_place, pool, manifest.plan,
+                                                        state_dict)
+                wait_s = await self._in_place_buckets(session, manifest.plan, pool)
+            else:
+                moved = 0
+                pack_s, wait_s = await self._buckets(session, manifest.plan, pool, state_dict)
             answer = await self._call("colocated_finish", {"session": session})
         except BaseException as error:
             await self._abort(session, error)
             raise
         return ColocatedResult(int(answer["weight_version"]), time.perf_counter() - started,
                                pack_s, wait_s, info.total_bytes, len(manifest.plan), pool.nbytes,
-                               answer.get("stats", {}))
+                               answer.get("stats", {}), moved)
+
+    @property
+    def _transport(self) -> str:
+        return "cuda" if self.device.type == "cuda" else "shm"
+
+    async def _in_place_buckets(self, session: str, plan: tuple[Bucket, ...],
+                                pool: BufferPool) -> float:
+        """Bucket k is buffer k, already holding the trainer's tensors: the calls only."""
+        started = time.perf_counter()
+        for index, bucket in enumerate(plan):
+            await self._call("colocated_bucket", {
+                "session": session, "index": index, "tensors": bucket_entries_wire(bucket),
+                "handle": pool.handle(index).to_wire()})
+        return time.perf_counter() - started
 
     async def _buckets(self, session: str, plan: tuple[Bucket, ...], pool: BufferPool,
                        state_dict: Mapping[str, torch.Tensor]) -> tuple[float, float]:
@@ -148,7 +202,9 @@ class ColocatedSender:
 
     def _close_pool(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is not None and self._resident is not None:
+            pool.release_to_views()  # the trainer's tensors live there: theirs to free
+        elif pool is not None:
             pool.close()
 
     def __enter__(self) -> "ColocatedSender":
@@ -156,6 +212,25 @@ class ColocatedSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _back_in_place(pool: BufferPool, plan: tuple[Bucket, ...],
+                   state_dict: Mapping[str, torch.Tensor]) -> tuple[float, int]:
+    """(seconds, tensors moved): each tensor not at its place in its bucket's buffer (the
+    trainer replaced it) is checked and copied there; the rest are left as they are."""
+    started, moved = time.perf_counter(), 0
+    with torch.no_grad():
+        for slot, bucket in enumerate(plan):
+            start = pool.buffer(slot).data_ptr()
+            for entry, (name, view) in zip(bucket.entries, unpack_bucket(pool.buffer(slot), bucket)):
+                tensor = state_dict[name]
+                if entry.meta.nbytes and tensor.data_ptr() != start + entry.offset:
+                    check_tensor(entry.meta, name, tensor)
+                    view.copy_(tensor)
+                    moved += 1
+    if pool.device.type == "cuda" and moved:
+        torch.cuda.current_stream(pool.device).synchronize()
+    return time.perf_counter() - started, moved
 
 
 def _pack(pool: BufferPool, slot: int, bucket: Bucket, tensors: list[torch.Tensor]) -> float:

@@ -137,3 +137,26 @@ def test_a_wrong_shape_is_refused_naming_the_tensor_and_the_old_weights_serve(
     assert generation.get_weight_versions() == before
     # The module's refits alternate model 1, model 0: an even version serves model 0.
     assert_serves(generation, reference, 0 if before[next(iter(before))] % 2 == 0 else 1)
+
+
+# Last in the module: from here on the trainer holds its tensors in place.
+def test_an_in_place_refit_loads_the_trainers_own_tensors_exactly(
+        colocated_fleet, trainer, generation, reference, models):
+    """The trainer's tensors move into the sender's buffers once; a refit then copies nothing
+    on the trainer's side (no tensor moved), an in-place step of those tensors is what the next
+    refit serves, bit for bit."""
+    before = generation.get_weight_versions()[next(iter(colocated_fleet.control_urls))]
+    first = trainer.send(f"resident {models[1]}")
+    assert "error" not in first, first
+    assert first["weight_version"] == before + 1 and first["moved_tensors"] == 0
+    assert first["pool_bytes"] >= first["nbytes"]  # the model itself lives in the buffers
+    assert_serves(generation, reference, 1)
+    for model in (0, 1):
+        stepped = trainer.send(f"step {models[model]}")
+        assert "error" not in stepped, stepped
+        assert stepped["moved_tensors"] == 0 and stepped["buckets"] == first["buckets"]
+        assert_serves(generation, reference, model)
+    # A state of other tensors is refused while the sender holds these; the fleet serves on.
+    refused = trainer.send(f"send-wrong-shape {models[0]} model.layers.0.mlp.down_proj.weight")
+    assert "state_dict" in refused.get("error", ""), refused
+    assert_serves(generation, reference, 1)
