@@ -19,9 +19,13 @@ HTTP. Per rep, interleaved, after one warm-up (medians printed):
               process, no handle and no control call (this design's floor)
   colocated:  start -> every bucket packed by the trainer, loaded by the engine -> finish
               (also printed: the trainer's seconds packing, and waiting for the engine)
+  in place:   the same refit from a second copy of the model whose tensors the sender holds
+              in place (``make_resident``: one buffer per bucket): no packing, the engine's
+              load the only copy
   packed:     (CPU) the packed refit over gloo between the same two processes, received and
               loaded by ``PackedTransferEngine`` (NCCL refuses two ranks on one GPU)
-After the reps the engine's weights are compared with the trainer's, byte for byte.
+After the reps the engine's weights are compared with the trainer's, byte for byte (for the
+buffered and the in-place refit alike: new weights, then one refit, then the digests).
 """
 
 from __future__ import annotations
@@ -163,13 +167,19 @@ def trainer(args, connection):
     state = model.state_dict()
     copy = {n: torch.empty_like(t) for n, t in state.items()}
     nbytes = refit_info_of(state).total_bytes
+    resident_model = LlamaLike(*shape, device=device, dtype=_dtype(args))
+    resident_model.randomize(seed=1)
     rows = []
     for mib in args.buffer_mib:
-        times = {"copy": [], "staged": [], "colocated": [], "pack": [], "wait": [], "packed": []}
+        times = {"copy": [], "staged": [], "colocated": [], "pack": [], "wait": [], "packed": [],
+                 "in_place": []}
         staging = torch.empty(max(int(mib * 2**20), max(_nbytes(t) for t in state.values())),
                               dtype=torch.uint8, device=device)
         sender = ColocatedSender(PipeControl(connection), buffer_bytes=int(mib * 2**20),
                                  num_buffers=args.num_buffers, device=device)
+        in_place = ColocatedSender(PipeControl(connection), buffer_bytes=int(mib * 2**20),
+                                   device=device)
+        in_place.make_resident(resident_model.weights)
         group = sender_packed = None
         if device.type == "cpu":
             port = _free_port()
@@ -185,6 +195,7 @@ def trainer(args, connection):
             copy_s = time.perf_counter() - started
             staged_s = _staged_copy(state, copy, staging, device)
             result = sender.send(state)
+            in_place_s = in_place.send(resident_model.state_dict()).seconds
             packed_s = None
             if sender_packed is not None:
                 started = time.perf_counter()
@@ -198,12 +209,20 @@ def trainer(args, connection):
                 times["colocated"].append(result.seconds)
                 times["pack"].append(result.pack_s)
                 times["wait"].append(result.wait_s)
+                times["in_place"].append(in_place_s)
                 if packed_s is not None:
                     times["packed"].append(packed_s)
         model.randomize(seed=7 + len(rows))  # new weights: every byte must move
         sender.send(state)
         connection.send(("digest",))
         exact = connection.recv() == ("digest", _digest(state))
+        resident_model.randomize(seed=70 + len(rows))  # in place, as an optimizer steps
+        assert in_place.send(resident_model.state_dict()).moved_tensors == 0
+        connection.send(("digest",))
+        exact = exact and connection.recv() == ("digest", _digest(resident_model.state_dict()))
+        in_place.close()
+        resident_model = LlamaLike(*shape, device=device, dtype=_dtype(args))  # its own memory
+        resident_model.randomize(seed=1)
         sender.close()
         if sender_packed is not None:
             sender_packed.close()
@@ -262,6 +281,7 @@ def _row(mib, nbytes, times, exact, result):
     row = {"buffer_mib": mib, "reps": len(times["copy"]), "exact": exact, "nbytes": nbytes,
            "pool_mib": result.pool_bytes / 2**20, **{f"{k}_s": v for k, v in med.items()}}
     row["colocated_over_copy"] = med["colocated"] / med["copy"]
+    row["in_place_over_copy"] = med["in_place"] / med["copy"]
     row["staged_over_copy"] = med["staged"] / med["copy"]
     if "packed" in med:
         row["packed_over_copy"] = med["packed"] / med["copy"]
@@ -274,7 +294,8 @@ def _format(row):
             f" {row['copy_s'] * 1e3:.1f} ms, staged {row['staged_s'] * 1e3:.1f} ms"
             f" ({row['staged_over_copy']:.2f}x copy), colocated {row['colocated_s'] * 1e3:.1f} ms"
             f" ({row['colocated_over_copy']:.2f}x copy; trainer packing {row['pack_s'] * 1e3:.1f}"
-            f" ms, waiting {row['wait_s'] * 1e3:.1f} ms)")
+            f" ms, waiting {row['wait_s'] * 1e3:.1f} ms), in place {row['in_place_s'] * 1e3:.1f} ms"
+            f" ({row['in_place_over_copy']:.2f}x copy)")
     if "packed_s" in row:
         text += (f", packed gloo {row['packed_s'] * 1e3:.1f} ms ({row['packed_over_copy']:.2f}x"
                  f" copy, {row['packed_over_colocated']:.2f}x colocated)")
@@ -306,11 +327,12 @@ def main(argv=None) -> int:
     mp.start_processes(_run, args=(args, connections, results), nprocs=2, start_method="spawn")
     rows, nbytes = results.get()
     print(f"\n{nbytes / 2**20:.0f} MiB, medians of {rows[0]['reps']} reps")
-    print("| buffers | copy ms | staged / copy | colocated ms | colocated / copy | packed gloo ms"
-          " | packed / copy | packed / colocated | bit-exact |")
+    print("| buffers | copy ms | staged / copy | colocated ms | colocated / copy | in place ms"
+          " | in place / copy | packed gloo ms | packed / copy | packed / colocated | bit-exact |")
     for r in rows:
         print(f"| {r['buffer_mib']:g} MiB x {args.num_buffers} | {r['copy_s'] * 1e3:.1f} |"
               f" {r['staged_over_copy']:.2f} | {r['colocated_s'] * 1e3:.1f} | {r['colocated_over_copy']:.2f} |"
+              f" {r['in_place_s'] * 1e3:.1f} | {r['in_place_over_copy']:.2f} |"
               f" {r.get('packed_s', float('nan')) * 1e3:.1f} | {r.get('packed_over_copy', float('nan')):.2f} |"
               f" {r.get('packed_over_colocated', float('nan')):.2f} | {'yes' if r['exact'] else 'NO'} |")
     return 0 if all(r["exact"] for r in rows) else 1

@@ -311,16 +311,25 @@ def test_a_chat_group_answers_n_messages_and_what_a_group_cannot_serve_is_refuse
         client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=4)
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_vllms_benchmark_client_streams_completions_through_the_door(door, model, tool_model,
-                                                                    tmp_path, n):
+def test_a_streamed_completion_is_passed_on_as_the_frontend_writes_it(door, model):
+    asked = dict(model=model, prompt="The weather is", max_tokens=8, seed=3, temperature=1.0)
+    with door_client(door) as client:
+        chunks = list(client.completions.create(stream=True, **asked))
+        whole = client.completions.create(**asked)
+    assert len([c for c in chunks if c.choices]) > 1
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    with door_client(door) as client, pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        list(client.completions.create(stream=True, extra_body={"return_token_ids": True}, **asked))
+
+
+def test_vllms_benchmark_client_with_n_4_gets_every_group_through_the_door(door, model,
+                                                                          tool_model, tmp_path):
     """``vllm bench serve`` as shipped (streamed completions, its neutral sampling fields and
-    ``ignore_eos``), ``--extra-body '{"n": 4}'`` included: every request answered, and with n=4
-    each one's usage counts the tokens of its four choices (a streamed group: one event per
-    choice)."""
+    ``ignore_eos``) with ``--extra-body '{"n": 4}'``: every request answered, each one's usage
+    counting the tokens of its four choices (a streamed group: one event per choice)."""
     from tests.support.vllm_bench_client import client_command
 
-    prompts, output_len = 6, 8
+    prompts, output_len, n = 6, 8, 4
     result = tmp_path / "result.json"
     command = [*client_command(tmp_path / "client-cpu.json"), "bench", "serve",
                "--backend", "openai", "--base-url", door.removesuffix("/v1"),
