@@ -21,7 +21,8 @@
 #                                    grouped (n=8 in one request), one by one, and vLLM's own
 #                                    server with n=8; table in $OUT/grpo-groups)
 # Output and figures go to $OUT (or ./gpu-out). The project's wheel is built beforehand where
-# pip works (`pip wheel --no-deps -w wheel .`) and found in ./wheel: vLLM finds the project's
+# pip works, from a copy outside the checkout so no build folder lands in it
+# (`git archive HEAD | tar -x -C "$tmp" && pip wheel --no-deps -w wheel "$tmp"`), and found in ./wheel: vLLM finds the project's
 # plugin through the wheel's entry point.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

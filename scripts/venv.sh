@@ -73,11 +73,13 @@ step "vLLM (CPU build) and Ray" install_vllm_and_ray
 # ai-dynamo 1.6.1 depends on a stub (aisimulate) that downloads from an unreachable host:
 # install it without dependencies, then the dependencies it really uses.
 step "Dynamo (without its unreachable stub)" pip install --no-deps 'ai-dynamo==1.6.1' 'ai-dynamo-runtime==1.6.1'
-# A stale rollout_fleet.egg-info in the checkout would shadow the new install's metadata (its
-# entry points: the engine kinds) for anything run from the checkout.
+# The editable install writes rollout_fleet.egg-info into the checkout; left there, it would
+# shadow the installed metadata (its entry points: the engine kinds) for anything run from the
+# checkout once stale. The install's own metadata lives in the venv: the folder goes.
 install_project() {
   rm -rf "$root/rollout_fleet.egg-info"
   pip install -e "$root[http,torch,dynamo,fleet,demo,test]"
+  rm -rf "$root/rollout_fleet.egg-info" "$root/build"
 }
 step "rollout-fleet and its extras (editable)" install_project
 echo "$want" > "$stamp"

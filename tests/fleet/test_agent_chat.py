@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import subprocess
 from typing import Literal
 
 import httpx
@@ -327,24 +325,17 @@ def test_vllms_benchmark_client_with_n_4_gets_every_group_through_the_door(door,
     """``vllm bench serve`` as shipped (streamed completions, its neutral sampling fields and
     ``ignore_eos``) with ``--extra-body '{"n": 4}'``: every request answered, each one's usage
     counting the tokens of its four choices (a streamed group: one event per choice)."""
-    from tests.support.vllm_bench_client import client_command
+    from tests.support.vllm_bench_client import bench_serve_outcome, first_errors
 
     prompts, output_len, n = 6, 8, 4
-    result = tmp_path / "result.json"
-    command = [*client_command(tmp_path / "client-cpu.json"), "bench", "serve",
-               "--backend", "openai", "--base-url", door.removesuffix("/v1"),
-               "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tool_model),
-               "--dataset-name", "random", "--random-input-len", "16",
-               "--random-output-len", str(output_len), "--num-prompts", str(prompts),
-               "--max-concurrency", "3", "--seed", "0", "--disable-tqdm",
-               "--extra-body", json.dumps({"n": n, "seed": 5, "temperature": 1.0}),
-               "--save-result", "--result-dir", str(tmp_path), "--result-filename", result.name]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert done.returncode == 0 and result.exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    outcome = json.loads(result.read_text())
-    errors = [error for error in outcome.get("errors", []) if error][:3]
-    assert (outcome["completed"], outcome["failed"]) == (prompts, 0), errors
+    outcome = bench_serve_outcome(tmp_path, [
+        "--backend", "openai", "--base-url", door.removesuffix("/v1"),
+        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tool_model),
+        "--dataset-name", "random", "--random-input-len", "16",
+        "--random-output-len", str(output_len), "--num-prompts", str(prompts),
+        "--max-concurrency", "3", "--seed", "0", "--disable-tqdm",
+        "--extra-body", json.dumps({"n": n, "seed": 5, "temperature": 1.0})])
+    assert (outcome["completed"], outcome["failed"]) == (prompts, 0), first_errors(outcome)
     # The client asks ignore_eos with its random dataset: each request's usage counts n whole
     # budgets.
     assert outcome["total_output_tokens"] == prompts * n * output_len

@@ -74,6 +74,27 @@ for line in sys.stdin:
 """
 
 
+def bench_serve_outcome(work: Path, args: list[str]) -> dict:
+    """The saved result of one ``vllm bench serve ARGS`` run in its own process (results and
+    the client's CPU record under ``work``), once the client exited 0."""
+    import json
+    import os
+    import subprocess
+
+    result = work / "result.json"
+    command = [*client_command(work / "client-cpu.json"), "bench", "serve", *args,
+               "--save-result", "--result-dir", str(work), "--result-filename", result.name]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and result.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
+def first_errors(outcome: dict) -> list[str]:
+    """Up to three of the run's request errors (saved with ``--save-detailed`` only)."""
+    return [error for error in outcome.get("errors", []) if error][:3]
+
+
 def client_command(cpu_record: Path) -> list[str]:
     """The command line before ``bench serve ARGS``: the client writes {"cpu_s", "wall_s"} of
     its benchmark run to ``cpu_record``."""

@@ -7,9 +7,6 @@ client (``vllm bench serve``) runs as shipped, completions and chat.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 
 import pytest
 
@@ -156,20 +153,13 @@ def test_vllms_own_benchmark_client_gets_every_answer(vllm_fleet, tiny_models, t
                                                       backend, endpoint):
     """``vllm bench serve`` streams every request and sends vLLM's sampling fields (its neutral
     ``repetition_penalty``, ``ignore_eos``): each must be answered in full."""
-    from tests.support.vllm_bench_client import client_command
+    from tests.support.vllm_bench_client import bench_serve_outcome, first_errors
 
-    result = tmp_path / "result.json"
-    command = [*client_command(tmp_path / "client-cpu.json"), "bench", "serve",
-               "--backend", backend, "--base-url", vllm_fleet.url(), "--endpoint", endpoint,
-               "--model", SERVED_MODEL, "--tokenizer", str(tiny_models[MODEL_SEED]),
-               "--dataset-name", "random", "--random-input-len", "16",
-               "--random-output-len", str(BENCH_OUTPUT_TOKENS), "--num-prompts", str(BENCH_PROMPTS),
-               "--max-concurrency", "4", "--ignore-eos", "--seed", "0", "--disable-tqdm",
-               "--save-result", "--result-dir", str(tmp_path), "--result-filename", result.name]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert done.returncode == 0 and result.exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    outcome = json.loads(result.read_text())
-    errors = [error for error in outcome.get("errors", []) if error][:3]
-    assert (outcome["completed"], outcome["failed"]) == (BENCH_PROMPTS, 0), errors
+    outcome = bench_serve_outcome(tmp_path, [
+        "--backend", backend, "--base-url", vllm_fleet.url(), "--endpoint", endpoint,
+        "--model", SERVED_MODEL, "--tokenizer", str(tiny_models[MODEL_SEED]),
+        "--dataset-name", "random", "--random-input-len", "16",
+        "--random-output-len", str(BENCH_OUTPUT_TOKENS), "--num-prompts", str(BENCH_PROMPTS),
+        "--max-concurrency", "4", "--ignore-eos", "--seed", "0", "--disable-tqdm"])
+    assert (outcome["completed"], outcome["failed"]) == (BENCH_PROMPTS, 0), first_errors(outcome)
     assert outcome["total_output_tokens"] == BENCH_PROMPTS * BENCH_OUTPUT_TOKENS
