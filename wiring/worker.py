@@ -54,6 +54,9 @@ from rollout_fleet.ports.engine_kind import BuiltEngine, Control
 from rollout_fleet.wiring.engines import EngineChoice
 from rollout_fleet.wiring.ipc_stream_controls import ipc_stream_controls
 from rollout_fleet.wiring.worker_config import WorkerConfig
+from rollout_fleet.wiring.worker_exit import (
+    arm_exit_deadline, exit_now, kill_child_processes, set_exit_deadline,
+)
 
 logger = logging.getLogger("rollout_fleet.worker")
 # The last line a worker that fails writes: its exception's own message, which the fleet reports.
@@ -156,15 +159,26 @@ async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
         watch = asyncio.ensure_future(_leave_when_engine_dies(built.engine, adapter, watch_progress))
         await serving
     finally:
+        logger.info("worker: Dynamo has stopped serving; stopping the rest")
         if watch is not None:
             watch.cancel()
         if front is not None:
-            await front.close()
+            await _timed("closing the control front", front.close())
         if _is_hang(adapter.dead_reason):
             kill_child_processes()  # a stopped engine process would never answer its close
-        await built.engine.close()  # vLLM: stop its engine-core processes now
+        # vLLM: stop its engine-core processes now
+        await _timed("closing the engine", built.engine.close())
     if adapter.dead_reason is not None:  # the worker exits non-zero, naming why
         raise (EngineHung if _is_hang(adapter.dead_reason) else EngineDead)(adapter.dead_reason)
+
+
+async def _timed(step: str, awaitable: Any) -> Any:
+    """Await one step of the worker's stop and log its seconds: a slow stop shows where."""
+    started = time.monotonic()
+    try:
+        return await awaitable
+    finally:
+        logger.info("worker: %s took %.2f s", step, time.monotonic() - started)
 
 
 async def _front_the_system_port(adapter: Any, env: dict[str, str]) -> Any:
@@ -232,6 +246,8 @@ async def _leave_when_engine_dies(engine: EnginePort, adapter: Any, watch: Progr
             # period's hard exit, which writes none (the fleet then knew only that it exited).
             kind = (EngineHung if _is_hang(reason) else EngineDead).__name__  # as main() says it
             print(f"{FAILURE_MARK}{kind}: {reason}", file=sys.stderr, flush=True)
+            # The stop's deadline runs from now, whatever becomes of the SIGTERM below.
+            arm_exit_deadline("its engine was lost")
             deadline = time.monotonic() + ANSWERS_FLUSH_S
             while adapter.requests_in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)  # let those answers leave before Dynamo stops
@@ -257,30 +273,6 @@ def hang_timeout_s(config: WorkerConfig) -> float:
     """How long a busy engine may complete no step before the worker takes it for hung."""
     value = config.hang_timeout_s
     return DEFAULT_HANG_TIMEOUT_S if value is None else value
-
-
-def kill_child_processes() -> None:
-    """SIGKILL every process this one started, and theirs (Linux): a hung engine process may
-    be stopped or deaf to SIGTERM."""
-    for pid in reversed(_descendants(os.getpid())):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _descendants(pid: int) -> list[int]:
-    found, queue = [], [pid]
-    while queue:
-        parent = queue.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except (OSError, ValueError):
-                continue
-            found.extend(children)
-            queue.extend(children)
-    return found
 
 
 def hold_until_refit(config: WorkerConfig) -> bool:
@@ -342,34 +334,19 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(exc).split()) or "(no message)"
         print(f"{FAILURE_MARK}{type(exc).__name__}: {message}", file=sys.stderr, flush=True)
         if isinstance(exc, EngineDead):
-            _exit_now(1)
+            exit_now(1)
         return 1
     logger.info("worker: stopped")
     return 0
 
 
-def _exit_now(code: int) -> None:
-    """Exit without the interpreter's teardown: after an engine died, it waited 4-20 s (more
-    under load) on what was left of the dead engine's client, while the fleet saw the worker
-    as alive. Dynamo has unregistered it and the engine is closed; nothing else needs it."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 async def _serve_until_sigterm(config: WorkerConfig, grace_s: float) -> None:
-    loop = asyncio.get_running_loop()
-
-    def exit_if_still_running() -> None:
-        # A SIGTERM that came before Dynamo installed its handler reached only this one.
-        logger.error("worker: still running %.0f s after SIGTERM; exiting now", grace_s)
-        os._exit(128 + signal.SIGTERM)
+    set_exit_deadline(grace_s)
 
     def on_sigterm(signum: int, _frame: Any) -> None:
         # Dynamo's handler runs first (drain, unregister), then this one; serve_worker returns.
         logger.info("worker: SIGTERM received (signal %d), shutting down", signum)
-        loop.call_soon_threadsafe(loop.call_later, grace_s, exit_if_still_running)
+        arm_exit_deadline("SIGTERM")
 
     signal.signal(signal.SIGTERM, on_sigterm)  # before the endpoint starts, so Dynamo chains it
     logger.info("worker: starting (pid %d)", os.getpid())

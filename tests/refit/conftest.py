@@ -111,7 +111,8 @@ class Trainer:
         self.port = free_port("127.0.0.1")
         world_size = 1 + generation.get_inference_world_size()
         spec = generation.get_collective_sender_spec()
-        joining = generation.init_collective("127.0.0.1", self.port, world_size, train_world_size=1)
+        # The trainer first: its start (torch's import, slow on a loaded host) then spends none
+        # of the workers' join timeout, whose clock runs from init_collective.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.refit.trainer_proc", "127.0.0.1", str(self.port),
              str(world_size), str(spec.buffer_bytes), str(spec.num_buffers), str(timeout_s)],
@@ -119,8 +120,14 @@ class Trainer:
             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
         import ray
 
-        ray.get(joining, timeout=120)
-        assert self.process.stdout.readline().strip() == "joined"
+        try:
+            joining = generation.init_collective("127.0.0.1", self.port, world_size,
+                                                 train_world_size=1)
+            ray.get(joining, timeout=120)
+            assert self.process.stdout.readline().strip() == "joined"
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, model_dir, die_after: int | None = None) -> None:
         command = f"send {model_dir}" if die_after is None else f"send-and-die {model_dir} {die_after}"
