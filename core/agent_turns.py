@@ -160,3 +160,31 @@ def token_fields(message: Any) -> TurnTokens | None:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in fields[name]):
             raise InvalidValue(name, fields[name], "must be token IDs (ints >= 0)")
     return TurnTokens(**fields)
+
+
+REQUIRED_PREFIX_FIELD = "required_prefix_token_ids"
+
+
+def with_required_prefix(known: dict[int, TurnTokens], roles: Sequence[str],
+                         required: Any) -> dict[int, TurnTokens]:
+    """``known`` (message index -> the exact tokens of that assistant turn) with NeMo-RL's
+    ``required_prefix_token_ids`` taken in: the exact tokens of the conversation through its
+    last assistant message. Where that message carries its own tokens, the two must agree."""
+    if required is None:
+        return known
+    if isinstance(required, (str, bytes)) or not isinstance(required, Sequence) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in required):
+        raise InvalidValue(REQUIRED_PREFIX_FIELD, required, "must be a list of token IDs")
+    last = max((i for i, role in enumerate(roles) if role == "assistant"), default=None)
+    if last is None:
+        raise TurnNotJoinable(REQUIRED_PREFIX_FIELD, f"{len(required)} token IDs",
+                              "is the prefix through an assistant message, and the messages "
+                              "have none")
+    carried = known.get(last)
+    if carried is None:
+        return {**known, last: TurnTokens(required, ())}
+    if carried.all_token_ids != tuple(required):
+        raise TurnNotJoinable(REQUIRED_PREFIX_FIELD, f"{len(required)} token IDs",
+                              f"differ from the {len(carried.all_token_ids)} prompt and "
+                              f"generated IDs messages[{last}] carries")
+    return known

@@ -60,6 +60,22 @@ def write_chat_tokens(answer: dict[str, Any], tokens: TurnTokens, *, wants_ids: 
         choice["logprobs"] = None
 
 
+def write_token_id_logprobs(choice: dict[str, Any], tokens: TurnTokens, *, chat: bool) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: each logprob entry names its token as
+    ``token_id:<ID>``, written from the turn's exact tokens (a token's text can be ambiguous;
+    its ID is not). A completion's entries are rewritten only where it asked for logprobs."""
+    names = [f"token_id:{token}" for token in tokens.generation_token_ids]
+    if chat:
+        choice["logprobs"] = {"content": [
+            {"token": name, "logprob": logprob, "bytes": None, "top_logprobs": []}
+            for name, logprob in zip(names, tokens.generation_log_probs)], "refusal": None}
+        return
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        logprobs["tokens"] = names
+        logprobs["token_logprobs"] = list(tokens.generation_log_probs)
+
+
 class TurnStream:
     """One streamed chat turn relayed to the client: each server-sent event rewritten as the
     whole answer would be (``engine_data`` taken out, token fields written; the prompt's IDs on

@@ -12,7 +12,8 @@ generated ID and logprob in ``engine_data`` (the turn-tokens annotation). The an
 NeMo-Gym's three fields on its message, and vLLM's ``prompt_token_ids`` / ``token_ids`` when
 the request asks ``return_token_ids`` (``answers.py``). A streamed chat turn is relayed chunk by
 chunk, rewritten the same way; a streamed completion is relayed as the frontend writes it. A
-request for ``n > 1`` samples is served as one rollout group (``groups.py``).
+request for ``n > 1`` samples is served as one rollout group (``groups.py``). What a request
+asks (its trajectory, its token fields, its messages' known tokens) is read in ``requests.py``.
 """
 
 from __future__ import annotations
@@ -31,20 +32,19 @@ from rollout_fleet.adapters.agent_door.groups import (
 )
 from rollout_fleet.adapters.agent_door.answers import (
     TurnStream, engine_data, served_by, turn_tokens, write_cached_tokens, write_chat_tokens,
+    write_token_id_logprobs,
 )
 from rollout_fleet.adapters.agent_door.template import ChatTemplate
-from rollout_fleet.core.agent_turns import (
-    RecordedTurn, Trajectories, TurnTokens, joined_prompt, recorded_turn_applies, token_fields,
+from rollout_fleet.adapters.agent_door.requests import (
+    TRAJECTORY_FIELD, json_body, known_turns, token_wishes, trajectory_name, with_latest_turn,
 )
+from rollout_fleet.core.agent_turns import RecordedTurn, Trajectories, TurnTokens, joined_prompt
 from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.errors import HttpStatusError, InvalidValue, WireError
 from rollout_fleet.core.wire import TURN_TOKENS_ANNOTATION, completion_body, parse_group_answer
 
 logger = logging.getLogger(__name__)
 
-TRAJECTORY_HEADER = "X-Trajectory-Id"
-TRAJECTORY_FIELD = "trajectory"  # the body's spelling, for clients that cannot set headers
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 class AgentDoor:
@@ -64,31 +64,33 @@ class AgentDoor:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_delete("/v1/trajectories/{name}", self.end_trajectory)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
         app.on_cleanup.append(self._close)
         return app
 
     async def chat(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
-            trajectory = _trajectory_name(request, body)
-            wants_ids, wants_logprobs = _token_wishes(body)
-            messages, roles, known = _split_messages(body)
+            body = await json_body(request)
+            trajectory = trajectory_name(request, body)
+            wants = token_wishes(body)
+            messages, roles, known = known_turns(body)
             if group_size(body) > 1:
                 if trajectory is not None:
                     raise InvalidValue(TRAJECTORY_FIELD, trajectory,
                                        "a trajectory continues one sample: n must be 1")
-                return await self._group({**body, "return_token_ids": wants_ids},
+                if wants.as_token_ids:
+                    raise InvalidValue("return_tokens_as_token_ids", True, "is served for n = 1")
+                return await self._group({**body, "return_token_ids": wants.ids},
                                          self._prompt(body, messages, known), chat=True)
             latest = self._latest(trajectory)
-            if latest is not None and not known:
-                known = {recorded_turn_applies(latest, roles, "messages"): latest.tokens}
+            known = with_latest_turn(latest, known, roles)
             prompt = self._prompt(body, messages, known)
         except InvalidValue as exc:
             return _refusal(exc)
         forward = _with_token_data({**body, "messages": messages, "logprobs": True}, prompt)
         pinned = latest.worker if latest is not None else None
         if body.get("stream"):
-            relay = TurnStream(prompt, body, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
+            relay = TurnStream(prompt, body, wants_ids=wants.ids, wants_logprobs=wants.logprobs)
             response = await self._relay_stream(request, forward, pinned, relay)
             if trajectory is not None and relay.tokens is not None:
                 self._record(trajectory, messages, roles, relay.tokens, relay.worker)
@@ -99,7 +101,9 @@ class AgentDoor:
         engine = engine_data(answer)
         tokens, worker = turn_tokens(engine, prompt), served_by(answer, body)
         write_cached_tokens(answer, engine)
-        write_chat_tokens(answer, tokens, wants_ids=wants_ids, wants_logprobs=wants_logprobs)
+        write_chat_tokens(answer, tokens, wants_ids=wants.ids, wants_logprobs=wants.logprobs)
+        if wants.as_token_ids and wants.logprobs:
+            write_token_id_logprobs(answer["choices"][0], tokens, chat=True)
         if trajectory is not None:
             self._record(trajectory, messages, roles, tokens, worker)
         return web.json_response(answer)
@@ -112,11 +116,11 @@ class AgentDoor:
 
     async def completions(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             if group_size(body) > 1:
                 return await self._group(body, self._completion_prompt(body), chat=False)
-            wants_ids, _ = _token_wishes(body)
-            if body.get("stream") and wants_ids:
+            wants = token_wishes(body)
+            if body.get("stream") and wants.ids:
                 raise InvalidValue("return_token_ids", True, "streamed completions come as the"
                                    " frontend sends them: stream false for token IDs (chat"
                                    " turns stream them)")
@@ -125,7 +129,7 @@ class AgentDoor:
         if body.get("stream"):
             return await self._relay_stream(request, body, None, PassedOn(),
                                             path="/v1/completions")
-        if not wants_ids:
+        if not (wants.ids or wants.as_token_ids):
             status, answer = await self._forward("/v1/completions", body)
             return web.json_response(answer, status=status)
         try:
@@ -140,9 +144,33 @@ class AgentDoor:
             write_cached_tokens(answer, engine)
             served_by(answer, body)
             choice = answer["choices"][0]
-            choice["prompt_token_ids"] = list(tokens.prompt_token_ids)
-            choice["token_ids"] = list(tokens.generation_token_ids)
+            if wants.ids:
+                choice["prompt_token_ids"] = list(tokens.prompt_token_ids)
+                choice["token_ids"] = list(tokens.generation_token_ids)
+            if wants.as_token_ids:
+                write_token_id_logprobs(choice, tokens, chat=False)
         return web.json_response(answer, status=status)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a chat's prompt (``messages``: as a chat turn would be sent,
+        earlier turns' exact tokens spliced in) or a completion's (``prompt``)."""
+        try:
+            body = await json_body(request)
+            if "messages" in body:
+                trajectory = trajectory_name(request, body)
+                messages, roles, known = known_turns(body)
+                known = with_latest_turn(self._latest(trajectory), known, roles)
+                add_generation_prompt = body.get("add_generation_prompt", True)
+                if not isinstance(add_generation_prompt, bool):
+                    raise InvalidValue("add_generation_prompt", add_generation_prompt,
+                                       "must be true or false")
+                tokens = self._prompt(body, messages, known,
+                                      add_generation_prompt=add_generation_prompt)
+            else:
+                tokens = self._completion_prompt(body)
+        except InvalidValue as exc:
+            return _refusal(exc)
+        return web.json_response({"count": len(tokens), "tokens": tokens, "token_strs": None})
 
     def _completion_prompt(self, body: Mapping[str, Any]) -> list[int]:
         """The one prompt of a completions request the door tokenizes (or takes as IDs)."""
@@ -194,10 +222,11 @@ class AgentDoor:
         return self.trajectories.latest(trajectory, self.clock.monotonic())
 
     def _prompt(self, body: Mapping[str, Any], messages: list[dict[str, Any]],
-                known: dict[int, TurnTokens]) -> list[int]:
+                known: dict[int, TurnTokens], *, add_generation_prompt: bool = True) -> list[int]:
         tools = None if body.get("tool_choice") == "none" else body.get("tools")
         render = dict(tools=tools, template_kwargs=body.get("chat_template_kwargs"))
-        whole = self.template.render(messages, add_generation_prompt=True, **render)
+        whole = self.template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     **render)
         if not known:
             return self.template.encode(whole)
         index = max(known)
@@ -283,54 +312,6 @@ class PassedOn:
     @staticmethod
     def line(line: bytes) -> bytes:
         return line
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise InvalidValue("body", "(not JSON)", f"must be a JSON object: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidValue("body", type(body).__name__, "must be a JSON object")
-    return body
-
-
-def _trajectory_name(request: web.Request, body: dict[str, Any]) -> str | None:
-    name = body.pop(TRAJECTORY_FIELD, None)
-    name = request.headers.get(TRAJECTORY_HEADER) or name
-    if name is not None and (not isinstance(name, str) or not name or len(name) > 256):
-        raise InvalidValue(TRAJECTORY_FIELD, name, "must be a non-empty string (<= 256 chars)")
-    return name
-
-
-def _token_wishes(body: dict[str, Any]) -> tuple[bool, bool]:
-    wants_ids = body.pop("return_token_ids", None)
-    if wants_ids not in (None, True, False):
-        raise InvalidValue("return_token_ids", wants_ids, "must be true or false")
-    return bool(wants_ids), bool(body.get("logprobs"))
-
-
-def _split_messages(body: Mapping[str, Any]) -> tuple[list[dict], list[str], dict[int, TurnTokens]]:
-    """The messages without their token fields, their roles, and the tokens they carried."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidValue("messages", messages, "must be a non-empty list of messages")
-    plain, roles, known = [], [], {}
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidValue(f"messages[{index}]", message, "must be an object with a role")
-        try:
-            tokens = token_fields(message)
-        except InvalidValue as exc:
-            raise InvalidValue(f"messages[{index}].{exc.field}", exc.value, exc.rule) from None
-        if tokens is not None:
-            if message["role"] != "assistant":
-                raise InvalidValue(f"messages[{index}].generation_token_ids", "(set)",
-                                   "only an assistant message carries the model's tokens")
-            known[index] = tokens
-        plain.append({k: v for k, v in message.items() if k not in TOKEN_FIELDS})
-        roles.append(message["role"])
-    return plain, roles, known
 
 
 def _with_token_data(body: Mapping[str, Any], prompt: list[int] | None) -> dict[str, Any]:

@@ -37,6 +37,8 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Any = None,
                add_generation_prompt: bool,
                template_kwargs: Mapping[str, Any] | None = None) -> str:
+        if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+            raise InvalidValue("chat_template_kwargs", template_kwargs, "must be an object")
         if not self.has_template:
             raise NoChatTemplate("model", self.served_model_name,
                                  f"its folder ({self.model_path}) has no chat template, so chat "

@@ -18,11 +18,14 @@ import httpx
 import openai
 import pytest
 
-from rollout_fleet.adapters.agent_door.door import TRAJECTORY_HEADER
+from rollout_fleet.adapters.agent_door.requests import TRAJECTORY_HEADER
 from rollout_fleet.adapters.http.metrics import HttpWorkerMetrics
 from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
 from rollout_fleet.wiring.agent_door import AgentDoorServer, build_door
 from rollout_fleet.wiring.nemo_rl import DynamoGeneration
+from tests.support.nemo_gym_contract import (
+    gym_history_message, gym_request, gym_tokens, without_inline_ids, without_message_tokens,
+)
 from tests.support.teacher_forced import teacher_forced_logprobs
 from tests.unit.test_nemo_rl_config import generation_config
 
@@ -361,6 +364,60 @@ def test_chat_on_a_model_without_a_template_is_refused_naming_the_model(fleet, t
     assert "no chat template" in answer.json()["error"]["message"]
 
 
+# A template that refuses a system message, as many shipped templates refuse what they cannot
+# render (jinja's raise_exception, which transformers provides).
+REFUSING_TEMPLATE = (
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{{ raise_exception('this template takes no system message') }}{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def refused_field(answer: httpx.Response) -> str:
+    assert answer.status_code == 400, answer.text
+    return answer.json()["error"]["param"]
+
+
+def test_bad_turns_are_refused_naming_the_field_and_the_door_serves_on(door, model, fleet,
+                                                                       tool_model, tmp_path):
+    """Tool-call arguments in the history that do not parse, template kwargs that are not an
+    object, a template that raises on the conversation: each a 400 naming the field, and the
+    next good turn is served."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": Paris'}}
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    chat = f"{door}/chat/completions"
+    answer = httpx.post(chat, timeout=60, json={"model": model, "messages": history})
+    assert refused_field(answer) == "messages[1].tool_calls[0].function.arguments"
+    assert '{"city": Paris' in answer.json()["error"]["message"]
+    answer = httpx.post(chat, timeout=60, json={
+        "model": model, "messages": history[:1], "chat_template_kwargs": ["thinking"]})
+    assert refused_field(answer) == "chat_template_kwargs"
+
+    template = tmp_path / "refusing.jinja"
+    template.write_text(REFUSING_TEMPLATE)
+    strict = AgentDoorServer(build_door(fleet.frontend_url, str(tool_model), model,
+                                        {"custom_jinja_template": str(template)})).start()
+    try:
+        answer = httpx.post(f"{strict.url}/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 4,
+            "messages": [{"role": "system", "content": "Be brief."}, *history[:1]]})
+        assert refused_field(answer) == "messages"
+        assert "this template takes no system message" in answer.json()["error"]["message"]
+        served = httpx.post(f"{strict.url}/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 4, "messages": history[:1]})
+        assert served.status_code == 200, served.text
+    finally:
+        strict.stop()
+    call["function"]["arguments"] = '{"city": "Paris"}'
+    served = httpx.post(chat, timeout=60, json={"model": model, "max_tokens": 4,
+                                                "messages": history})
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["message"]["generation_token_ids"]
+
+
 def test_an_openai_agents_run_gets_token_exact_turns_by_its_trajectory_name(door, model,
                                                                             tool_model):
     """The openai-agents SDK (a client no one here wrote) runs a tool-use loop of three model
@@ -447,6 +504,73 @@ def test_a_free_text_trajectory_has_the_logprobs_of_a_forward_of_its_final_token
         assert final[start:start + len(generated)] == generated, f"turn {turn} not a prefix"
         assert message.generation_log_probs == pytest.approx(
             reference[start:start + len(generated)], abs=1e-4), f"turn {turn}"
+
+
+def gym_turn(door: str, body: dict, *, inline_ids: bool) -> tuple[dict, dict, dict]:
+    """One turn as NeMo-Gym's policy client sends and reads it: (its request, the door's
+    answer, the token fields it reads from the first source present)."""
+    request = gym_request(body, inline_ids=inline_ids)
+    answer = httpx.post(f"{door}/chat/completions", json=request, timeout=120)
+    assert answer.status_code == 200, answer.text
+    tokens, source = gym_tokens(answer.json(), request, lambda b: gym_tokenize(door, b))
+    assert source == "message"
+    return request, answer.json(), tokens
+
+
+def gym_tokenize(door: str, body: dict) -> dict:
+    answer = httpx.post(f"{door.removesuffix('/v1')}/tokenize", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_nemo_gyms_policy_client_reads_exact_turns_from_each_of_its_sources(door, model):
+    """Three tool turns as NeMo-Gym's client drives a policy server (its request fields, its
+    token fields carried back on the assistant messages, NeMo-RL's ``required_prefix_token_ids``
+    on the last turn): each turn's prompt starts with the last turn's exact tokens, and the
+    tokens read from the message equal those read from vLLM's inline IDs, from the
+    ``token_id:<int>`` logprob entries and from the door's ``/tokenize``."""
+    messages = [{"role": "user", "content": "Weather in two cities?"}]
+    earlier = None
+    for turn in range(3):
+        body = {"model": model, "messages": messages, "tools": [WEATHER_TOOL],
+                "tool_choice": CALL_WEATHER, "max_tokens": 64, "temperature": 1.0, "seed": turn}
+        if turn == 2:
+            body["required_prefix_token_ids"] = (earlier["prompt_token_ids"]
+                                                 + earlier["generation_token_ids"])
+        request, answer, tokens = gym_turn(door, body, inline_ids=turn != 1)
+        if earlier is not None:
+            prefix = earlier["prompt_token_ids"] + earlier["generation_token_ids"]
+            assert tokens["prompt_token_ids"][:len(prefix)] == prefix, f"turn {turn}"
+        fetch = lambda b: gym_tokenize(door, b)  # noqa: E731
+        if turn != 1:  # vLLM's inline IDs, then only the logprob entries and /tokenize
+            assert gym_tokens(without_message_tokens(answer), request, fetch) == (tokens, "inline")
+        bare = without_inline_ids(without_message_tokens(answer))
+        read, source = gym_tokens(bare, request, fetch)
+        assert source == "tokenize" and read["generation_token_ids"] == tokens[
+            "generation_token_ids"] and read["prompt_token_ids"] == tokens["prompt_token_ids"]
+        assert read["generation_log_probs"] == pytest.approx(tokens["generation_log_probs"])
+        message = answer["choices"][0]["message"]
+        call = message["tool_calls"][0]
+        messages = [*messages, gym_history_message(message, tokens),
+                    {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
+        earlier = tokens
+
+
+def test_a_required_prefix_that_disagrees_with_the_messages_tokens_is_refused_by_name(door,
+                                                                                     model):
+    _, answer, tokens = gym_turn(door, {"model": model, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Hi"}]}, inline_ids=False)
+    message = answer["choices"][0]["message"]
+    messages = [{"role": "user", "content": "Hi"}, gym_history_message(message, tokens),
+                {"role": "user", "content": "And?"}]
+    wrong = tokens["prompt_token_ids"] + tokens["generation_token_ids"] + [5]
+    refused = httpx.post(f"{door}/chat/completions", timeout=120, json=gym_request(
+        {"model": model, "max_tokens": 8, "messages": messages,
+         "required_prefix_token_ids": wrong}, inline_ids=False))
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "required_prefix_token_ids"
+    assert "messages[1]" in refused.json()["error"]["message"]
+    gym_turn(door, {"model": model, "max_tokens": 8, "messages": messages}, inline_ids=True)
 
 
 # Last in the module: it kills one of the fleet's two workers.

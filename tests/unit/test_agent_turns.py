@@ -8,7 +8,7 @@ import pytest
 
 from rollout_fleet.core.agent_turns import (
     RecordedTurn, Trajectories, TurnNotJoinable, TurnTokens, joined_prompt,
-    recorded_turn_applies, token_fields,
+    recorded_turn_applies, token_fields, with_required_prefix,
 )
 from rollout_fleet.core.errors import InvalidValue
 
@@ -70,3 +70,26 @@ def test_token_fields_of_a_message_are_checked_by_name():
     with pytest.raises(InvalidValue) as refused:
         token_fields({"prompt_token_ids": [1, -4], "generation_token_ids": [2]})
     assert refused.value.field == "prompt_token_ids"
+
+
+def test_a_required_prefix_is_the_last_assistant_turns_exact_tokens():
+    roles = ["user", "assistant", "tool", "assistant", "user"]
+    assert with_required_prefix({}, roles, None) == {}
+    taken = with_required_prefix({}, roles, [1, 2, 3])
+    assert taken == {3: TurnTokens([1, 2, 3], [])} and taken[3].all_token_ids == (1, 2, 3)
+    carried = {3: TurnTokens([1, 2], [3])}
+    assert with_required_prefix(carried, roles, [1, 2, 3]) == carried  # the same tokens
+
+
+@pytest.mark.parametrize("roles, known, required, rule", [
+    (["user", "assistant"], {}, "1 2", "must be a list of token IDs"),
+    (["user", "assistant"], {}, [1, -2], "must be a list of token IDs"),
+    (["user", "assistant"], {}, [1, True], "must be a list of token IDs"),
+    (["user"], {}, [1, 2], "the messages have none"),
+    (["user", "assistant", "user"], {1: TurnTokens([1], [2])}, [1, 2, 9],
+     "differ from the 2 prompt and generated IDs messages[1] carries"),
+])
+def test_a_required_prefix_that_cannot_be_taken_is_refused_by_name(roles, known, required, rule):
+    with pytest.raises(InvalidValue) as refused:
+        with_required_prefix(known, roles, required)
+    assert refused.value.field == "required_prefix_token_ids" and rule in str(refused.value)
