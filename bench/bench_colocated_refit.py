@@ -87,10 +87,11 @@ class StandaloneColocated(ColocatedTarget):
     def weight_version(self):
         return self.version
 
-    async def begin_colocated(self, manifest, *, mode):
+    async def begin_colocated(self, manifest, *, mode, keep_buffers=False):
         self.transfer.start_weight_update()
-        self.transfer.update_weights({"colocated": {"begin": {"refit_info": manifest.info.to_wire(),
-                                                              "rollback": "none"}}})
+        self.transfer.update_weights({"colocated": {"begin": {
+            "refit_info": manifest.info.to_wire(), "rollback": "none",
+            "keep_buffers": keep_buffers}}})
 
     async def load_colocated_bucket(self, bucket, handle):
         self.transfer.update_weights({"colocated": {"bucket": {
@@ -109,7 +110,11 @@ class StandaloneColocated(ColocatedTarget):
         self.transfer.finish_weight_update()
 
     def colocated_stats(self):
-        return {"mapped_peak_bytes": self.transfer.stats.mapped_peak_bytes}
+        return {"mapped_peak_bytes": self.transfer.stats.mapped_peak_bytes,
+                "opened_buffers": self.transfer.stats.opened_buffers}
+
+    async def release_colocated(self):
+        self.transfer.release_kept_buffers()
 
 
 class PipeControl:

@@ -18,6 +18,9 @@ One refit is a session, driven over the worker's control routes:
                        fleet's), as every other refit
     colocated_abort    the trainer gives up; the engine recovers as from a failed transfer
 
+A sender whose buffers outlive the refit says so at start (``keep_buffers``): the engine may
+keep their handles open until ``colocated_release`` (between sessions), when the sender is done.
+
 This module holds the values and the order (``ColocatedSession``: a pure state machine);
 ``core.colocated_service`` runs them against an engine.
 """

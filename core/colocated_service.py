@@ -18,7 +18,8 @@ from rollout_fleet.core.engine_ports import ColocatedTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import next_version, refit_mode
 
-CONTROLS = ("colocated_start", "colocated_bucket", "colocated_finish", "colocated_abort")
+CONTROLS = ("colocated_start", "colocated_bucket", "colocated_finish", "colocated_abort",
+            "colocated_release")
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 
 
@@ -38,7 +39,8 @@ class WorkerColocatedRefit:
 
     def controls(self) -> dict[str, Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]]:
         return {"colocated_start": self.start, "colocated_bucket": self.bucket,
-                "colocated_finish": self.finish, "colocated_abort": self.abort}
+                "colocated_finish": self.finish, "colocated_abort": self.abort,
+                "colocated_release": self.release}
 
     @property
     def session(self) -> ColocatedSession | None:
@@ -50,6 +52,9 @@ class WorkerColocatedRefit:
         body = _mapping(body)
         manifest = ColocatedManifest.from_wire(body.get("manifest"))
         mode = refit_mode(body.get("mode"))
+        keep_buffers = body.get("keep_buffers", False)
+        if not isinstance(keep_buffers, bool):
+            raise InvalidValue("keep_buffers", keep_buffers, "must be true or false")
         async with self._lock:
             if self._session is not None and self._session.is_open:
                 raise RefitError(f"a colocated refit is open on this worker (session"
@@ -59,7 +64,7 @@ class WorkerColocatedRefit:
             session = ColocatedSession.begin(body.get("session"), manifest,
                                              self._target.weight_version(),
                                              body.get("weight_version"))
-            await self._target.begin_colocated(manifest, mode=mode)
+            await self._target.begin_colocated(manifest, mode=mode, keep_buffers=keep_buffers)
             self._session, self._started = session, self._clock.monotonic()
             self._arm(session)
         return {"session": session.session_id, "buckets": session.buckets,
@@ -119,6 +124,19 @@ class WorkerColocatedRefit:
             self._disarm()
             await self._target.abandon_colocated(reason)
         return {"aborted": session.session_id}
+
+    async def release(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The trainer's sender is done with its buffers: the engine closes those it kept open
+        across refits (``keep_buffers``). Refused while a refit is open (it reads them)."""
+        _mapping(body)
+        async with self._lock:
+            session = self._session
+            if session is not None and session.is_open:
+                raise RefitError(f"a colocated refit is open on this worker (session"
+                                 f" {session.session_id!r}): finish or abort it before its"
+                                 " buffers are released")
+            await self._target.release_colocated()
+        return {"released": True}
 
     def _current(self, body: Mapping[str, Any]) -> ColocatedSession:
         session = self._session

@@ -94,10 +94,12 @@ class ColocatedTarget(ABC):
         """The handle kinds this engine opens (``shm`` on the CPU, ``cuda`` on a GPU)."""
 
     @abstractmethod
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+                              keep_buffers: bool = False) -> None:
         """Refuse what this engine cannot take, naming why (the names, shapes and dtypes were
         checked against ``weight_metas`` already), or get ready to load: pause rollouts as
-        ``mode`` says. Nothing is loaded yet."""
+        ``mode`` says. Nothing is loaded yet. ``keep_buffers``: the sender keeps its buffers
+        for its next refits, so the engine may keep them open until ``release_colocated``."""
 
     @abstractmethod
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
@@ -119,6 +121,11 @@ class ColocatedTarget(ABC):
         """What the last colocated refit held and took (bytes, seconds); may be empty."""
         return {}
 
+    async def release_colocated(self) -> None:
+        """Close the trainer's buffers kept open across refits (its sender is done with them).
+        An engine that opens each buffer only for its bucket keeps none: nothing to do."""
+        return None
+
 
 class ColocatedByPart(ColocatedTarget):
     """The colocated refit port of an engine composed of parts: each call goes to the engine's
@@ -129,8 +136,9 @@ class ColocatedByPart(ColocatedTarget):
     def colocated_transports(self) -> tuple[str, ...]:
         return self.colocated.colocated_transports()
 
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
-        await self.colocated.begin_colocated(manifest, mode=mode)
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+                              keep_buffers: bool = False) -> None:
+        await self.colocated.begin_colocated(manifest, mode=mode, keep_buffers=keep_buffers)
 
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
         await self.colocated.load_colocated_bucket(bucket, handle)
@@ -143,3 +151,6 @@ class ColocatedByPart(ColocatedTarget):
 
     def colocated_stats(self) -> dict[str, Any]:
         return self.colocated.colocated_stats()
+
+    async def release_colocated(self) -> None:
+        await self.colocated.release_colocated()

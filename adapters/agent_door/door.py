@@ -46,7 +46,6 @@ from rollout_fleet.core.wire import TURN_TOKENS_ANNOTATION, completion_body, par
 logger = logging.getLogger(__name__)
 
 
-
 class AgentDoor:
     """The door's routes over one fleet frontend (``frontend_url``)."""
 

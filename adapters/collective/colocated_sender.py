@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ from rollout_fleet.adapters.collective.trainer import refit_info_of
 from rollout_fleet.core.colocated_refit import ColocatedManifest, bucket_entries_wire
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import Bucket, plan_buckets, refit_mode
+
+logger = logging.getLogger(__name__)
 
 _sessions = itertools.count(1)
 
@@ -61,6 +64,7 @@ class ColocatedSender:
         self.timeout_s, self.mode = timeout_s, refit_mode(mode)
         self._pool: BufferPool | None = None
         self._resident: ColocatedManifest | None = None  # the in-place layout, once made
+        self._worker_holds_buffers = False  # a refit went out: the worker may keep them open
         # ``send``'s own loop, kept across refits: a fresh loop per refit would start new
         # threads and a new control connection each time (a few ms of a small model's refit)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -107,7 +111,10 @@ class ColocatedSender:
         pool = self._pool if self._resident else self._pool_for(manifest)
         session = f"colocated-{os.getpid()}-{next(_sessions)}"
         started = time.perf_counter()
-        start = {"session": session, "manifest": manifest.to_wire(), "mode": self.mode}
+        # The pool outlives this refit (until close or a resize): the worker may keep it open.
+        start = {"session": session, "manifest": manifest.to_wire(), "mode": self.mode,
+                 "keep_buffers": True}
+        self._worker_holds_buffers = True
         if version is not None:
             start["weight_version"] = version
         await self._call("colocated_start", start)
@@ -190,7 +197,29 @@ class ColocatedSender:
         except Exception:  # noqa: BLE001 - the worker gives the session up on its own in time
             pass
 
+    async def release_async(self) -> None:
+        """Tell the worker to close this sender's buffers it keeps open between refits (it
+        does so by itself at the next refit that keeps none, a failed one, or its shutdown).
+        Best effort: a worker that cannot be reached keeps nothing of a trainer gone."""
+        if not self._worker_holds_buffers:
+            return
+        self._worker_holds_buffers = False
+        try:
+            await self._call("colocated_release", {})
+        except Exception as error:  # noqa: BLE001 - the sender closes all the same
+            logger.warning("worker %s did not release the colocated buffers: %s",
+                           self.control.worker_id, error)
+
+    async def aclose(self) -> None:
+        """``close`` for a sender driven from the caller's own event loop (``send_async``)."""
+        await self.release_async()
+        self.close()
+
     def close(self) -> None:
+        """Release the worker's hold on the buffers (from this sender's own loop, where
+        ``send`` made one; a ``send_async`` user calls ``aclose``), then free them."""
+        if self._worker_holds_buffers and self._loop is not None and not self._loop.is_closed():
+            self._loop.run_until_complete(self.release_async())
         self._close_pool()
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():

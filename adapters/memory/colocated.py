@@ -37,7 +37,9 @@ class MemoryColocated(ColocatedTarget):
     def colocated_transports(self) -> tuple[str, ...]:
         return (SHM_TRANSPORT,)
 
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+                              keep_buffers: bool = False) -> None:
+        # keep_buffers changes nothing here: each bucket's segment is opened for it alone
         ranks = self.engine.refit_ranks()
         if ranks != 1:
             raise InvalidValue("refit_ranks", ranks, COLOCATED_TP_RULE)

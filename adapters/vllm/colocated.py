@@ -64,7 +64,8 @@ class VllmColocated(ColocatedTarget):
     def colocated_transports(self) -> tuple[str, ...]:
         return (CUDA_TRANSPORT,) if self.config.device is Device.GPU else (SHM_TRANSPORT,)
 
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str) -> None:
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+                              keep_buffers: bool = False) -> None:
         engine = self.runtime.require_engine()
         ranks = self.refit.refit_ranks()
         if ranks != 1:
@@ -89,7 +90,7 @@ class VllmColocated(ColocatedTarget):
             started = True
             await self._request(ColocatedStep.BEGIN, {
                 "refit_info": manifest.info.to_wire(), "skip": sorted(sent & set(self.runtime.ignored)),
-                "rollback": self.config.rollback.value})
+                "rollback": self.config.rollback.value, "keep_buffers": keep_buffers})
         except BaseException:
             if started:
                 await _quietly(engine.finish_weight_update)
@@ -134,6 +135,11 @@ class VllmColocated(ColocatedTarget):
 
     def colocated_stats(self) -> dict[str, Any]:
         return dict(self._stats)
+
+    async def release_colocated(self) -> None:
+        engine = self.runtime.engine
+        if engine is not None:  # a closed engine keeps nothing open
+            await engine.collective_rpc("rollout_fleet_release_buffers")
 
     async def _request(self, step: ColocatedStep, body: Any) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest

@@ -18,6 +18,11 @@ beyond its weights: the mapped buffers (the trainer's memory, ``num_buffers`` x 
 largest bucket), the copies of held parts (at most a fused layer's), and with
 ``rollback="last_good"`` a copy of the model (counted apart, as for packed refits).
 
+A sender that keeps its buffers from one refit to the next says so (``keep_buffers`` in the
+begin step): the engine then keeps them open too, opening a slot again only when its handle
+changes, and closes them when the sender releases them (``release_kept_buffers``, through
+the worker's ``colocated_release`` control), when a refit fails or keeps none, and at shutdown.
+
 The buffer opener (``open_buffer``: shared memory or CUDA IPC, the collective adapter's) is
 injected by the composition root, as the packed engine's receiver is.
 """
@@ -49,6 +54,7 @@ class ColocatedStats(RefitStats):
     mapped_peak_bytes: int = 0
     held_copy_bytes: int = 0
     held_copy_peak_bytes: int = 0
+    opened_buffers: int = 0  # handles this refit opened (0 where every buffer was kept open)
 
 
 class _HeldCopies:
@@ -78,6 +84,9 @@ class _Session:
     buckets: int = 0
     mapped_peak: int = 0
     held: _HeldCopies = dataclasses.field(default_factory=_HeldCopies)
+    keep: bool = False  # the sender keeps its buffers across refits: so does the engine
+    opened_count: int = 0
+    slots: set[int] = dataclasses.field(default_factory=set)  # the slots this refit used
 
 
 class ColocatedTransferEngine(PackedTransferEngine):
@@ -85,6 +94,9 @@ class ColocatedTransferEngine(PackedTransferEngine):
     # ``close``); set by the composition root.
     open_buffer: Callable[[BufferHandle, Any], Any] | None = None
     _colocated: _Session | None = None
+    # Buffers kept open across refits for a sender that keeps them (``keep_buffers``):
+    # slot -> (its handle, the opened buffer); reopened only when a slot's handle changes.
+    _kept: dict[int, tuple[BufferHandle, Any]] | None = None
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
         if COLOCATED_KEY in update_dict:
@@ -117,11 +129,16 @@ class ColocatedTransferEngine(PackedTransferEngine):
             raise RefitError(f"{type(self).__name__}.open_buffer is not set: register the engine"
                              " through the composition root")
         self._close_buffers()
+        keep = body.get("keep_buffers", False)
+        if not isinstance(keep, bool):
+            raise RefitError(f"keep_buffers must be true or false, not {keep!r}")
+        if not keep:
+            self.release_kept_buffers()
         self.rollback = RefitRollback.parse(body.get("rollback", self.rollback), "rollback")
         self._colocated = _Session(RefitInfo.from_wire(body["refit_info"]),
                                    frozenset(body.get("skip", ())),
                                    [] if self.rollback is RefitRollback.LAST_GOOD else None,
-                                   time.perf_counter())
+                                   time.perf_counter(), keep=keep)
 
     def _colocated_bucket(self, body: dict[str, Any]) -> None:
         session = self._session()
@@ -163,6 +180,8 @@ class ColocatedTransferEngine(PackedTransferEngine):
         session = self._session()
         self._colocated = None
         self._close_buffers(session)
+        for slot in set(self._kept or ()) - session.slots:  # the sender no longer uses it
+            self._kept.pop(slot)[1].close()
         if session.loaded != len(session.info.tensors):
             self.recover(RefitError("incomplete"), loaded=session.loaded)
             raise RefitError(f"colocated refit ended after {session.loaded} of"
@@ -173,7 +192,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
             tensors=session.loaded, nbytes=session.info.total_bytes,
             seconds=time.perf_counter() - session.started, buckets=session.buckets,
             mapped_peak_bytes=session.mapped_peak, held_copy_bytes=session.held.total,
-            held_copy_peak_bytes=session.held.peak)
+            held_copy_peak_bytes=session.held.peak, opened_buffers=session.opened_count)
 
     def _colocated_abort(self, reason: str, error: BaseException | None = None) -> None:
         session, self._colocated = self._colocated, None
@@ -181,21 +200,50 @@ class ColocatedTransferEngine(PackedTransferEngine):
             return
         try:
             self._close_buffers(session)
+            self.release_kept_buffers()  # a failed refit keeps nothing of the trainer's
         except RefitError:
             pass  # a view still held: the mapping stays (nothing dangles); the reload recovers
         self.recover(error or RefitError(reason), loaded=session.loaded)
 
     # -- buffers --------------------------------------------------------------------------------
     def _opened(self, session: _Session, handle: BufferHandle) -> Any:
-        """Each trainer buffer is opened once per refit and closed at its end."""
-        opened = session.opened.get(handle.slot)
-        if opened is None or opened.nbytes != handle.nbytes:
-            if opened is not None:
-                opened.close()
-            opened = session.opened[handle.slot] = self.open_buffer(handle, self.device)
-        session.mapped_peak = max(session.mapped_peak,
-                                  sum(o.nbytes for o in session.opened.values()))
+        """Each trainer buffer is opened once per refit and closed at its end; where the
+        sender keeps its buffers, once for as long as the slot's handle stays the same."""
+        session.slots.add(handle.slot)
+        if session.keep:
+            kept = self._kept_buffers()
+            held = kept.get(handle.slot)
+            if held is None or held[0] != handle:
+                if held is not None:
+                    held[1].close()
+                kept[handle.slot] = (handle, self._open(session, handle))
+            opened, mapped = kept[handle.slot][1], [o for _, o in kept.values()]
+        else:
+            opened = session.opened.get(handle.slot)
+            if opened is None or opened.nbytes != handle.nbytes:
+                if opened is not None:
+                    opened.close()
+                opened = session.opened[handle.slot] = self._open(session, handle)
+            mapped = list(session.opened.values())
+        session.mapped_peak = max(session.mapped_peak, sum(o.nbytes for o in mapped))
         return opened
+
+    def _open(self, session: _Session, handle: BufferHandle) -> Any:
+        session.opened_count += 1
+        return self.open_buffer(handle, self.device)
+
+    def _kept_buffers(self) -> dict[int, tuple[BufferHandle, Any]]:
+        if self._kept is None:
+            self._kept = {}
+        return self._kept
+
+    def release_kept_buffers(self) -> int:
+        """Close every buffer kept open across refits (the sender is done with them, a refit
+        failed, or one came that keeps none); how many were open."""
+        kept, self._kept = self._kept or {}, None
+        for _, opened in kept.values():
+            opened.close()
+        return len(kept)
 
     def _close_buffers(self, session: _Session | None = None) -> None:
         session = session or self._colocated
@@ -213,6 +261,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
 
     def shutdown(self) -> None:
         self._colocated_abort("the weight-transfer engine shut down")
+        self.release_kept_buffers()
         super().shutdown()
 
 

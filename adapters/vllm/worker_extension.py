@@ -17,6 +17,11 @@ class RolloutFleetWorkerExtension:
         stats = getattr(self.weight_transfer_engine, "stats", None)
         return dataclasses.asdict(stats) if stats is not None else {"torn": True}
 
+    def rollout_fleet_release_buffers(self) -> int:
+        """Close the trainer's buffers this rank keeps open across colocated refits; how many."""
+        release = getattr(self.weight_transfer_engine, "release_kept_buffers", None)
+        return release() if release is not None else 0
+
     def rollout_fleet_precision(self) -> dict[str, str]:
         """What this rank computes in: its parameters' dtype and float32 matmul settings."""
         import torch

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import pytest
@@ -150,13 +151,37 @@ def test_an_in_place_refit_loads_the_trainers_own_tensors_exactly(
     assert "error" not in first, first
     assert first["weight_version"] == before + 1 and first["moved_tensors"] == 0
     assert first["pool_bytes"] >= first["nbytes"]  # the model itself lives in the buffers
+    assert first["engine"]["opened_buffers"] == first["buckets"]  # a buffer per bucket
     assert_serves(generation, reference, 1)
     for model in (0, 1):
         stepped = trainer.send(f"step {models[model]}")
         assert "error" not in stepped, stepped
         assert stepped["moved_tensors"] == 0 and stepped["buckets"] == first["buckets"]
+        assert stepped["engine"]["opened_buffers"] == 0  # the engine kept them open
         assert_serves(generation, reference, model)
     # A state of other tensors is refused while the sender holds these; the fleet serves on.
     refused = trainer.send(f"send-wrong-shape {models[0]} model.layers.0.mlp.down_proj.weight")
     assert "state_dict" in refused.get("error", ""), refused
     assert_serves(generation, reference, 1)
+
+
+def test_a_closed_sender_leaves_none_of_its_buffers_mapped_in_the_engine(colocated_fleet,
+                                                                         trainer):
+    """The engine kept the trainer's in-place buffers open across the refits above; the
+    sender's close releases them: vLLM's model worker then maps none of its segments."""
+    from rollout_fleet.core.colocated_refit import SEGMENT_PREFIX
+    from tests.support.engine_core import model_worker_of
+
+    worker = model_worker_of(colocated_fleet.workers[0].pid)
+    prefix = f"{SEGMENT_PREFIX}{trainer.process.pid}."
+
+    def mapped() -> set[str]:
+        with open(f"/proc/{worker.pid}/maps") as maps:
+            return {line.split("/dev/shm/")[1].split()[0] for line in maps if prefix in line}
+
+    assert mapped(), "the engine kept no buffer of the trainer's open between refits"
+    trainer.close()
+    deadline = time.monotonic() + 30
+    while mapped() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not mapped()

@@ -63,13 +63,14 @@ def main() -> int:
         control = _PipeControl(order.get("fault"))
         sender = ColocatedSender(control, buffer_bytes=buffer_bytes, num_buffers=num_buffers)
         try:
-            result = sender.send(state, order.get("version"))
+            try:
+                result = sender.send(state, order.get("version"))
+            finally:
+                sender.close()  # its release call is answered by the parent as any other
             print(json.dumps({"done": {"weight_version": result.weight_version,
                                        "buckets": result.buckets}}), flush=True)
         except Exception as error:  # noqa: BLE001 - reported to the parent
             print(json.dumps({"failed": f"{type(error).__name__}: {error}"}), flush=True)
-        finally:
-            sender.close()
     return 0
 
 

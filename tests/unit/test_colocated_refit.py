@@ -226,6 +226,24 @@ def test_a_second_start_while_one_is_open_is_refused_and_abort_frees_it(pool):
     assert _refit(service, pool, TinyBigramModel.from_seed(1).state_dict())["weight_version"] == 1
 
 
+def test_buffers_are_released_only_between_refits_and_keep_buffers_is_checked(pool):
+    engine = MemoryEngine(seed=0)
+    service = WorkerColocatedRefit(engine)
+
+    async def run():
+        with pytest.raises(InvalidValue, match="keep_buffers"):
+            await service.start({"session": "k", "manifest": pool.manifest.to_wire(),
+                                 "keep_buffers": "yes"})
+        await service.start({"session": "a", "manifest": pool.manifest.to_wire(),
+                             "keep_buffers": True})
+        with pytest.raises(RefitError, match="session 'a'.*before its buffers are released"):
+            await service.release({})
+        await service.abort({"session": "a"})
+        assert await service.release({}) == {"released": True}
+    asyncio.run(run())
+    assert _refit(service, pool, TinyBigramModel.from_seed(1).state_dict())["weight_version"] == 1
+
+
 def test_a_session_whose_trainer_went_quiet_is_given_up(pool):
     engine = MemoryEngine(seed=0)
     service = WorkerColocatedRefit(engine, idle_timeout_s=0.05)

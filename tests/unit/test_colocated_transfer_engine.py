@@ -44,10 +44,10 @@ def _engine(model):
     return engine
 
 
-def _refit(engine, state, pool, manifest, scribble=False):
+def _refit(engine, state, pool, manifest, scribble=False, keep=False):
     engine.start_weight_update()
     engine.update_weights({"colocated": {"begin": {"refit_info": manifest.info.to_wire(),
-                                                   "rollback": "none"}}})
+                                                   "rollback": "none", "keep_buffers": keep}}})
     for index, bucket in enumerate(manifest.plan):
         slot = index % manifest.num_buffers
         pack_bucket(pool.buffer(slot), bucket, [state[e.meta.name] for e in bucket.entries])
@@ -93,3 +93,64 @@ def test_a_view_the_loader_keeps_beyond_reach_fails_the_bucket():
         with pytest.raises(RefitError, match="still held"):
             _refit(engine, state, pool, manifest)
     assert engine.stats.torn  # rollback "none": reported torn, never answered as loaded
+
+
+class CountingOpener:
+    """The real shared-memory opener, counting what it opens and what is closed again."""
+
+    def __init__(self):
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+
+    def __call__(self, handle, device):
+        buffer = open_buffer(handle, device)
+        self.opened.append(handle.name)
+        close = buffer.close
+
+        def counted_close():
+            close()
+            self.closed.append(handle.name)
+        buffer.close = counted_close
+        return buffer
+
+
+def test_a_sender_that_keeps_its_buffers_has_them_opened_once_across_refits():
+    """Kept: opened at the first refit only, each refit still exact; a new pool (new handles)
+    is opened and the old one closed; released, nothing stays open; a refit that keeps none
+    closes what was kept."""
+    manifest = ColocatedManifest(refit_info_of(_state(0)), 256, 2, "shm")  # 4 buckets
+    model = HoldingModel(_state(0))
+    engine = _engine(model)
+    opener = engine.open_buffer = CountingOpener()
+    with BufferPool(manifest.slot_bytes, manifest.num_buffers, torch.device("cpu")) as pool:
+        first_names = [pool.handle(slot).name for slot in range(manifest.num_buffers)]
+        for seed in (3, 4, 5):
+            state = _state(seed)
+            _refit(engine, state, pool, manifest, keep=True)
+            assert all(torch.equal(model.weights[n], t) for n, t in state.items()), seed
+            assert engine.stats.opened_buffers == (2 if seed == 3 else 0)
+        assert opener.opened == first_names and opener.closed == []
+    with BufferPool(manifest.slot_bytes, manifest.num_buffers, torch.device("cpu")) as pool:
+        state = _state(6)
+        _refit(engine, state, pool, manifest, keep=True)
+        assert engine.stats.opened_buffers == 2 and sorted(opener.closed) == sorted(first_names)
+        assert all(torch.equal(model.weights[n], t) for n, t in state.items())
+        assert engine.release_kept_buffers() == 2
+        assert len(opener.closed) == 4 and engine.release_kept_buffers() == 0
+        _refit(engine, _state(7), pool, manifest, keep=True)
+        _refit(engine, _state(8), pool, manifest)  # keeps none: what was kept is closed
+        assert len(opener.opened) == len(opener.closed) == 8
+
+
+def test_a_failed_refit_closes_the_buffers_it_kept():
+    manifest = ColocatedManifest(refit_info_of(_state(0)), 256, 2, "shm")  # 4 buckets
+    engine = _engine(HoldingModel(_state(0)))
+    opener = engine.open_buffer = CountingOpener()
+    with BufferPool(manifest.slot_bytes, manifest.num_buffers, torch.device("cpu")) as pool:
+        _refit(engine, _state(1), pool, manifest, keep=True)
+        engine.start_weight_update()
+        engine.update_weights({"colocated": {"begin": {"refit_info": manifest.info.to_wire(),
+                                                       "rollback": "none", "keep_buffers": True}}})
+        engine.update_weights({"colocated": {"abort": "the trainer gave up"}})
+        engine.finish_weight_update()
+    assert len(opener.opened) == len(opener.closed) == 2
