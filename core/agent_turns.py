@@ -40,6 +40,10 @@ class TurnTokens:
     # The worker's weights when the turn ended (None where the engine is never refit): a turn
     # served after a refit is told apart from the one before it.
     weight_version: int | None = None
+    # Each generated token's weights, run-length ((version, n_tokens), ...): a refit that
+    # lands mid-turn (a keep-mode refit) splits the turn's tokens between two versions.
+    weight_versions: tuple[tuple[int, int], ...] = attrs.field(
+        default=(), converter=lambda runs: tuple(tuple(run) for run in runs or ()))
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:

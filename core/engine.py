@@ -41,10 +41,14 @@ class RolloutPiece:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     # The last piece, where the engine tells: how many prompt tokens its prefix cache held.
     cached_prompt_tokens: int | None = None
+    # The last piece, where the engine tells: the weight versions of every generated token,
+    # run-length ((version, n_tokens), ...), as a whole rollout's (core/rollout.py).
+    weight_versions: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def whole(cls, served: ServedRollout) -> "RolloutPiece":
-        return cls(served.token_ids, served.logprobs, served.finish_reason, served.top_logprobs)
+        return cls(served.token_ids, served.logprobs, served.finish_reason, served.top_logprobs,
+                   weight_versions=served.weight_versions)
 
 
 @attrs.frozen

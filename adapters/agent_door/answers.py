@@ -23,7 +23,12 @@ def engine_data(answer: dict[str, Any]) -> dict[str, Any]:
 
 def turn_tokens(engine: Mapping[str, Any], prompt: list[int]) -> TurnTokens:
     return TurnTokens(prompt, engine.get("token_ids") or (), engine.get("log_probs") or (),
-                      engine.get("weight_version"))
+                      engine.get("weight_version"), engine.get("weight_versions") or ())
+
+
+def _version_fields(tokens: TurnTokens) -> dict[str, Any]:
+    return {"weight_version": tokens.weight_version,
+            "weight_versions": [list(run) for run in tokens.weight_versions]}
 
 
 def write_cached_tokens(answer: dict[str, Any], engine: Mapping[str, Any]) -> None:
@@ -52,7 +57,7 @@ def write_chat_tokens(answer: dict[str, Any], tokens: TurnTokens, *, wants_ids: 
     choice["message"].update(prompt_token_ids=list(tokens.prompt_token_ids),
                              generation_token_ids=list(tokens.generation_token_ids),
                              generation_log_probs=list(tokens.generation_log_probs),
-                             weight_version=tokens.weight_version)
+                             **_version_fields(tokens))
     if wants_ids:
         answer["prompt_token_ids"] = list(tokens.prompt_token_ids)
         choice["token_ids"] = list(tokens.generation_token_ids)
@@ -128,6 +133,6 @@ def _write_delta_tokens(choice: dict[str, Any], tokens: TurnTokens, *, wants_ids
     delta.update(prompt_token_ids=list(tokens.prompt_token_ids),
                  generation_token_ids=list(tokens.generation_token_ids),
                  generation_log_probs=list(tokens.generation_log_probs),
-                 weight_version=tokens.weight_version)
+                 **_version_fields(tokens))
     if wants_ids:
         choice["token_ids"] = list(tokens.generation_token_ids)

@@ -94,7 +94,8 @@ def chat_answer(body: Mapping[str, Any], prompt: Sequence[int],
                    "prompt_token_ids": list(prompt),
                    "generation_token_ids": list(served.token_ids),
                    "generation_log_probs": list(served.logprobs),
-                   "weight_version": served.weight_version}
+                   "weight_version": served.weight_version,
+                   "weight_versions": [list(run) for run in served.weight_versions]}
         choice: dict[str, Any] = {"index": index, "message": message,
                                   "finish_reason": served.finish_reason.value, "logprobs": None}
         if body.get("logprobs"):

@@ -21,7 +21,7 @@ TRAJECTORY_FIELD = "trajectory"  # the body's spelling, for clients that cannot 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 # What a client may send back on an assistant message that is the door's (or NeMo-Gym's)
 # record of the turn, not the conversation: taken out before the template and the frontend.
-TURN_RECORD_FIELDS = (*TOKEN_FIELDS, "weight_version", "routed_experts")
+TURN_RECORD_FIELDS = (*TOKEN_FIELDS, "weight_version", "weight_versions", "routed_experts")
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:

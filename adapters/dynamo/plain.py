@@ -161,25 +161,37 @@ def piece_chunks(piece: RolloutPiece, hidden: set[int], *, logprobs: bool = Fals
 
 class GeneratedTurn:
     """Every token a plain request generated, the hidden stop tokens (EOS) among them, with
-    their logprobs, and the engine's weight version when it ended (an engine that is never
-    refit has none): the ``engine_data`` of a request with the turn-tokens annotation."""
+    their logprobs, and the engine's weight version when it ended with each token's version
+    (run-length; where the engine tells none, every token has the version at the end; an
+    engine that is never refit has none): the ``engine_data`` of a request with the
+    turn-tokens annotation."""
 
     def __init__(self, engine: EnginePort) -> None:
         self._refit = engine if isinstance(engine, RefitTarget) else None
         self.token_ids: list[int] = []
         self.log_probs: list[float] = []
         self.cached_prompt_tokens: int | None = None
+        self.weight_versions: tuple[tuple[int, int], ...] | None = None
 
     def add(self, piece: RolloutPiece) -> None:
         self.token_ids += piece.token_ids
         self.log_probs += piece.logprobs or ()
         if piece.cached_prompt_tokens is not None:
             self.cached_prompt_tokens = piece.cached_prompt_tokens
+        if piece.weight_versions is not None:
+            self.weight_versions = piece.weight_versions
 
     def engine_data(self) -> dict[str, Any]:
         data: dict[str, Any] = {"token_ids": self.token_ids, "log_probs": self.log_probs}
         if self._refit is not None:
-            data["weight_version"] = self._refit.weight_version()
+            version = data["weight_version"] = self._refit.weight_version()
+            data["weight_versions"] = [list(run) for run in self._runs(version)]
         if self.cached_prompt_tokens is not None:
             data["cached_prompt_tokens"] = self.cached_prompt_tokens
         return data
+
+    def _runs(self, version: int) -> tuple[tuple[int, int], ...]:
+        runs = self.weight_versions
+        if runs is not None and sum(n for _, n in runs) == len(self.token_ids):
+            return runs
+        return ((version, len(self.token_ids)),) if self.token_ids else ()

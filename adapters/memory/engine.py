@@ -148,7 +148,8 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                 return
             while (step := await picked.get()) is not None:
                 yield RolloutPiece((step[0],), (step[1],) if with_logprobs else ())
-            yield RolloutPiece((), (), (await serving).finish_reason)
+            served = await serving
+            yield RolloutPiece((), (), served.finish_reason, weight_versions=served.weight_versions)
         finally:
             self._token_sinks.pop(request_id, None)
             serving.cancel()

@@ -65,16 +65,20 @@ def piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> Rollout
     if with_logprobs and len(steps) != len(token_ids):
         raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(steps)} logprobs "
                           f"for request {output.request_id!r}")
-    reason = cached = None
+    reason = cached = runs = None
     if output.finished:
         reason = _FINISH_REASONS.get(completion.finish_reason)
         if reason is None:
             raise EngineError(f"vLLM ended request {output.request_id!r} with finish_reason="
                               f"{completion.finish_reason!r}")
         cached = getattr(output, "num_cached_tokens", None)
+        spans = getattr(completion, "weight_versions", None)  # over every token, not the delta
+        if spans:
+            runs = tuple((int(span.version), span.end - span.start) for span in spans
+                         if span.end > span.start)
     return RolloutPiece(token_ids, tuple(step[token].logprob for step, token in zip(steps, token_ids)),
                         reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None,
-                        cached_prompt_tokens=cached)
+                        cached_prompt_tokens=cached, weight_versions=runs)
 
 
 def to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:

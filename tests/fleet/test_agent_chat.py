@@ -176,6 +176,7 @@ def test_tool_turns_named_by_trajectory_start_with_the_last_turns_exact_tokens(d
             assert message.prompt_token_ids == prompt and message.generation_token_ids == generated
             assert len(message.generation_log_probs) == len(generated) > 0
             assert message.weight_version == 0  # the weights the workers started with
+            assert message.weight_versions == [[0, len(generated)]]  # every token's, run-length
             cached = answer.usage.prompt_tokens_details.cached_tokens
             assert 0 <= cached <= len(prompt)
             if earlier is not None:

@@ -15,7 +15,7 @@ import types
 import pytest
 
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
-from rollout_fleet.adapters.vllm.convert import to_served
+from rollout_fleet.adapters.vllm.convert import piece_of, to_served
 from rollout_fleet.adapters.vllm.engine import VllmEngine
 from rollout_fleet.adapters.vllm.features import detect_features
 from rollout_fleet.adapters.vllm.transfer_engine import (
@@ -128,6 +128,41 @@ def test_with_per_token_versions_vllms_spans_are_kept():
                                                                span(version="4", start=1, end=2)]),
                         prompt_len=3, version=4)
     assert served.weight_versions == ((3, 1), (4, 1))
+
+
+def test_a_streamed_turns_last_piece_carries_vllms_spans_over_every_token():
+    """In vLLM's DELTA mode the finished output's spans cover every token of the request, not
+    the delta: the last piece carries them whole, the others none."""
+    span = types.SimpleNamespace
+    first = types.SimpleNamespace(request_id="r1", finished=False, outputs=[
+        Completion032(0, [5, 6], [{5: Logprob(-0.5)}, {6: Logprob(-0.25)}])])
+    last = types.SimpleNamespace(request_id="r1", finished=True, num_cached_tokens=0, outputs=[
+        Completion032(0, [7], [{7: Logprob(-0.125)}], "stop",
+                      weight_versions=[span(version="3", start=0, end=2),
+                                       span(version="4", start=2, end=3)])])
+    assert piece_of(first).weight_versions is None
+    piece = piece_of(last)
+    assert piece.token_ids == (7,) and piece.weight_versions == ((3, 2), (4, 1))
+
+
+def test_a_turns_engine_data_has_each_tokens_version():
+    from rollout_fleet.adapters.dynamo.plain import GeneratedTurn
+    from rollout_fleet.adapters.memory.engine import MemoryEngine
+    from rollout_fleet.core.engine import RolloutPiece
+
+    def turn(*pieces):
+        generated = GeneratedTurn(MemoryEngine(seed=0))  # weight version 0
+        for piece in pieces:
+            generated.add(piece)
+        return generated.engine_data()
+
+    split = turn(RolloutPiece((5, 6), (-0.5, -0.25)),
+                 RolloutPiece((7,), (-0.125,), weight_versions=((3, 2), (4, 1))))
+    assert split["token_ids"] == [5, 6, 7] and split["weight_versions"] == [[3, 2], [4, 1]]
+    told_none = turn(RolloutPiece((5, 6), (-0.5, -0.25)))
+    assert told_none["weight_versions"] == [[0, 2]] and told_none["weight_version"] == 0
+    short = turn(RolloutPiece((5, 6), (-0.5, -0.25), weight_versions=((3, 1),)))
+    assert short["weight_versions"] == [[0, 2]]  # runs that miss a token are not believed
 
 
 # -- per-engine versions and refit modes --------------------------------------------------------
