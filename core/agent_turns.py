@@ -23,6 +23,11 @@ from typing import Any
 import attrs
 
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.rollout import VersionRuns, version_runs
+
+
+# NeMo-Gym's names for a turn's tokens, on the assistant message that answered it.
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 class TurnNotJoinable(InvalidValue):
@@ -42,8 +47,8 @@ class TurnTokens:
     weight_version: int | None = None
     # Each generated token's weights, run-length ((version, n_tokens), ...): a refit that
     # lands mid-turn (a keep-mode refit) splits the turn's tokens between two versions.
-    weight_versions: tuple[tuple[int, int], ...] = attrs.field(
-        default=(), converter=lambda runs: tuple(tuple(run) for run in runs or ()))
+    weight_versions: VersionRuns = attrs.field(default=(),
+                                               converter=version_runs("weight_versions"))
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
@@ -155,7 +160,7 @@ def token_fields(message: Any) -> TurnTokens | None:
     if not isinstance(message, dict) or message.get("generation_token_ids") is None:
         return None
     fields = {}
-    for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+    for name in TOKEN_FIELDS:
         value = message.get(name, [])
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise InvalidValue(name, value, "must be a list")

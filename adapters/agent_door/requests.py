@@ -11,14 +11,13 @@ import attrs
 from aiohttp import web
 
 from rollout_fleet.core.agent_turns import (
-    REQUIRED_PREFIX_FIELD, RecordedTurn, TurnTokens, recorded_turn_applies, token_fields,
-    with_required_prefix,
+    REQUIRED_PREFIX_FIELD, TOKEN_FIELDS, RecordedTurn, TurnTokens, recorded_turn_applies,
+    token_fields, with_required_prefix,
 )
 from rollout_fleet.core.errors import InvalidValue
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 TRAJECTORY_FIELD = "trajectory"  # the body's spelling, for clients that cannot set headers
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 # What a client may send back on an assistant message that is the door's (or NeMo-Gym's)
 # record of the turn, not the conversation: taken out before the template and the frontend.
 TURN_RECORD_FIELDS = (*TOKEN_FIELDS, "weight_version", "weight_versions", "routed_experts")

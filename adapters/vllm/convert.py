@@ -74,8 +74,7 @@ def piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> Rollout
         cached = getattr(output, "num_cached_tokens", None)
         spans = getattr(completion, "weight_versions", None)  # over every token, not the delta
         if spans:
-            runs = tuple((int(span.version), span.end - span.start) for span in spans
-                         if span.end > span.start)
+            runs = _runs_of(spans)
     return RolloutPiece(token_ids, tuple(step[token].logprob for step, token in zip(steps, token_ids)),
                         reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None,
                         cached_prompt_tokens=cached, weight_versions=runs)
@@ -113,10 +112,16 @@ def _version_runs(spans: Any, n_tokens: int, version: int) -> list[tuple[int, in
     spans (no token carried a label) every token is tagged with the version at completion."""
     if not spans:
         return [(version, n_tokens)] if n_tokens else []
-    runs = [(int(span.version), span.end - span.start) for span in spans if span.end > span.start]
+    runs = _runs_of(spans)
     if sum(n for _, n in runs) != n_tokens:
         raise EngineError(f"vLLM's weight-version spans {spans} do not cover {n_tokens} tokens")
-    return runs
+    return list(runs)
+
+
+def _runs_of(spans: Any) -> tuple[tuple[int, int], ...]:
+    """vLLM's spans (``version`` label, ``[start, end)`` of the output tokens) as runs."""
+    return tuple((int(span.version), span.end - span.start) for span in spans
+                 if span.end > span.start)
 
 
 def served_rollout(token_ids, logprobs, reason, prompt_len, version, tops=None, runs=None) -> ServedRollout:

@@ -7,7 +7,6 @@ client (``vllm bench serve``) runs as shipped, completions and chat.
 
 from __future__ import annotations
 
-
 import pytest
 
 from .conftest import EOS_TOKEN_ID, MODEL_SEED, SERVED_MODEL, VllmFleet
