@@ -22,10 +22,15 @@ HTTP. Per rep, interleaved, after one warm-up (medians printed):
   in place:   the same refit from a second copy of the model whose tensors the sender holds
               in place (``make_resident``: one buffer per bucket): no packing, the engine's
               load the only copy
+  NeMo-RL:    NeMo-RL's own colocated protocol into the same engine: its sender restated
+              (tests/support/nemo_rl_ipc_sender.py: ZeroMQ, two buffers of this size, fresh
+              each refit, 512-byte offsets) and the worker's receiver (core/ipc_stream.py over
+              adapters/ipc_zmq), as ``update_weights_via_ipc_zmq`` runs them
   packed:     (CPU) the packed refit over gloo between the same two processes, received and
               loaded by ``PackedTransferEngine`` (NCCL refuses two ranks on one GPU)
 After the reps the engine's weights are compared with the trainer's, byte for byte (for the
-buffered and the in-place refit alike: new weights, then one refit, then the digests).
+buffered, the in-place and NeMo-RL's refit alike: new weights, then one refit, then the digests).
+The NeMo-RL column needs pyzmq (on the GPU machine: the bundle's site folder on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +49,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.support
 from bench_gpu_pack import import_package  # noqa: E402
 from bench_gpu_refit import MODELS, LlamaLike, _free_port  # noqa: E402
 
@@ -54,6 +62,7 @@ from rollout_fleet.adapters.collective.transfer import TorchWeightSender  # noqa
 from rollout_fleet.adapters.vllm.colocated_engine import compose_colocated_engine  # noqa: E402
 from rollout_fleet.adapters.vllm.transfer_engine import PackedInitInfo  # noqa: E402
 from rollout_fleet.core.colocated_service import WorkerColocatedRefit  # noqa: E402
+from rollout_fleet.core.ipc_stream import receive_weight_stream  # noqa: E402
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin  # noqa: E402
 from rollout_fleet.ports.colocated import ColocatedTarget  # noqa: E402
 
@@ -177,7 +186,7 @@ def trainer(args, connection):
     rows = []
     for mib in args.buffer_mib:
         times = {"copy": [], "staged": [], "colocated": [], "pack": [], "wait": [], "packed": [],
-                 "in_place": []}
+                 "in_place": [], "nemo_rl": []}
         staging = torch.empty(max(int(mib * 2**20), max(_nbytes(t) for t in state.values())),
                               dtype=torch.uint8, device=device)
         sender = ColocatedSender(PipeControl(connection), buffer_bytes=int(mib * 2**20),
@@ -201,6 +210,7 @@ def trainer(args, connection):
             staged_s = _staged_copy(state, copy, staging, device)
             result = sender.send(state)
             in_place_s = in_place.send(resident_model.state_dict()).seconds
+            nemo_rl_s = _nemo_rl_refit(connection, state, mib, device)
             packed_s = None
             if sender_packed is not None:
                 started = time.perf_counter()
@@ -215,6 +225,7 @@ def trainer(args, connection):
                 times["pack"].append(result.pack_s)
                 times["wait"].append(result.wait_s)
                 times["in_place"].append(in_place_s)
+                times["nemo_rl"].append(nemo_rl_s)
                 if packed_s is not None:
                     times["packed"].append(packed_s)
         model.randomize(seed=7 + len(rows))  # new weights: every byte must move
@@ -226,6 +237,10 @@ def trainer(args, connection):
         connection.send(("digest",))
         exact = exact and connection.recv() == ("digest", _digest(resident_model.state_dict()))
         in_place.close()
+        model.randomize(seed=170 + len(rows))
+        _nemo_rl_refit(connection, state, mib, device)
+        connection.send(("digest",))
+        exact = exact and connection.recv() == ("digest", _digest(state))
         resident_model = LlamaLike(*shape, device=device, dtype=_dtype(args))  # its own memory
         resident_model.randomize(seed=1)
         sender.close()
@@ -237,6 +252,31 @@ def trainer(args, connection):
         print(_format(rows[-1]), flush=True)
     connection.send(("quit",))
     return rows, nbytes
+
+
+def _nemo_rl_refit(connection, state, mib, device) -> float:
+    """One refit through NeMo-RL's stream: the trainer rank binds, the engine connects and
+    loads every buffer; seconds from the bind to the final answer."""
+    from tests.support.nemo_rl_ipc_sender import TrainerRank
+
+    address = f"ipc://{tempfile.gettempdir()}/bench-colocated-{os.getpid()}.sock"
+    started = time.perf_counter()
+    rank = TrainerRank(address, state.items(), int(2 * mib * 2**20), timeout_s=120.0,
+                       device=device)
+    connection.send(("nemo_rl", address))
+    kind, answer = connection.recv()
+    rank.join()
+    if kind != "done":
+        raise RuntimeError(f"NeMo-RL's stream failed in the engine: {answer}")
+    return time.perf_counter() - started
+
+
+async def _receive_nemo_rl(target, address, info, device):
+    from rollout_fleet.adapters.ipc_zmq import ZmqWeightStream
+
+    uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+    async with ZmqWeightStream(address, timeout_s=120.0, device_uuid=uuid) as stream:
+        return await receive_weight_stream(stream, target, info)
 
 
 def engine(args, connection):
@@ -271,6 +311,13 @@ def engine(args, connection):
             connection.send(("done", "packed"))
         elif message[0] == "leave":
             packed.shutdown()
+        elif message[0] == "nemo_rl":
+            try:
+                version = loop.run_until_complete(
+                    _receive_nemo_rl(target, message[1], info, device))
+                connection.send(("done", version))
+            except Exception as error:  # noqa: BLE001 - the trainer reports it
+                connection.send(("error", f"{type(error).__name__}: {error}"))
         elif message[0] == "digest":
             connection.send(("digest", _digest(model.state_dict())))
         elif message[0] == "quit":
@@ -287,6 +334,8 @@ def _row(mib, nbytes, times, exact, result):
            "pool_mib": result.pool_bytes / 2**20, **{f"{k}_s": v for k, v in med.items()}}
     row["colocated_over_copy"] = med["colocated"] / med["copy"]
     row["in_place_over_copy"] = med["in_place"] / med["copy"]
+    row["nemo_rl_over_copy"] = med["nemo_rl"] / med["copy"]
+    row["nemo_rl_over_in_place"] = med["nemo_rl"] / med["in_place"]
     row["staged_over_copy"] = med["staged"] / med["copy"]
     if "packed" in med:
         row["packed_over_copy"] = med["packed"] / med["copy"]
@@ -300,7 +349,8 @@ def _format(row):
             f" ({row['staged_over_copy']:.2f}x copy), colocated {row['colocated_s'] * 1e3:.1f} ms"
             f" ({row['colocated_over_copy']:.2f}x copy; trainer packing {row['pack_s'] * 1e3:.1f}"
             f" ms, waiting {row['wait_s'] * 1e3:.1f} ms), in place {row['in_place_s'] * 1e3:.1f} ms"
-            f" ({row['in_place_over_copy']:.2f}x copy)")
+            f" ({row['in_place_over_copy']:.2f}x copy), NeMo-RL's stream {row['nemo_rl_s'] * 1e3:.1f}"
+            f" ms ({row['nemo_rl_over_copy']:.2f}x copy, {row['nemo_rl_over_in_place']:.2f}x in place)")
     if "packed_s" in row:
         text += (f", packed gloo {row['packed_s'] * 1e3:.1f} ms ({row['packed_over_copy']:.2f}x"
                  f" copy, {row['packed_over_colocated']:.2f}x colocated)")
@@ -333,11 +383,12 @@ def main(argv=None) -> int:
     rows, nbytes = results.get()
     print(f"\n{nbytes / 2**20:.0f} MiB, medians of {rows[0]['reps']} reps")
     print("| buffers | copy ms | staged / copy | colocated ms | colocated / copy | in place ms"
-          " | in place / copy | packed gloo ms | packed / copy | packed / colocated | bit-exact |")
+          " | in place / copy | NeMo-RL ms | NeMo-RL / copy | NeMo-RL / in place | packed gloo ms | packed / copy | packed / colocated | bit-exact |")
     for r in rows:
         print(f"| {r['buffer_mib']:g} MiB x {args.num_buffers} | {r['copy_s'] * 1e3:.1f} |"
               f" {r['staged_over_copy']:.2f} | {r['colocated_s'] * 1e3:.1f} | {r['colocated_over_copy']:.2f} |"
               f" {r['in_place_s'] * 1e3:.1f} | {r['in_place_over_copy']:.2f} |"
+              f" {r['nemo_rl_s'] * 1e3:.1f} | {r['nemo_rl_over_copy']:.2f} | {r['nemo_rl_over_in_place']:.2f} |"
               f" {r.get('packed_s', float('nan')) * 1e3:.1f} | {r.get('packed_over_copy', float('nan')):.2f} |"
               f" {r.get('packed_over_colocated', float('nan')):.2f} | {'yes' if r['exact'] else 'NO'} |")
     return 0 if all(r["exact"] for r in rows) else 1

@@ -15,6 +15,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.then_async and (args.asynchronous or args.colocated or args.in_memory):
         raise RolloutFleetError("demo: --then-async follows the synchronous loop of the fleet "
                                 "demo; it does not combine with --async, --colocated or --in-memory")
+    if not args.colocated:
+        _refuse_colocated_options(args)
     if args.in_memory:
         from rollout_fleet.wiring.memory_demo import run_memory_demo
 
@@ -38,10 +40,50 @@ def _demo(args: argparse.Namespace) -> int:
     if args.colocated:
         from rollout_fleet.wiring.demo.colocated import run_colocated_demo
 
-        run_colocated_demo(attrs.evolve(settings, workers=1), device=args.device)
+        run_colocated_demo(_colocated_settings(args, settings), device=args.device)
         return 0
     run_demo(settings)
     return 0
+
+
+# The colocated demo's own options: argparse name -> DemoSettings field.
+_COLOCATED_OPTIONS = {"model": "model", "dtype": "dtype", "sleep_level": "sleep_level",
+                      "in_place": "in_place", "buffer_mib": "buffer_mib",
+                      "learning_rate": "learning_rate", "mismatch_bound": "mismatch_bound"}
+
+
+def _add_colocated_options(demo: argparse.ArgumentParser) -> None:
+    group = demo.add_argument_group("with --colocated")
+    group.add_argument("--model", default=None,
+                       help='a model folder (default "tiny": the tiny model, built)')
+    group.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="the trainer's and the engine's dtype (default float32; the "
+                            "model folder's weights are loaded in it)")
+    group.add_argument("--sleep-level", type=int, choices=(1, 2), default=None,
+                       help="1: the sleep frees the KV cache (weights kept in host memory); "
+                            "2: the weights too, and each refit loads them all (GPU; default 1)")
+    group.add_argument("--in-place", action="store_true", default=None,
+                       help="the trainer's parameters live in the sender's buffers: a refit is "
+                            "the engine's one copy out of them")
+    group.add_argument("--buffer-mib", type=float, default=None,
+                       help="each of the sender's two buffers, MiB (default 1)")
+    group.add_argument("--learning-rate", type=float, default=None, help="default 1e-2")
+    group.add_argument("--mismatch-bound", type=float, default=None,
+                       help="the largest train/inference logprob difference a step may show "
+                            "(default 1e-3: float32 noise; bf16 needs more)")
+
+
+def _colocated_settings(args: argparse.Namespace, settings):
+    given = {field: getattr(args, option) for option, field in _COLOCATED_OPTIONS.items()
+             if getattr(args, option) is not None}
+    return attrs.evolve(settings, workers=1, **given)
+
+
+def _refuse_colocated_options(args: argparse.Namespace) -> None:
+    given = [f"--{option.replace('_', '-')}" for option in _COLOCATED_OPTIONS
+             if getattr(args, option) is not None]
+    if given:
+        raise RolloutFleetError(f"demo: {', '.join(given)} go with --colocated")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --colocated: where the trainer and the worker run (default cpu)")
     demo.add_argument("--in-memory", action="store_true",
                       help="the in-memory demo: core services only, no Ray, Dynamo or vLLM")
+    _add_colocated_options(demo)
     demo.set_defaults(run=_demo)
     from rollout_fleet.wiring import cli_generate, cli_refit, cli_serve, cli_sleep
 

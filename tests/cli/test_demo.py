@@ -70,12 +70,14 @@ def test_then_async_is_refused_beside_the_modes_it_does_not_follow(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.dynamo
-def test_the_colocated_ci_demo_refits_its_worker_from_the_trainers_shared_buffers(tmp_path):
-    """The trainer and one vLLM worker on this machine: each step's refit goes through the
-    trainer's shared-memory buffers (several buckets; tests/refit/test_colocated_fleet.py
-    checks their bound), the worker serves those weights (the mismatch bound holds on the next
-    batch), and the CPU run says it does not sleep."""
-    result = run_cli("demo", "--colocated", "--ci", "--quiet", "--out", tmp_path, timeout_s=900)
+def test_the_colocated_ci_demo_refits_its_worker_from_the_trainers_own_parameters(tmp_path):
+    """The trainer and one vLLM worker on this machine, the trainer's parameters held in its
+    sender's shared-memory buffers (``--in-place``): each step's refit is the engine's copy
+    out of them (several buckets, none moved by the optimizer's step), the worker serves those
+    weights (the mismatch bound holds on the next batch), each step reports the worker's host
+    memory, and the CPU run says it does not sleep."""
+    result = run_cli("demo", "--colocated", "--in-place", "--ci", "--quiet", "--out", tmp_path,
+                     timeout_s=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "sleep between phases: off (vLLM has no sleep mode on the CPU)" in result.stdout
     figures = json.loads((tmp_path / "demo.json").read_text())
@@ -85,3 +87,7 @@ def test_the_colocated_ci_demo_refits_its_worker_from_the_trainers_shared_buffer
     for step in steps:
         assert 0.0 <= step["mismatch_mean"] <= step["mismatch_max"] <= meta["mismatch_bound"]
         assert step["refit_buckets"] > 1 and step["refit_s"] > 0
+        assert step["refit_moved_tensors"] == 0 and step["worker_host_mib"] > 100
+    assert meta["in_place"] is True
+    assert "worker host memory (worker and engine core, resident) after each of 2 cycles" \
+        in result.stdout

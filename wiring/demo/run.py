@@ -32,6 +32,14 @@ class DemoSettings:
     # After the synchronous loop, as many steps one step off-policy on the same fleet,
     # continuing from its weights (their figures in ``out_dir/async``).
     then_async: bool = False
+    # The colocated demo's own: the model folder ("tiny": built), its dtype (the trainer's and
+    # the engine's), the sleep level between phases (GPU), the trainer's parameters held in the
+    # sender's buffers (one copy per refit), and the size of each of its two buffers.
+    model: str = "tiny"
+    dtype: str = "float32"
+    sleep_level: int = 1
+    in_place: bool = False
+    buffer_mib: float = 1.0  # several buckets per refit even for the tiny model
 
 
 class DemoFailed(RolloutFleetError):

@@ -50,18 +50,23 @@ def group_advantages(rewards: Sequence[float], group_size: int) -> list[float]:
 
 class PolicyTrainer:
     def __init__(self, model_dir: str, *, learning_rate: float = 3e-3, seed: int = 0,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import LlamaForCausalLM
 
         torch.manual_seed(seed)
         self.device = torch.device(device)
+        # The engine's dtype: a refit sends these tensors as they are.
         self.model = LlamaForCausalLM.from_pretrained(
-            model_dir, torch_dtype=torch.float32).to(self.device)
+            model_dir, torch_dtype=getattr(torch, dtype)).to(self.device)
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learning_rate)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The model's own parameters (a tied weight once), for a sender to hold in place."""
+        return dict(self.model.named_parameters())
 
     def state_dict_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """NeMo-RL's refit info shape: name -> (shape, dtype)."""
