@@ -112,6 +112,7 @@ class VllmColocated(ColocatedTarget):
         await self._request(ColocatedStep.END, {})
         await self.runtime.require_engine().finish_weight_update()
         self.runtime.torn = None
+        self.runtime.sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
         version = await self.refit.commit_new_weights(self._mode, version)
         self._stack = None
         try:
