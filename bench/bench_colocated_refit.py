@@ -107,6 +107,11 @@ class StandaloneColocated(ColocatedTarget):
             "tensors": [[e.meta.name, e.offset] for e in bucket.entries],
             "nbytes": bucket.nbytes, "handle": handle.to_wire()}}})
 
+    async def load_colocated_buckets(self, buckets):
+        self.transfer.update_weights({"colocated": {"buckets": [{
+            "tensors": [[e.meta.name, e.offset] for e in bucket.entries],
+            "nbytes": bucket.nbytes, "handle": handle.to_wire()} for bucket, handle in buckets]}})
+
     async def end_colocated(self, *, version):
         self.transfer.update_weights({"colocated": {"end": {}}})
         self.transfer.finish_weight_update()

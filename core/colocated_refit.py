@@ -60,6 +60,7 @@ class ColocatedStep(Vocabulary):
 
     BEGIN = "begin"  # the refit info, the tensors not to load and the rollback
     BUCKET = "bucket"  # one bucket's tensors and offsets, and the handle of its buffer
+    BUCKETS = "buckets"  # several buckets in order, each as a BUCKET's body (one request)
     END = "end"  # every bucket sent: check that every tensor arrived
     ABORT = "abort"  # the refit gave up (the reason): recover the weights
 

@@ -18,8 +18,8 @@ from rollout_fleet.core.engine_ports import ColocatedTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import next_version, refit_mode
 
-CONTROLS = ("colocated_start", "colocated_bucket", "colocated_finish", "colocated_abort",
-            "colocated_release")
+CONTROLS = ("colocated_start", "colocated_bucket", "colocated_buckets", "colocated_finish",
+            "colocated_abort", "colocated_release")
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 
 
@@ -39,7 +39,7 @@ class WorkerColocatedRefit:
 
     def controls(self) -> dict[str, Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]]:
         return {"colocated_start": self.start, "colocated_bucket": self.bucket,
-                "colocated_finish": self.finish, "colocated_abort": self.abort,
+                "colocated_buckets": self.buckets, "colocated_finish": self.finish, "colocated_abort": self.abort,
                 "colocated_release": self.release}
 
     @property
@@ -86,6 +86,36 @@ class WorkerColocatedRefit:
                 raise
             self._arm(session)
         return {"index": index, "seconds": round(self._clock.monotonic() - started, 6)}
+
+    async def buckets(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Several buckets in one call, in order, each as ``bucket`` takes it: for a sender
+        whose buffers are not reused within a refit (the trainer's tensors held in place),
+        so no bucket needs an answer before the next is sent."""
+        body = _mapping(body)
+        parts = body.get("buckets")
+        if not isinstance(parts, list) or not parts:
+            raise InvalidValue("buckets", parts, "must be a non-empty list of buckets")
+        async with self._lock:
+            session = self._current(body)
+            was_open = session.is_open
+            where = "buckets"
+            try:
+                taken = []
+                for part in parts:
+                    part = _mapping(part)
+                    where = f"bucket {part.get('index')!r}"
+                    handle = BufferHandle.from_wire(part.get("handle"))
+                    taken.append((session.take_bucket(part.get("index"), part.get("tensors"),
+                                                      handle), handle))
+                where = f"buckets {parts[0].get('index')!r}..{parts[-1].get('index')!r}"
+                started = self._clock.monotonic()
+                await self._target.load_colocated_buckets(taken)
+            except BaseException as error:
+                await self._failed(session, was_open, f"{where}: {error}")
+                raise
+            self._arm(session)
+        return {"indices": [part.get("index") for part in parts],
+                "seconds": round(self._clock.monotonic() - started, 6)}
 
     async def finish(self, body: Mapping[str, Any]) -> dict[str, Any]:
         body = _mapping(body)

@@ -107,6 +107,13 @@ class ColocatedTarget(ABC):
         (or stage it), and hold no view into the buffer on return: the trainer reuses it.
         A handle that cannot be opened is a ``RefitError`` naming it."""
 
+    async def load_colocated_buckets(self, buckets: Sequence[tuple[Bucket, BufferHandle]]) -> None:
+        """Several buckets in order, as ``load_colocated_bucket`` loads each (a sender whose
+        buffers are not reused within a refit sends them at once); an engine that crosses a
+        process boundary per call may load them in one."""
+        for bucket, handle in buckets:
+            await self.load_colocated_bucket(bucket, handle)
+
     @abstractmethod
     async def end_colocated(self, *, version: int | None) -> int:
         """Every bucket is loaded: reset the prefix cache and set the weight version as every
@@ -142,6 +149,9 @@ class ColocatedByPart(ColocatedTarget):
 
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
         await self.colocated.load_colocated_bucket(bucket, handle)
+
+    async def load_colocated_buckets(self, buckets: Sequence[tuple[Bucket, BufferHandle]]) -> None:
+        await self.colocated.load_colocated_buckets(buckets)
 
     async def end_colocated(self, *, version: int | None) -> int:
         return await self.colocated.end_colocated(version=version)

@@ -140,12 +140,12 @@ class ColocatedSender:
 
     async def _in_place_buckets(self, session: str, plan: tuple[Bucket, ...],
                                 pool: BufferPool) -> float:
-        """Bucket k is buffer k, already holding the trainer's tensors: the calls only."""
+        """Bucket k is buffer k, already holding the trainer's tensors, and no buffer is reused
+        within the refit: every bucket goes in one call, answered once all are loaded."""
         started = time.perf_counter()
-        for index, bucket in enumerate(plan):
-            await self._call("colocated_bucket", {
-                "session": session, "index": index, "tensors": bucket_entries_wire(bucket),
-                "handle": pool.handle(index).to_wire()})
+        await self._call("colocated_buckets", {"session": session, "buckets": [
+            {"index": index, "tensors": bucket_entries_wire(bucket),
+             "handle": pool.handle(index).to_wire()} for index, bucket in enumerate(plan)]})
         return time.perf_counter() - started
 
     async def _buckets(self, session: str, plan: tuple[Bucket, ...], pool: BufferPool,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.vllm.colocated_engine import COLOCATED_KEY
@@ -101,9 +101,11 @@ class VllmColocated(ColocatedTarget):
         self._rank_failed = False
 
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
-        await self._request(ColocatedStep.BUCKET, {
-            "tensors": [[e.meta.name, e.offset] for e in bucket.entries], "nbytes": bucket.nbytes,
-            "handle": handle.to_wire()})
+        await self._request(ColocatedStep.BUCKET, _bucket_body(bucket, handle))
+
+    async def load_colocated_buckets(self, buckets: Sequence[tuple[Bucket, BufferHandle]]) -> None:
+        """All of them in one request: one crossing into vLLM's workers, not one per bucket."""
+        await self._request(ColocatedStep.BUCKETS, [_bucket_body(b, h) for b, h in buckets])
 
     async def end_colocated(self, *, version: int | None) -> int:
         """Finish vLLM's update and commit (cache, version) still paused, then resume. A
@@ -162,3 +164,8 @@ class VllmColocated(ColocatedTarget):
 async def _quietly(step: Any) -> None:
     with contextlib.suppress(Exception):  # already finished: vLLM says so, nothing to undo
         await step()
+
+
+def _bucket_body(bucket: Bucket, handle: BufferHandle) -> dict[str, Any]:
+    return {"tensors": [[e.meta.name, e.offset] for e in bucket.entries],
+            "nbytes": bucket.nbytes, "handle": handle.to_wire()}

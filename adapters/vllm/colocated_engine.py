@@ -118,6 +118,9 @@ class ColocatedTransferEngine(PackedTransferEngine):
             self._colocated_begin(body)
         elif kind is ColocatedStep.BUCKET:
             self._colocated_bucket(body)
+        elif kind is ColocatedStep.BUCKETS:
+            for bucket in body:
+                self._colocated_bucket(bucket)
         elif kind is ColocatedStep.END:
             self._colocated_end()
         else:  # ColocatedStep.ABORT, the last there is

@@ -103,3 +103,25 @@ def test_closing_the_sender_leaves_the_tensors_alive_and_no_segment_behind(engin
     assert our_segments() == set()
     params["embed.weight"].add_(1.0)  # still the trainer's memory, still writable
     assert torch.equal(params["embed.weight"], expected["embed.weight"] + 1.0)
+
+
+def test_an_in_place_refit_sends_every_bucket_in_one_call(engine):
+    """The trainer's buffers are not reused within a refit: start, one call with every
+    bucket, finish; the engine then serves the weights sent."""
+    calls = []
+
+    def counted(name, control):
+        async def call(body):
+            calls.append(name)
+            return await control(body)
+        return call
+
+    controls = WorkerColocatedRefit(engine).controls()
+    control = LocalWorkerControl("w0", {name: counted(name, c) for name, c in controls.items()})
+    params = weights(1)
+    with ColocatedSender(control, buffer_bytes=800, num_buffers=2) as sender:
+        sender.make_resident(params)
+        result = sender.send(params)
+        assert result.buckets == 2 and result.weight_version == 1
+        assert calls == ["colocated_start", "colocated_buckets", "colocated_finish"]
+    assert answers(engine) == answers(MemoryEngine(seed=1))

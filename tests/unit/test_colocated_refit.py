@@ -271,3 +271,52 @@ def _float32(state):
     import array
 
     return {name: [array.array("f", row).tolist() for row in rows] for name, rows in state.items()}
+
+
+# -- several buckets in one call (a sender whose buffers are not reused within a refit) --------
+
+@pytest.fixture
+def one_buffer_a_bucket():
+    plan_of = _memory_manifest()
+    pool = ListPool(ColocatedManifest(plan_of.info, 800, len(plan_of.plan), "shm"))
+    yield pool
+    pool.close()
+
+
+def _all_buckets(pool, state, session="s"):
+    return {"session": session, "buckets": [bucket_body(session, index, bucket, pool.pack(bucket, state, index))
+                                            for index, bucket in enumerate(pool.manifest.plan)]}
+
+
+def test_every_bucket_in_one_call_loads_as_one_call_a_bucket_does(one_buffer_a_bucket):
+    pool, engine = one_buffer_a_bucket, MemoryEngine(seed=0)
+    service = WorkerColocatedRefit(engine)
+    other = TinyBigramModel.from_seed(1).state_dict()
+
+    async def run():
+        await service.start({"session": "s", "manifest": pool.manifest.to_wire()})
+        answer = await service.buckets(_all_buckets(pool, other))
+        assert answer["indices"] == list(range(len(pool.manifest.plan))) and len(answer["indices"]) > 1
+        return await service.finish({"session": "s"})
+    assert asyncio.run(run())["weight_version"] == 1
+    assert engine.model.state_dict() == _float32(other)
+
+
+def test_a_bucket_out_of_order_among_several_fails_the_session_and_keeps_the_weights(
+        one_buffer_a_bucket):
+    pool, engine = one_buffer_a_bucket, MemoryEngine(seed=0)
+    service = WorkerColocatedRefit(engine)
+    before = engine.model.state_dict()
+
+    async def run():
+        await service.start({"session": "s", "manifest": pool.manifest.to_wire()})
+        with pytest.raises(InvalidValue, match="buckets"):
+            await service.buckets({"session": "s", "buckets": {}})
+        body = _all_buckets(pool, TinyBigramModel.from_seed(1).state_dict())
+        body["buckets"][1]["index"] = 5
+        with pytest.raises((RefitError, InvalidValue)):
+            await service.buckets(body)
+        with pytest.raises(RefitError, match="bucket 5"):
+            await service.finish({"session": "s"})
+    asyncio.run(run())
+    assert engine.model.state_dict() == before and engine.weight_version() == 0

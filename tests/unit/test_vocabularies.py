@@ -83,6 +83,6 @@ def test_the_transfer_engines_rollback_is_read_from_its_spelling():
 
 def test_an_unknown_colocated_step_is_refused_by_name():
     engine = ColocatedTransferEngine(None, None, torch.device("cpu"), model=None)
-    with pytest.raises(InvalidValue, match="colocated step=resume: must be one of begin, bucket,"
+    with pytest.raises(InvalidValue, match="colocated step=resume: must be one of begin, bucket, buckets,"
                        " end, abort"):
         engine.colocated_step({"resume": {}})
