@@ -41,8 +41,9 @@ class TrainerDied(RolloutFleetError):
 
 @attrs.frozen
 class ColocatedTrainer:
-    """``refit(call, tensors, version=None, fault=None, fault_arg=None)``: one refit of the
-    state dict ``tensors`` from the trainer's process; ``call(name, body) -> answer`` reaches
+    """``refit(call, tensors, version=None, fault=None, fault_arg=None, in_place=False)``: one
+    refit of the state dict ``tensors`` from the trainer's process (``in_place``: the tensors
+    held in the sender's buffers, one a bucket, every bucket sent in one call); ``call(name, body) -> answer`` reaches
     the worker's controls. Returns the finish's answer; raises what the worker refused with,
     or ``TrainerDied``. ``buckets_per_refit``: how many buckets a refit of the weight sets
     takes with the trainer's buffer size (the suite needs at least 2)."""
@@ -82,6 +83,23 @@ class ColocatedContract:
         assert answer["buckets"] == colocated_trainer.buckets_per_refit
         assert self._colocated_greedy(eut) != before, "a colocated refit of other weights changed nothing"
         assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 2
+        assert self._colocated_greedy(eut) == before, "refitting the original back did not restore it"
+
+    def test_an_in_place_refit_loads_every_bucket_from_one_call(
+            self, engine_under_test, weight_sets, colocated_trainer):
+        eut, (original, alternate) = engine_under_test, weight_sets
+        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        caller, calls = self._colocated_caller(eut), []
+
+        def counted(name, body):
+            calls.append(name)
+            return caller(name, body)
+        answer = colocated_trainer.refit(counted, alternate, in_place=True)
+        assert answer["weight_version"] == version + 1
+        assert answer["buckets"] == colocated_trainer.buckets_per_refit
+        assert calls[:3] == ["colocated_start", "colocated_buckets", "colocated_finish"]
+        assert self._colocated_greedy(eut) != before, "an in-place refit of other weights changed nothing"
+        colocated_trainer.refit(counted, original, in_place=True)
         assert self._colocated_greedy(eut) == before, "refitting the original back did not restore it"
 
     def test_the_fleet_version_is_taken_and_one_going_backwards_refused(

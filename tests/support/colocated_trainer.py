@@ -3,7 +3,7 @@ the real ``ColocatedSender`` in a child process, owning its shared buffers; its 
 come back to the test process over the child's stdin/stdout, one JSON line each way.
 
     python -m tests.support.colocated_trainer BUFFER_BYTES NUM_BUFFERS
-    stdin:  {"state": path, "version": v, "fault": f, "fault_arg": a}   one refit
+    stdin:  {"state": path, "version": v, "fault": f, "fault_arg": a, "in_place": b}   one refit
             {"answer": {...}} | {"error": "..."}                        a control's answer
     stdout: {"call": name, "body": {...}}                               a control to run
             {"done": {...}} | {"failed": "..."}                         the refit's end
@@ -63,6 +63,8 @@ def main() -> int:
         control = _PipeControl(order.get("fault"))
         sender = ColocatedSender(control, buffer_bytes=buffer_bytes, num_buffers=num_buffers)
         try:
+            if order.get("in_place"):  # the state's tensors move into the buffers, one a bucket
+                sender.make_resident(state)
             try:
                 result = sender.send(state, order.get("version"))
             finally:
@@ -86,14 +88,15 @@ class TrainerProcess:
     def contract(self, buckets_per_refit: int) -> ColocatedTrainer:
         return ColocatedTrainer(refit=self.refit, buckets_per_refit=buckets_per_refit)
 
-    def refit(self, call, tensors, version=None, fault=None, fault_arg=None):
+    def refit(self, call, tensors, version=None, fault=None, fault_arg=None, in_place=False):
         import torch
 
         path = os.path.join(self._dir.name, "state.pt")
         torch.save({n: t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.float32)
                     for n, t in tensors.items()}, path)
         process = self._running()
-        self._write({"state": path, "version": version, "fault": fault, "fault_arg": fault_arg})
+        self._write({"state": path, "version": version, "fault": fault, "fault_arg": fault_arg,
+                     "in_place": in_place})
         while True:
             line = process.stdout.readline()
             if not line:
