@@ -101,11 +101,15 @@ def random_prompts(model: Path, count: int, length: int, seed: int) -> list[list
 # -- the servers --------------------------------------------------------------------------------
 def start_servers(run_dir: Path, model: Path, args, running: list) -> dict[str, str]:
     """The fleet, once it lists the model, then vLLM's server (their memory profiles never
-    overlap); each engine's KV cache facts printed (and kept in engines.json under ``--out``).
+    overlap), or both at once (``--start-together``: each with ``--kv-cache-gib``, so the
+    profiles cannot size them differently); each engine's KV cache facts printed (and kept in engines.json under ``--out``).
     Every process started goes into ``running`` at once, so that the caller stops it even if a
     start fails."""
     urls, facts = {}, args.out or run_dir
     facts.mkdir(parents=True, exist_ok=True)
+    if args.start_together:
+        started = sweep.started_together(run_dir, model, args, facts, running)
+        return {"fleet" if way == sweep.FLEET else "vllm": url for way, url in started.items()}
     for way in (sweep.FLEET, sweep.VLLM):
         began = time.monotonic()
         url, processes, log = sweep.started_server(way, run_dir / way, model, args)
@@ -279,8 +283,14 @@ def parse_args(argv):
                         help="build the model here, or reuse the one a previous call built")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="one compile cache for both servers, kept across calls")
+    parser.add_argument("--start-together", action="store_true",
+                        help="start both servers at once (on a GPU with --kv-cache-gib): the "
+                             "start costs the slower server's, not both")
     parser.add_argument("--out", type=Path, default=None, help="records.json, table.md and engines.json here")
     args = parser.parse_args(argv)
+    if args.start_together and args.gpu and args.kv_cache_gib is None:
+        parser.error("--start-together needs --kv-cache-gib: two engines profiling memory at"
+                     " once on one GPU would each count the other's")
     needed = args.prompt_len + args.max_tokens
     args.max_model_len = args.max_model_len or needed
     if needed > (args.max_model_len if args.gpu else CPU_CONTEXT):

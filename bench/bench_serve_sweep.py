@@ -11,6 +11,9 @@ Arrangements (``--arrangement``, comma-separated, run in that order):
   resident: the fleet starts and lists its model, then vLLM's server starts (their memory
             profiles never overlap); both stay up; at each shape ``--rounds`` rounds, the order
             alternating round by round (fleet, vllm / vllm, fleet)
+  together: both start at the same time (``--kv-cache-gib`` each on a GPU, so the two memory
+            profiles cannot size them differently; a compile cache each), then as resident: the
+            start costs the slower server's, not both
   alone:    the fleet alone (start, every shape's rounds, stop), then vLLM's server alone on the
             very shapes the fleet ran
 
@@ -41,6 +44,7 @@ On one GPU (a Llama-3.2-1B-shaped bf16 model built there): ``scripts/gpu_tier.sh
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import shutil
@@ -70,6 +74,32 @@ def started_server(way: str, run_dir: Path, model: Path, args):
     url, server, log = servers.start_vllm(run_dir, model, args)
     servers.wait_for_model(url, [server], log)
     return url, [server], log
+
+
+def started_together(run_dir: Path, model: Path, args, facts: Path, running: list,
+                     label: str = "together") -> dict[str, str]:
+    """Both servers started at the same time, each with a compile cache of its own; each
+    one's KV cache facts and start seconds kept under ``facts``. Every process started goes
+    into ``running``, so the caller stops it even when the other's start failed."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starts = {way: pool.submit(timed_start, way, run_dir / f"{label}-{way}", model,
+                                   own_cache(args, way)) for way in (FLEET, VLLM)}
+        concurrent.futures.wait(starts.values())
+    for future in starts.values():
+        if future.exception() is None:
+            running += future.result()[0][1]
+    urls = {}
+    for way, future in starts.items():
+        (url, _processes, log), seconds = future.result()  # raises the first failure
+        record_facts(facts, f"{label} {way}", log, seconds)
+        urls[way] = url
+    return urls
+
+
+def timed_start(way: str, run_dir: Path, model: Path, args):
+    """``started_server``'s answer and its seconds."""
+    began = time.monotonic()
+    return started_server(way, run_dir, model, args), time.monotonic() - began
 
 
 def stop_all(processes: list) -> None:
@@ -143,7 +173,7 @@ class Sweep:
         return False
 
     def resident(self) -> None:
-        running = []
+        running: list = []
         try:
             urls = {}
             for way in (FLEET, VLLM):  # one after the other: their memory profiles never overlap
@@ -154,16 +184,38 @@ class Sweep:
                 record_facts(self.out, f"resident {way}", log, time.monotonic() - began)
                 warm(url, way, self)
                 urls[way] = url
-            for shape in self.shapes:
-                if not self.admit(shape, 2 * self.args.rounds):
-                    continue
-                began = time.monotonic()
-                for index in range(self.args.rounds):
-                    for way in (FLEET, VLLM) if index % 2 == 0 else (VLLM, FLEET):
-                        measure(urls[way], way, shape, index, "resident", self)
-                self.budget.record(self.work(shape, 2 * self.args.rounds), time.monotonic() - began)
+            self.interleaved(urls, "resident")
         finally:
             stop_all(running)
+
+    def together(self) -> None:
+        """Both servers started at the same time, each with its own compile cache and a KV
+        cache of ``--kv-cache-gib`` (so their overlapping memory profiles cannot size them
+        differently): the start costs the slower of the two, not their sum. Then the same
+        interleaved rounds as ``resident``."""
+        running: list = []
+        try:
+            urls = self.started_at_once(running)
+            self.interleaved(urls, "together")
+        finally:
+            stop_all(running)
+
+    def started_at_once(self, running: list) -> dict[str, str]:
+        urls = started_together(self.run_dir, self.model, self.args, self.out, running)
+        for way, url in urls.items():
+            warm(url, way, self)
+        return urls
+
+    def interleaved(self, urls: dict[str, str], arrangement: str) -> None:
+        """Every shape that fits, ``--rounds`` rounds, the servers' order alternating."""
+        for shape in self.shapes:
+            if not self.admit(shape, 2 * self.args.rounds):
+                continue
+            began = time.monotonic()
+            for index in range(self.args.rounds):
+                for way in (FLEET, VLLM) if index % 2 == 0 else (VLLM, FLEET):
+                    measure(urls[way], way, shape, index, arrangement, self)
+            self.budget.record(self.work(shape, 2 * self.args.rounds), time.monotonic() - began)
 
     def alone(self) -> None:
         """The fleet alone on the shapes that fit (with room left for vLLM's server to repeat
@@ -188,6 +240,13 @@ class Sweep:
                     ran += [shape] if way == FLEET else []
             finally:
                 stop_all(processes)
+
+
+def own_cache(args, way: str):
+    """``args`` with a compile cache of this server's own (two compiling at once into one
+    cache would race), under ``--cache-dir`` when given, so later calls still reuse it."""
+    folder = args.cache_dir / way if args.cache_dir is not None else None
+    return argparse.Namespace(**{**vars(args), "cache_dir": folder})
 
 
 def selected_shapes(args) -> list[Shape]:
@@ -236,7 +295,7 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--arrangement", default="resident",
                         type=lambda text: [part for part in text.split(",") if part],
-                        help="resident, alone, or both in order (resident,alone)")
+                        help="resident, together, alone, or several in order (resident,alone)")
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--gpu", action="store_true", help="one GPU, a 1B-class bf16 Llama")
     parser.add_argument("--gpu-memory-share", type=float, default=0.35, help="--gpu: each server's")
@@ -254,9 +313,13 @@ def parse_args(argv):
                         help="only write one report from these folders' records")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    unknown = set(args.arrangement) - {"resident", "alone"}
+    unknown = set(args.arrangement) - {"resident", "together", "alone"}
     if unknown:
-        parser.error(f"--arrangement {sorted(unknown)}: the arrangements are resident and alone")
+        parser.error(f"--arrangement {sorted(unknown)}: the arrangements are resident, together"
+                     " and alone")
+    if "together" in args.arrangement and args.gpu and args.kv_cache_gib is None:
+        parser.error("--arrangement together needs --kv-cache-gib: two engines profiling memory"
+                     " at once on one GPU would each count the other's")
     args.stream_interval = 1  # vLLM's default, both servers alike
     return args
 
@@ -292,7 +355,8 @@ def keep_records(run_dir: Path, out: Path) -> None:
     """The client's JSON of every run (without its per-request lists) and the servers' log tails."""
     runs = out / "client-runs"
     runs.mkdir(parents=True, exist_ok=True)
-    for path in [*run_dir.glob("resident/*.json"), *run_dir.glob("alone/*.json")]:
+    for path in [*run_dir.glob("resident/*.json"), *run_dir.glob("together/*.json"),
+                 *run_dir.glob("alone/*.json")]:
         outcome = json.loads(path.read_text())
         kept = {key: value for key, value in outcome.items() if not isinstance(value, list)}
         (runs / f"{path.parent.name}-{path.name}").write_text(json.dumps(kept, indent=1))

@@ -10,7 +10,8 @@
 #                                    against the fleet and vLLM's own server, in a private
 #                                    network namespace)
 #   scripts/gpu_tier.sh sweep [ARGS]  bench/bench_serve_sweep.py --gpu (the same client over input x
-#                                    output x concurrency; both servers resident, or each alone;
+#                                    output x concurrency; both servers resident (started one
+#                                    after the other, or together), or each alone;
 #                                    table and plot in $OUT/sweep)
 #   scripts/gpu_tier.sh agent-door [ARGS]
 #                                    bench/bench_agent_door.py --gpu (multi-turn trajectories
