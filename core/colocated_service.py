@@ -39,8 +39,8 @@ class WorkerColocatedRefit:
 
     def controls(self) -> dict[str, Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]]:
         return {"colocated_start": self.start, "colocated_bucket": self.bucket,
-                "colocated_buckets": self.buckets, "colocated_finish": self.finish, "colocated_abort": self.abort,
-                "colocated_release": self.release}
+                "colocated_buckets": self.buckets, "colocated_finish": self.finish,
+                "colocated_abort": self.abort, "colocated_release": self.release}
 
     @property
     def session(self) -> ColocatedSession | None:

@@ -46,10 +46,9 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# The colocated demo's own options: argparse name -> DemoSettings field.
-_COLOCATED_OPTIONS = {"model": "model", "dtype": "dtype", "sleep_level": "sleep_level",
-                      "in_place": "in_place", "buffer_mib": "buffer_mib",
-                      "learning_rate": "learning_rate", "mismatch_bound": "mismatch_bound"}
+# The colocated demo's own options, each named as its DemoSettings field.
+_COLOCATED_OPTIONS = ("model", "dtype", "sleep_level", "in_place", "buffer_mib", "learning_rate",
+                      "mismatch_bound")
 
 
 def _add_colocated_options(demo: argparse.ArgumentParser) -> None:
@@ -74,7 +73,7 @@ def _add_colocated_options(demo: argparse.ArgumentParser) -> None:
 
 
 def _colocated_settings(args: argparse.Namespace, settings):
-    given = {field: getattr(args, option) for option, field in _COLOCATED_OPTIONS.items()
+    given = {option: getattr(args, option) for option in _COLOCATED_OPTIONS
              if getattr(args, option) is not None}
     return attrs.evolve(settings, workers=1, **given)
 

@@ -43,9 +43,9 @@ class TrainerDied(RolloutFleetError):
 class ColocatedTrainer:
     """``refit(call, tensors, version=None, fault=None, fault_arg=None, in_place=False)``: one
     refit of the state dict ``tensors`` from the trainer's process (``in_place``: the tensors
-    held in the sender's buffers, one a bucket, every bucket sent in one call); ``call(name, body) -> answer`` reaches
-    the worker's controls. Returns the finish's answer; raises what the worker refused with,
-    or ``TrainerDied``. ``buckets_per_refit``: how many buckets a refit of the weight sets
+    held in the sender's buffers, one a bucket, every bucket sent in one call);
+    ``call(name, body) -> answer`` reaches the worker's controls. Returns the finish's answer;
+    raises what the worker refused with, or ``TrainerDied``. ``buckets_per_refit``: how many buckets a refit of the weight sets
     takes with the trainer's buffer size (the suite needs at least 2)."""
 
     refit: Callable[..., Mapping[str, Any]]
@@ -98,7 +98,8 @@ class ColocatedContract:
         assert answer["weight_version"] == version + 1
         assert answer["buckets"] == colocated_trainer.buckets_per_refit
         assert calls[:3] == ["colocated_start", "colocated_buckets", "colocated_finish"]
-        assert self._colocated_greedy(eut) != before, "an in-place refit of other weights changed nothing"
+        assert self._colocated_greedy(eut) != before, \
+            "an in-place refit of other weights changed nothing"
         colocated_trainer.refit(counted, original, in_place=True)
         assert self._colocated_greedy(eut) == before, "refitting the original back did not restore it"
 
