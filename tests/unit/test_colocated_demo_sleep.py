@@ -10,6 +10,7 @@ import pytest
 from rollout_fleet.wiring.cli import main
 from rollout_fleet.wiring.demo.colocated_checks import (
     check_sleep,
+    cuda_graphs_line,
     host_memory_line,
     host_memory_mib,
     kv_cache_mib,
@@ -29,6 +30,16 @@ def test_the_kv_cache_size_is_the_last_one_vllm_logged(tmp_path):
     log.write_text("no such line\n")
     assert kv_cache_mib(log) is None
     assert kv_cache_mib(tmp_path / "absent.log") is None
+
+
+def test_the_cuda_graphs_line_is_vllms_own_or_none(tmp_path):
+    log = tmp_path / "worker-0.log"
+    log.write_text("(EngineCore pid=7) INFO [gpu_model_runner.py:4170] Graph capturing finished"
+                   " in 12 secs, took 0.48 GiB\n(EngineCore pid=7) INFO ready\n")
+    assert cuda_graphs_line(log) == "Graph capturing finished in 12 secs, took 0.48 GiB"
+    log.write_text("(EngineCore pid=7) INFO enforce_eager=True\n")
+    assert cuda_graphs_line(log) is None
+    assert cuda_graphs_line(tmp_path / "absent.log") is None
 
 
 def test_the_line_gives_the_freed_share_of_the_kv_cache():

@@ -18,6 +18,7 @@ from typing import Any
 
 from rollout_fleet.wiring.demo.colocated_checks import (
     check_sleep,
+    cuda_graphs_line,
     free_device_mib,
     host_memory_line,
     host_memory_mib,
@@ -55,6 +56,9 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
             "off (vLLM has no sleep mode on the CPU)"
         print(f"fleet up in {time.perf_counter() - started:.1f} s; sleep between phases: "
               f"{sleeping}", flush=True)
+        graphs = cuda_graphs_line(fleet.run_dir / "worker-0.log") if on_gpu else None
+        if on_gpu:
+            print(f"CUDA graphs: {graphs or 'none captured (vLLM logged no capture)'}", flush=True)
         generation = fleet.generation()
         loop = ColocatedLoop(fleet, generation, settings, device.torch_type)
         slept = sleep_check(generation, loop.prompts, settings, fleet.run_dir,
@@ -64,7 +68,7 @@ def run_colocated_demo(settings: DemoSettings, device: str = "cpu") -> list[dict
         steps = loop.run()
         if slept:  # checked after the loop, so one run gives every figure
             check_sleep(slept)
-            steps[0]["sleep_check"] = slept
+            steps[0].update(sleep_check=slept, cuda_graphs=graphs)
     finally:
         shut_down(fleet, generation, loop and loop.sender)
     return write_figures(steps, settings)

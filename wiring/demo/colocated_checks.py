@@ -76,6 +76,14 @@ def kv_cache_mib(worker_log: Path) -> float | None:
     return float(found[-1]) * 1024 if found else None
 
 
+def cuda_graphs_line(worker_log: Path) -> str | None:
+    """vLLM's own line saying it captured its CUDA graphs (None: it logged none, as an eager
+    engine does)."""
+    text = worker_log.read_text(errors="replace") if worker_log.exists() else ""
+    found = re.findall(r"Graph capturing finished in [^\n]*", text)
+    return found[-1].strip() if found else None
+
+
 def sleep_line(figures: dict[str, Any]) -> str:
     kv, engine = figures["kv_cache_mib"], figures.get("engine_mib")
     shares = []
