@@ -72,20 +72,9 @@ class WorkerColocatedRefit:
 
     async def bucket(self, body: Mapping[str, Any]) -> dict[str, Any]:
         body = _mapping(body)
-        async with self._lock:
-            session = self._current(body)
-            index = body.get("index")
-            was_open = session.is_open
-            try:
-                handle = BufferHandle.from_wire(body.get("handle"))
-                bucket = session.take_bucket(index, body.get("tensors"), handle)
-                started = self._clock.monotonic()
-                await self._target.load_colocated_bucket(bucket, handle)
-            except BaseException as error:
-                await self._failed(session, was_open, f"bucket {index!r}: {error}")
-                raise
-            self._arm(session)
-        return {"index": index, "seconds": round(self._clock.monotonic() - started, 6)}
+        seconds = await self._load(body, [body],
+                                   lambda taken: self._target.load_colocated_bucket(*taken[0]))
+        return {"index": body.get("index"), "seconds": seconds}
 
     async def buckets(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Several buckets in one call, in order, each as ``bucket`` takes it: for a sender
@@ -95,6 +84,13 @@ class WorkerColocatedRefit:
         parts = body.get("buckets")
         if not isinstance(parts, list) or not parts:
             raise InvalidValue("buckets", parts, "must be a non-empty list of buckets")
+        seconds = await self._load(body, parts, self._target.load_colocated_buckets)
+        return {"indices": [part.get("index") for part in parts], "seconds": seconds}
+
+    async def _load(self, body: Mapping[str, Any], parts: list[Any],
+                    load: Callable[[list[tuple[Any, BufferHandle]]], Awaitable[None]]) -> float:
+        """Take ``parts`` (each a bucket's index, tensors and handle) in the session's order,
+        then ``load`` them; a failure ends the session. The seconds the load took."""
         async with self._lock:
             session = self._current(body)
             was_open = session.is_open
@@ -107,15 +103,15 @@ class WorkerColocatedRefit:
                     handle = BufferHandle.from_wire(part.get("handle"))
                     taken.append((session.take_bucket(part.get("index"), part.get("tensors"),
                                                       handle), handle))
-                where = f"buckets {parts[0].get('index')!r}..{parts[-1].get('index')!r}"
+                if len(taken) > 1:
+                    where = f"buckets {parts[0].get('index')!r}..{parts[-1].get('index')!r}"
                 started = self._clock.monotonic()
-                await self._target.load_colocated_buckets(taken)
+                await load(taken)
             except BaseException as error:
                 await self._failed(session, was_open, f"{where}: {error}")
                 raise
             self._arm(session)
-        return {"indices": [part.get("index") for part in parts],
-                "seconds": round(self._clock.monotonic() - started, 6)}
+        return round(self._clock.monotonic() - started, 6)
 
     async def finish(self, body: Mapping[str, Any]) -> dict[str, Any]:
         body = _mapping(body)

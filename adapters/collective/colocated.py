@@ -175,12 +175,18 @@ def _cuda_share(buffer: torch.Tensor) -> dict[str, Any]:
             "event_sync_required": bool(event_sync)}
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """``cuda`` as the device it means now (``cuda:<current>``), so it equals a tensor's."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _cuda_open(handle: BufferHandle, device: torch.device) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     fields = handle.cuda
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    mine = str(torch.cuda.get_device_properties(index).uuid)
+    mine = str(torch.cuda.get_device_properties(indexed_device(device).index).uuid)
     if fields["device_uuid"] != mine:
         raise RefitError(f"the trainer's buffer is on GPU {fields['device_uuid']}, this engine"
                          f" runs on GPU {mine}: a colocated refit needs both on one device")

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 import torch
-from rollout_fleet.adapters.collective.colocated import BufferPool
+from rollout_fleet.adapters.collective.colocated import BufferPool, indexed_device
 from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket, unpack_bucket
 from rollout_fleet.adapters.collective.trainer import refit_info_of
 from rollout_fleet.core.colocated_refit import ColocatedManifest, bucket_entries_wire
@@ -59,7 +59,7 @@ class ColocatedSender:
     def __init__(self, control: Any, *, buffer_bytes: int = 1 << 30, num_buffers: int = 2,
                  device: Any = "cpu", timeout_s: float = 600.0, mode: str | None = None) -> None:
         self.control = control
-        self.device = _indexed(torch.device(device))
+        self.device = indexed_device(torch.device(device))
         self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
         self.timeout_s, self.mode = timeout_s, refit_mode(mode)
         self._pool: BufferPool | None = None
@@ -77,7 +77,7 @@ class ColocatedSender:
             raise RefitError("this sender already holds the trainer's tensors in place")
         info = refit_info_of(tensors)
         for name, tensor in tensors.items():
-            if _indexed(tensor.device) != self.device:
+            if indexed_device(tensor.device) != self.device:
                 raise InvalidValue(f"tensors[{name!r}].device", str(tensor.device),
                                    f"must be the sender's device ({self.device})")
         plan = plan_buckets(info.tensors, self.buffer_bytes)
@@ -274,10 +274,3 @@ async def _timed(task: asyncio.Future) -> float:
     started = time.perf_counter()
     await task
     return time.perf_counter() - started
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` as the device it means now (``cuda:<current>``), so it equals a tensor's."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device

@@ -71,17 +71,19 @@ def check_sleep(figures: dict[str, Any]) -> None:
 
 def kv_cache_mib(worker_log: Path) -> float | None:
     """The KV cache vLLM allocated, from its worker's log line (None if it printed none)."""
-    found = re.findall(r"Available KV cache memory: ([0-9.]+) GiB",
-                       worker_log.read_text(errors="replace") if worker_log.exists() else "")
+    found = re.findall(r"Available KV cache memory: ([0-9.]+) GiB", _log_text(worker_log))
     return float(found[-1]) * 1024 if found else None
 
 
 def cuda_graphs_line(worker_log: Path) -> str | None:
     """vLLM's own line saying it captured its CUDA graphs (None: it logged none, as an eager
     engine does)."""
-    text = worker_log.read_text(errors="replace") if worker_log.exists() else ""
-    found = re.findall(r"Graph capturing finished in [^\n]*", text)
+    found = re.findall(r"Graph capturing finished in [^\n]*", _log_text(worker_log))
     return found[-1].strip() if found else None
+
+
+def _log_text(worker_log: Path) -> str:
+    return worker_log.read_text(errors="replace") if worker_log.exists() else ""
 
 
 def sleep_line(figures: dict[str, Any]) -> str:
