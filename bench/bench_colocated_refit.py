@@ -21,7 +21,9 @@ HTTP. Per rep, interleaved, after one warm-up (medians printed):
               (also printed: the trainer's seconds packing, and waiting for the engine)
   in place:   the same refit from a second copy of the model whose tensors the sender holds
               in place (``make_resident``: one buffer per bucket): no packing, the engine's
-              load the only copy
+              load the only copy; from the second refit on, the engine replays the first
+              one's recorded copies (``adapters/vllm/load_replay.py``; printed: "its load:
+              replayed", or why not)
   NeMo-RL:    NeMo-RL's own colocated protocol into the same engine: its sender restated
               (tests/support/nemo_rl_ipc_sender.py: ZeroMQ, two buffers of this size, fresh
               each refit, 512-byte offsets) and the worker's receiver (core/ipc_stream.py over
@@ -86,12 +88,14 @@ class StandaloneColocated(ColocatedTarget):
         self.model = model
         self.transfer = colocated_engine_over(model, device)
         self.version = 0
+        # vLLM's adapter keeps its parameters' metas from the engine's start; so does this
+        self.metas = {t.name: t for t in refit_info_of(model.state_dict()).tensors}
 
     def colocated_transports(self):
         return ("cuda",) if self.transfer.device.type == "cuda" else ("shm",)
 
     def weight_metas(self):
-        return {t.name: t for t in refit_info_of(self.model.state_dict()).tensors}
+        return self.metas
 
     def weight_version(self):
         return self.version
@@ -124,8 +128,10 @@ class StandaloneColocated(ColocatedTarget):
         self.transfer.finish_weight_update()
 
     def colocated_stats(self):
-        return {"mapped_peak_bytes": self.transfer.stats.mapped_peak_bytes,
-                "opened_buffers": self.transfer.stats.opened_buffers}
+        stats = self.transfer.stats
+        return {"mapped_peak_bytes": stats.mapped_peak_bytes,
+                "opened_buffers": stats.opened_buffers, "replayed": stats.replayed,
+                "replay_refusal": stats.replay_refusal}
 
     async def release_colocated(self):
         self.transfer.release_kept_buffers()
@@ -192,6 +198,7 @@ def trainer(args, connection):
     for mib in args.buffer_mib:
         times = {"copy": [], "staged": [], "colocated": [], "pack": [], "wait": [], "packed": [],
                  "in_place": [], "nemo_rl": []}
+        replays = []  # per timed in-place refit: "replayed", or why its load was not
         staging = torch.empty(max(int(mib * 2**20), max(_nbytes(t) for t in state.values())),
                               dtype=torch.uint8, device=device)
         sender = ColocatedSender(PipeControl(connection), buffer_bytes=int(mib * 2**20),
@@ -214,7 +221,8 @@ def trainer(args, connection):
             copy_s = time.perf_counter() - started
             staged_s = _staged_copy(state, copy, staging, device)
             result = sender.send(state)
-            in_place_s = in_place.send(resident_model.state_dict()).seconds
+            in_place_result = in_place.send(resident_model.state_dict())
+            in_place_s = in_place_result.seconds
             nemo_rl_s = _nemo_rl_refit(connection, state, mib, device)
             packed_s = None
             if sender_packed is not None:
@@ -230,6 +238,7 @@ def trainer(args, connection):
                 times["pack"].append(result.pack_s)
                 times["wait"].append(result.wait_s)
                 times["in_place"].append(in_place_s)
+                replays.append(in_place_result.engine.get("replay_refusal") or "replayed")
                 times["nemo_rl"].append(nemo_rl_s)
                 if packed_s is not None:
                     times["packed"].append(packed_s)
@@ -253,7 +262,8 @@ def trainer(args, connection):
             sender_packed.close()
             connection.send(("leave",))
             group.close()
-        rows.append(_row(mib, nbytes, times, exact, result))
+        rows.append({**_row(mib, nbytes, times, exact, result),
+                     "in_place_load": ", ".join(sorted(set(replays)))})
         print(_format(rows[-1]), flush=True)
     connection.send(("quit",))
     return rows, nbytes
@@ -354,7 +364,7 @@ def _format(row):
             f" ({row['staged_over_copy']:.2f}x copy), colocated {row['colocated_s'] * 1e3:.1f} ms"
             f" ({row['colocated_over_copy']:.2f}x copy; trainer packing {row['pack_s'] * 1e3:.1f}"
             f" ms, waiting {row['wait_s'] * 1e3:.1f} ms), in place {row['in_place_s'] * 1e3:.1f} ms"
-            f" ({row['in_place_over_copy']:.2f}x copy), NeMo-RL's stream {row['nemo_rl_s'] * 1e3:.1f}"
+            f" ({row['in_place_over_copy']:.2f}x copy; its load: {row['in_place_load']}), NeMo-RL's stream {row['nemo_rl_s'] * 1e3:.1f}"
             f" ms ({row['nemo_rl_over_copy']:.2f}x copy, {row['nemo_rl_over_in_place']:.2f}x in place)")
     if "packed_s" in row:
         text += (f", packed gloo {row['packed_s'] * 1e3:.1f} ms ({row['packed_over_copy']:.2f}x"

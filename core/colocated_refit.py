@@ -27,6 +27,7 @@ This module holds the values and the order (``ColocatedSession``: a pure state m
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -77,7 +78,7 @@ class ColocatedManifest:
         default=RefitProtocol.COLOCATED,
         converter=RefitProtocol.converter("protocol", (RefitProtocol.COLOCATED,)))
 
-    @property
+    @functools.cached_property
     def plan(self) -> tuple[Bucket, ...]:
         return plan_buckets(self.info.tensors, self.buffer_bytes)
 
@@ -165,6 +166,8 @@ def _check_entries(index: int, expected: Bucket, given: Any) -> None:
     if not isinstance(given, list):
         raise InvalidValue(f"bucket {index} tensors", given, "must be a list of [name, offset]")
     wanted = bucket_entries_wire(expected)
+    if given == wanted:  # the usual case, compared at once; else found and named below
+        return
     for position, (want, got) in enumerate(zip(wanted, given)):
         if not isinstance(got, (list, tuple)) or list(got) != want:
             raise InvalidValue(f"bucket {index} tensor {position}", got,

@@ -17,6 +17,7 @@ from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest, 
 from rollout_fleet.core.engine_ports import ColocatedTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import next_version, refit_mode
+from rollout_fleet.core.wire_memo import LastParsed
 
 CONTROLS = ("colocated_start", "colocated_bucket", "colocated_buckets", "colocated_finish",
             "colocated_abort", "colocated_release")
@@ -36,6 +37,10 @@ class WorkerColocatedRefit:
         self._lock = asyncio.Lock()
         self._expiry: asyncio.TimerHandle | None = None
         self._started = 0.0
+        # A trainer sends the same manifest every refit: parsed, and checked against the
+        # engine's parameters, once while both stay the same.
+        self._manifests = LastParsed(ColocatedManifest.from_wire, ColocatedManifest.to_wire)
+        self._checked: tuple[ColocatedManifest, Mapping[str, Any]] | None = None
 
     def controls(self) -> dict[str, Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]]:
         return {"colocated_start": self.start, "colocated_bucket": self.bucket,
@@ -50,7 +55,7 @@ class WorkerColocatedRefit:
         """Check the manifest against the engine (names, shapes, dtypes; transport; version)
         before anything is loaded, then let the engine begin."""
         body = _mapping(body)
-        manifest = ColocatedManifest.from_wire(body.get("manifest"))
+        manifest = self._manifests(body.get("manifest"))
         mode = refit_mode(body.get("mode"))
         keep_buffers = body.get("keep_buffers", False)
         if not isinstance(keep_buffers, bool):
@@ -60,7 +65,7 @@ class WorkerColocatedRefit:
                 raise RefitError(f"a colocated refit is open on this worker (session"
                                  f" {self._session.session_id!r}, bucket {self._session.next_index}"
                                  f" of {self._session.buckets} next): finish or abort it first")
-            check_manifest(self._target, manifest, body.get("weight_version"))
+            self._check(manifest, body.get("weight_version"))
             session = ColocatedSession.begin(body.get("session"), manifest,
                                              self._target.weight_version(),
                                              body.get("weight_version"))
@@ -164,6 +169,15 @@ class WorkerColocatedRefit:
             await self._target.release_colocated()
         return {"released": True}
 
+    def _check(self, manifest: ColocatedManifest, version: Any) -> None:
+        metas = self._target.weight_metas()
+        if self._checked != (manifest, metas):
+            self._checked = None
+            check_manifest(self._target, manifest, version, metas)
+            self._checked = (manifest, metas)
+        else:
+            check_manifest(self._target, manifest, version, metas, tensors=False)
+
     def _current(self, body: Mapping[str, Any]) -> ColocatedSession:
         session = self._session
         if session is None:
@@ -193,15 +207,17 @@ class WorkerColocatedRefit:
             await self._target.abandon_colocated(reason)
 
 
-def check_manifest(target: ColocatedTarget, manifest: ColocatedManifest,
-                   version: Any = None) -> None:
+def check_manifest(target: ColocatedTarget, manifest: ColocatedManifest, version: Any = None,
+                   metas: Mapping[str, Any] | None = None, *, tensors: bool = True) -> None:
     """Refuse, before anything loads, a transport the engine cannot open, tensors it does not
-    have (names, shapes, dtypes) and a version that would not go up."""
+    have (names, shapes, dtypes; ``metas``, else the target's: unless ``tensors`` is false, for
+    a manifest already checked against them) and a version that would not go up."""
     transports = tuple(target.colocated_transports())
     if manifest.transport not in transports:
         raise InvalidValue("manifest.transport", manifest.transport,
                            f"this worker's engine opens {', '.join(transports)} handles")
-    manifest.info.check_against(target.weight_metas())
+    if tensors:
+        manifest.info.check_against(target.weight_metas() if metas is None else metas)
     next_version(target.weight_version(), version)
 
 

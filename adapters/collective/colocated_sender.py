@@ -63,7 +63,7 @@ class ColocatedSender:
         self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
         self.timeout_s, self.mode = timeout_s, refit_mode(mode)
         self._pool: BufferPool | None = None
-        self._resident: ColocatedManifest | None = None  # the in-place layout, once made
+        self._places: InPlaceLayout | None = None  # the in-place layout, once made
         self._worker_holds_buffers = False  # a refit went out: the worker may keep them open
         # ``send``'s own loop, kept across refits: a fresh loop per refit would start new
         # threads and a new control connection each time (a few ms of a small model's refit)
@@ -73,7 +73,7 @@ class ColocatedSender:
         """Move ``tensors`` (the trainer's own: ``dict(module.named_parameters())``, not a
         ``state_dict()`` copy) into this sender's buffers and rebind each there; later sends of
         the same names, shapes and dtypes refit in place. Once only per sender."""
-        if self._resident is not None:
+        if self._places is not None:
             raise RefitError("this sender already holds the trainer's tensors in place")
         info = refit_info_of(tensors)
         for name, tensor in tensors.items():
@@ -89,7 +89,7 @@ class ColocatedSender:
                 for name, view in unpack_bucket(pool.buffer(slot), bucket):
                     view.copy_(tensors[name])
                     tensors[name].data = view
-        self._resident = manifest
+        self._places = InPlaceLayout(manifest, pool)
 
     def send(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> ColocatedResult:
         """One refit from a plain (synchronous) trainer loop; see ``send_async``."""
@@ -102,27 +102,27 @@ class ColocatedSender:
         """Refit the worker with ``state_dict`` (in its order); returns the new weight version
         (``version`` when given) and the timings. A refusal or failure raises after telling
         the worker to give the refit up, so it keeps serving."""
-        info = refit_info_of(state_dict)
-        manifest = self._resident or ColocatedManifest(info, self.buffer_bytes, self.num_buffers,
-                                                       self._transport)
-        if manifest.info != info:
-            raise InvalidValue("state_dict", f"{len(info.tensors)} tensors", "the sender holds"
-                               " other tensors in place: send those (same names, shapes, dtypes)")
-        pool = self._pool if self._resident else self._pool_for(manifest)
+        places = self._places
+        if places is not None:
+            manifest, info = places.manifest, places.manifest.info
+            places.check_names(state_dict)
+        else:
+            info = refit_info_of(state_dict)
+            manifest = ColocatedManifest(info, self.buffer_bytes, self.num_buffers, self._transport)
+        pool = self._pool if places is not None else self._pool_for(manifest)
         session = f"colocated-{os.getpid()}-{next(_sessions)}"
         started = time.perf_counter()
         # The pool outlives this refit (until close or a resize): the worker may keep it open.
-        start = {"session": session, "manifest": manifest.to_wire(), "mode": self.mode,
-                 "keep_buffers": True}
+        start = {"session": session, "manifest": places.manifest_wire if places is not None
+                 else manifest.to_wire(), "mode": self.mode, "keep_buffers": True}
         self._worker_holds_buffers = True
         if version is not None:
             start["weight_version"] = version
         await self._call("colocated_start", start)
         try:
-            if self._resident:
-                pack_s, moved = await asyncio.to_thread(_back_in_place, pool, manifest.plan,
-                                                        state_dict)
-                wait_s = await self._in_place_buckets(session, manifest.plan, pool)
+            if places is not None:
+                pack_s, moved = places.back_in_place(state_dict)
+                wait_s = await self._in_place_buckets(session, places)
             else:
                 moved = 0
                 pack_s, wait_s = await self._buckets(session, manifest.plan, pool, state_dict)
@@ -138,14 +138,11 @@ class ColocatedSender:
     def _transport(self) -> str:
         return "cuda" if self.device.type == "cuda" else "shm"
 
-    async def _in_place_buckets(self, session: str, plan: tuple[Bucket, ...],
-                                pool: BufferPool) -> float:
+    async def _in_place_buckets(self, session: str, places: "InPlaceLayout") -> float:
         """Bucket k is buffer k, already holding the trainer's tensors, and no buffer is reused
         within the refit: every bucket goes in one call, answered once all are loaded."""
         started = time.perf_counter()
-        await self._call("colocated_buckets", {"session": session, "buckets": [
-            {"index": index, "tensors": bucket_entries_wire(bucket),
-             "handle": pool.handle(index).to_wire()} for index, bucket in enumerate(plan)]})
+        await self._call("colocated_buckets", {"session": session, "buckets": places.buckets_wire})
         return time.perf_counter() - started
 
     async def _buckets(self, session: str, plan: tuple[Bucket, ...], pool: BufferPool,
@@ -231,7 +228,8 @@ class ColocatedSender:
 
     def _close_pool(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None and self._resident is not None:
+        places, self._places = self._places, None
+        if pool is not None and places is not None:
             pool.release_to_views()  # the trainer's tensors live there: theirs to free
         elif pool is not None:
             pool.close()
@@ -243,23 +241,42 @@ class ColocatedSender:
         self.close()
 
 
-def _back_in_place(pool: BufferPool, plan: tuple[Bucket, ...],
-                   state_dict: Mapping[str, torch.Tensor]) -> tuple[float, int]:
-    """(seconds, tensors moved): each tensor not at its place in its bucket's buffer (the
-    trainer replaced it) is checked and copied there; the rest are left as they are."""
-    started, moved = time.perf_counter(), 0
-    with torch.no_grad():
-        for slot, bucket in enumerate(plan):
-            start = pool.buffer(slot).data_ptr()
+class InPlaceLayout:
+    """The trainer's tensors held in place: each one's view in its bucket's buffer, made once,
+    and the start's manifest and the buckets' call, the same every refit, spelt once."""
+
+    def __init__(self, manifest: ColocatedManifest, pool: BufferPool) -> None:
+        self.manifest, self.device = manifest, pool.device
+        self.places: dict[str, tuple[Any, torch.Tensor]] = {}  # name -> (meta, view)
+        for slot, bucket in enumerate(manifest.plan):
             for entry, (name, view) in zip(bucket.entries, unpack_bucket(pool.buffer(slot), bucket)):
-                tensor = state_dict[name]
-                if entry.meta.nbytes and tensor.data_ptr() != start + entry.offset:
-                    check_tensor(entry.meta, name, tensor)
+                self.places[name] = (entry.meta, view)
+        self.manifest_wire = manifest.to_wire()
+        self.buckets_wire = [{"index": index, "tensors": bucket_entries_wire(bucket),
+                              "handle": pool.handle(index).to_wire()}
+                             for index, bucket in enumerate(manifest.plan)]
+
+    def check_names(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if state_dict.keys() != self.places.keys():
+            raise InvalidValue("state_dict", f"{len(state_dict)} tensors", "the sender holds"
+                               f" {len(self.places)} other tensors in place: send those (same"
+                               " names, shapes, dtypes)")
+
+    def back_in_place(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[float, int]:
+        """(seconds, tensors moved): each tensor not at its place (the trainer replaced it)
+        is checked and copied there; the rest are left as they are."""
+        started, moved = time.perf_counter(), 0
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                meta, view = self.places[name]
+                if meta.nbytes and (tensor.data_ptr() != view.data_ptr()
+                                    or tensor.shape != view.shape or tensor.dtype != view.dtype):
+                    check_tensor(meta, name, tensor)
                     view.copy_(tensor)
                     moved += 1
-    if pool.device.type == "cuda":  # the trainer's last step, and these copies, are done
-        torch.cuda.synchronize(pool.device)  # before the engine reads through its handles
-    return time.perf_counter() - started, moved
+        if self.device.type == "cuda":  # the trainer's last step, and these copies, are done
+            torch.cuda.synchronize(self.device)  # before the engine reads through its handles
+        return time.perf_counter() - started, moved
 
 
 def _pack(pool: BufferPool, slot: int, bucket: Bucket, tensors: list[torch.Tensor]) -> float:

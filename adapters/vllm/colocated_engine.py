@@ -23,6 +23,12 @@ begin step): the engine then keeps them open too, opening a slot again only when
 changes, and closes them when the sender releases them (``release_kept_buffers``, through
 the worker's ``colocated_release`` control), when a refit fails or keeps none, and at shutdown.
 
+Such a sender holding the trainer's tensors in place sends every bucket in one step, the same
+tensors at the same places every refit. Where the model loads in place (``InPlaceReload``: a
+plain torch model, or a vLLM without layerwise reload), the first such load is recorded and
+the next ones replay its copies without the loader (``load_replay``, which says when it does
+not); under vLLM's layerwise reload the loader runs every time.
+
 The buffer opener (``open_buffer``: shared memory or CUDA IPC, the collective adapter's) is
 injected by the composition root, as the packed engine's receiver is.
 """
@@ -30,19 +36,25 @@ injected by the composition root, as the packed engine's receiver is.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rollout_fleet.adapters.vllm.transfer_engine import PackedTransferEngine, RefitStats
+from rollout_fleet.adapters.vllm.load_replay import LoadReplay, RecordedCopy, recorder_for, replay_of
+from rollout_fleet.adapters.vllm.transfer_engine import InPlaceReload, PackedTransferEngine, RefitStats
 from rollout_fleet.adapters.vllm.transfer_support import synchronize
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedStep
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import Bucket, BucketEntry, RefitInfo, RefitRollback
+from rollout_fleet.core.wire_memo import LastParsed
 
 COLOCATED_KEY = "colocated"
+LAYERWISE_REFUSAL = ("vLLM's layerwise reload loads each layer into fresh tensors, then into the"
+                     " parameters: not recorded")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -55,6 +67,8 @@ class ColocatedStats(RefitStats):
     held_copy_bytes: int = 0
     held_copy_peak_bytes: int = 0
     opened_buffers: int = 0  # handles this refit opened (0 where every buffer was kept open)
+    replayed: bool = False  # the loader's recorded copies made again (``load_replay``)
+    replay_refusal: str = ""  # why the last recorded load cannot be replayed ("" if it can)
 
 
 class _HeldCopies:
@@ -87,6 +101,14 @@ class _Session:
     keep: bool = False  # the sender keeps its buffers across refits: so does the engine
     opened_count: int = 0
     slots: set[int] = dataclasses.field(default_factory=set)  # the slots this refit used
+    metas: dict[str, Any] | None = None  # the refit info's tensors by name, made at first use
+    # A refit of every bucket in one step, keeping its buffers: its load is recorded
+    # (``load_replay``) into ``recorded``, or ``refusal`` says why it cannot be replayed.
+    recording: bool = False
+    recorded: list[RecordedCopy] = dataclasses.field(default_factory=list)
+    recorded_bytes: int = 0
+    refusal: str = ""
+    replayed: bool = False
 
 
 class ColocatedTransferEngine(PackedTransferEngine):
@@ -97,6 +119,11 @@ class ColocatedTransferEngine(PackedTransferEngine):
     # Buffers kept open across refits for a sender that keeps them (``keep_buffers``):
     # slot -> (its handle, the opened buffer); reopened only when a slot's handle changes.
     _kept: dict[int, tuple[BufferHandle, Any]] | None = None
+    # The last in-place refit's load, recorded to be made again (``load_replay``), and the key
+    # of the last one found not replayable, and why (not recorded again while it stays).
+    _replay: LoadReplay | None = None
+    _unreplayable: tuple[Any, str] | None = None
+    _refit_infos: LastParsed | None = None
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
         if COLOCATED_KEY in update_dict:
@@ -106,6 +133,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         step = update_info.get(COLOCATED_KEY) if isinstance(update_info, dict) else None
         if step is None:
+            self._replay = None  # a packed refit may load the layers afresh: record again
             super().update_weights(update_info)
             return
         self.colocated_step(step)
@@ -119,8 +147,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
         elif kind is ColocatedStep.BUCKET:
             self._colocated_bucket(body)
         elif kind is ColocatedStep.BUCKETS:
-            for bucket in body:
-                self._colocated_bucket(bucket)
+            self._colocated_buckets(body)
         elif kind is ColocatedStep.END:
             self._colocated_end()
         else:  # ColocatedStep.ABORT, the last there is
@@ -138,7 +165,9 @@ class ColocatedTransferEngine(PackedTransferEngine):
         if not keep:
             self.release_kept_buffers()
         self.rollback = RefitRollback.parse(body.get("rollback", self.rollback), "rollback")
-        self._colocated = _Session(RefitInfo.from_wire(body["refit_info"]),
+        if self._refit_infos is None:  # the same refit info every refit: parsed once
+            self._refit_infos = LastParsed(RefitInfo.from_wire, RefitInfo.to_wire)
+        self._colocated = _Session(self._refit_infos(body["refit_info"]),
                                    frozenset(body.get("skip", ())),
                                    [] if self.rollback is RefitRollback.LAST_GOOD else None,
                                    time.perf_counter(), keep=keep)
@@ -146,13 +175,15 @@ class ColocatedTransferEngine(PackedTransferEngine):
     def _colocated_bucket(self, body: dict[str, Any]) -> None:
         session = self._session()
         handle = BufferHandle.from_wire(body["handle"])
-        metas = {t.name: t for t in session.info.tensors}
+        if session.metas is None:
+            session.metas = {t.name: t for t in session.info.tensors}
+        metas = session.metas
         bucket = Bucket(tuple(BucketEntry(metas[name], offset) for name, offset in body["tensors"]),
                         int(body["nbytes"]))
         try:
             opened = self._opened(session, handle)
             watched: list[weakref.ref] = []
-            self.model.load_weights(self._bucket_tensors(session, opened, bucket, watched))
+            self._load_bucket(session, opened, handle.slot, bucket, watched)
             for ref in watched:  # what the reload still holds: its own copy from now on
                 tensor = ref()
                 if tensor is not None:
@@ -165,6 +196,76 @@ class ColocatedTransferEngine(PackedTransferEngine):
             self._colocated_abort(f"bucket failed: {error}", error)
             raise
         session.buckets += 1
+
+    def _colocated_buckets(self, bodies: list[dict[str, Any]]) -> None:
+        """Several buckets in one step. Where the sender keeps its buffers and no rollback copy
+        is kept (the trainer's tensors held in place), the load is recorded the first time and
+        replayed after, as long as nothing it relied on changed (``load_replay``)."""
+        session = self._session()
+        key = self._replay_key(session, bodies)
+        replay, self._replay = self._replay, None
+        if key is not None and replay is not None and replay.matches(key, self._kept or {},
+                                                                     self.model):
+            self._replay_load(session, replay, bodies)
+            return
+        known = self._unreplayable
+        if key is not None and known is not None and known[0] == key:
+            session.refusal = known[1]  # found before: not recorded again
+        elif key is not None and not isinstance(self.reload, InPlaceReload):
+            session.refusal = LAYERWISE_REFUSAL
+        session.recording = key is not None and not session.refusal
+        for body in bodies:
+            self._colocated_bucket(body)
+        if session.recording:
+            self._keep_recording(session, key)
+
+    @staticmethod
+    def _replay_key(session: _Session, bodies: list[dict[str, Any]]) -> Any:
+        if not session.keep or session.kept is not None:
+            return None
+        return (session.info, session.skip,
+                [(body["tensors"], body["nbytes"], body["handle"]) for body in bodies])
+
+    def _replay_load(self, session: _Session, replay: LoadReplay,
+                     bodies: list[dict[str, Any]]) -> None:
+        try:
+            replay.replay()
+        except BaseException as error:
+            self._colocated_abort(f"replaying the recorded load failed: {error}", error)
+            raise
+        self._replay = replay
+        session.loaded += sum(len(body["tensors"]) for body in bodies)
+        session.buckets += len(bodies)
+        session.slots.update(slot for slot, _ in replay.buffers)
+        session.mapped_peak = max(session.mapped_peak,
+                                  sum(opened.nbytes for _, opened in (self._kept or {}).values()))
+        session.replayed = True
+
+    def _keep_recording(self, session: _Session, key: Any) -> None:
+        kept = self._kept or {}
+        result = session.refusal or replay_of(
+            key, tuple((slot, kept[slot][1]) for slot in sorted(session.slots)), self.model,
+            session.recorded, session.recorded_bytes)
+        session.recorded = []
+        if isinstance(result, str):
+            session.refusal, self._unreplayable = result, (key, result)
+            log.info("the colocated load will not be replayed: %s", result)
+        else:
+            self._replay = result
+
+    def _load_bucket(self, session: _Session, opened: Any, slot: int, bucket: Bucket,
+                     watched: list) -> None:
+        tensors = self._bucket_tensors(session, opened, bucket, watched)
+        if not session.recording or session.refusal:
+            self.model.load_weights(tensors)
+            return
+        recorder = recorder_for(self.model, [(slot, opened)])
+        with recorder:
+            self.model.load_weights(tensors)
+        session.refusal = recorder.refusal or ""
+        session.recorded.extend(recorder.copies)
+        session.recorded_bytes += sum(e.meta.nbytes for e in bucket.entries
+                                      if e.meta.name not in session.skip)
 
     def _bucket_tensors(self, session: _Session, opened: Any, bucket: Bucket,
                         watched: list) -> Iterator[tuple[str, Any]]:
@@ -195,10 +296,12 @@ class ColocatedTransferEngine(PackedTransferEngine):
             tensors=session.loaded, nbytes=session.info.total_bytes,
             seconds=time.perf_counter() - session.started, buckets=session.buckets,
             mapped_peak_bytes=session.mapped_peak, held_copy_bytes=session.held.total,
-            held_copy_peak_bytes=session.held.peak, opened_buffers=session.opened_count)
+            held_copy_peak_bytes=session.held.peak, opened_buffers=session.opened_count,
+            replayed=session.replayed, replay_refusal=session.refusal)
 
     def _colocated_abort(self, reason: str, error: BaseException | None = None) -> None:
         session, self._colocated = self._colocated, None
+        self._replay = None
         if session is None:
             return
         try:
@@ -244,6 +347,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
         """Close every buffer kept open across refits (the sender is done with them, a refit
         failed, or one came that keeps none); how many were open."""
         kept, self._kept = self._kept or {}, None
+        self._replay = None  # it reads these buffers
         for _, opened in kept.values():
             opened.close()
         return len(kept)
