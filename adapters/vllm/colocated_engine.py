@@ -24,8 +24,8 @@ changes, and closes them when the sender releases them (``release_kept_buffers``
 the worker's ``colocated_release`` control), when a refit fails or keeps none, and at shutdown.
 
 Such a sender holding the trainer's tensors in place sends every bucket in one step, the same
-tensors at the same places every refit. Where the model loads in place (``InPlaceReload``: a
-plain torch model, or a vLLM without layerwise reload), the first such load is recorded and
+tensors at the same places every refit. Where the model loads in place (``InPlaceReload``: an
+unquantized model on a GPU, a plain torch model), the first such load is recorded and
 the next ones replay its copies without the loader (``load_replay``, which says when it does
 not); under vLLM's layerwise reload the loader runs every time.
 

@@ -29,9 +29,10 @@ an abstract ``trainer_send_weights`` (the trainer's side, which the project's tr
 the collective adapter's sender): ``compose_transfer_engine`` gives it one that says so, and
 names any other abstract method the base may add instead of letting vLLM fail to instantiate the
 engine. Layerwise reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``) is
-used when vLLM has it; without it the model's ``load_weights`` copies each tensor into the live
-parameters directly (``InPlaceReload``), which is right for unquantized checkpoints, whose
-loaded tensors need no processing after loading.
+used when vLLM has it, except for an unquantized model on a GPU; there, and without it, the
+model's ``load_weights`` copies each tensor into the live parameters directly (``InPlaceReload``),
+which is right for unquantized checkpoints, whose loaded tensors need no processing after loading
+on a GPU (on the CPU vLLM repacks its kernels' weights after loading: layerwise reload there).
 
 vLLM is imported lazily: the class runs without it (built with no vLLM config, over a plain
 torch model, it loads in place with ``InPlaceReload``), which is how bench/bench_gpu_refit.py
@@ -108,8 +109,14 @@ class LayerwiseReload:
         finalize_layerwise_reload(model, model_config)
 
 
-def reload_strategy() -> "LayerwiseReload | InPlaceReload":
-    """vLLM's layerwise reload where this vLLM has it, else loading in place (logged)."""
+def reload_strategy(model_config: Any = None, device: Any = None) -> "LayerwiseReload | InPlaceReload":
+    """Loading in place for an unquantized model on a GPU (its loaders copy each tensor into
+    its parameter, and nothing is processed after loading there: one copy, no parameter
+    rebound); else vLLM's layerwise reload where this vLLM has it, else in place (logged)."""
+    if getattr(device, "type", None) == "cuda" and model_config is not None \
+            and getattr(model_config, "quantization", "unknown") is None:
+        log.info("an unquantized model on a GPU: refits load each tensor into its parameter")
+        return InPlaceReload()
     try:
         from vllm.model_executor.model_loader.reload import (  # noqa: F401
             finalize_layerwise_reload, initialize_layerwise_reload,
@@ -165,8 +172,8 @@ class PackedTransferEngine:
         self.parallel_config = getattr(vllm_config, "parallel_config", None)
         self.device = device
         self.model = model
-        self.reload: LayerwiseReload | InPlaceReload = reload_strategy() if vllm_config is not None \
-            else InPlaceReload()
+        self.reload: LayerwiseReload | InPlaceReload = reload_strategy(
+            self.model_config, torch_device(device)) if vllm_config is not None else InPlaceReload()
         self.engine_rank = _engine_rank(self.parallel_config)
         self.receiver: WeightReceiver | None = None
         self.rollback = RefitRollback.NONE
@@ -335,6 +342,15 @@ def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int]
         raise TypeError(f"{name}: vLLM's {base.__qualname__} declares abstract methods the"
                         f" project's refit engine lacks: {', '.join(missing)}")
     return cls
+
+
+def torch_device(device: Any) -> Any:
+    """vLLM hands the engine its device as a ``torch.device`` (or its spelling)."""
+    if device is None or hasattr(device, "type"):
+        return device
+    import torch
+
+    return torch.device(device)
 
 
 def _engine_rank(parallel_config: Any) -> int:

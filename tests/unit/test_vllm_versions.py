@@ -13,6 +13,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
 from rollout_fleet.adapters.vllm.convert import piece_of, to_served
@@ -232,6 +233,17 @@ def test_with_layerwise_reload_it_is_used(monkeypatch):
     module.initialize_layerwise_reload = module.finalize_layerwise_reload = lambda *a: None
     fake_vllm_modules(monkeypatch, module)
     assert isinstance(reload_strategy(), LayerwiseReload)
+
+
+def test_an_unquantized_model_on_a_gpu_loads_in_place_and_any_other_by_layers(monkeypatch):
+    module = types.ModuleType("vllm.model_executor.model_loader.reload")
+    module.initialize_layerwise_reload = module.finalize_layerwise_reload = lambda *a: None
+    fake_vllm_modules(monkeypatch, module)
+    plain, quantized = types.SimpleNamespace(quantization=None), types.SimpleNamespace(quantization="fp8")
+    assert isinstance(reload_strategy(plain, torch.device("cuda", 0)), InPlaceReload)
+    assert isinstance(reload_strategy(quantized, torch.device("cuda", 0)), LayerwiseReload)
+    assert isinstance(reload_strategy(plain, torch.device("cpu")), LayerwiseReload)
+    assert isinstance(reload_strategy(types.SimpleNamespace(), torch.device("cuda")), LayerwiseReload)
 
 
 # -- dtype and precision ------------------------------------------------------------------------

@@ -130,6 +130,7 @@ class ColocatedLoop:
         figures.update(wake_s=wake_s, sleep_s=sleep_s, refit_s=result.seconds,
                        refit_buckets=result.buckets, refit_pool_bytes=result.pool_bytes,
                        refit_bytes=result.nbytes, refit_moved_tensors=result.moved_tensors,
+                       refit_load=load_kind(result.engine),
                        weight_versions=[result.weight_version],
                        worker_host_mib=host_memory_mib(self.worker_pid))
         return figures
@@ -149,6 +150,15 @@ def _config(settings: DemoSettings, device: str):
         "timeouts": {"start_s": 600, "refit_s": 300}})
 
 
+def load_kind(engine_stats: dict[str, Any]) -> str:
+    """How the engine loaded an in-place refit: its first load recorded, replayed after
+    (``adapters/vllm/load_replay.py``), or why not."""
+    if engine_stats.get("replayed"):
+        return "replayed"
+    refusal = engine_stats.get("replay_refusal")
+    return f"not replayed ({refusal})" if refusal else "recorded"
+
+
 def _timed(call) -> float:
     started = time.perf_counter()
     call()
@@ -156,8 +166,8 @@ def _timed(call) -> float:
 
 
 def _row(figures: dict[str, Any], settings: DemoSettings) -> str:
-    how = (f"in place: {figures['refit_buckets']} buckets of the trainer's own parameters"
-           if settings.in_place else f"{figures['refit_buckets']} buckets through 2 buffers of"
+    how = (f"in place: {figures['refit_buckets']} buckets of the trainer's own parameters,"
+           f" the load {figures['refit_load']}" if settings.in_place else f"{figures['refit_buckets']} buckets through 2 buffers of"
            f" {figures['refit_pool_bytes'] / 2 / 2**20:.1f} MiB")
     return (f"step {figures['step']}: reward {figures['mean_reward']:.3f}, mismatch max "
             f"{figures['mismatch_max']:.1e}, {figures['tokens_per_s']:,.0f} tokens/s; sleep "
