@@ -186,7 +186,8 @@ def _cuda_open(handle: BufferHandle, device: torch.device) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     fields = handle.cuda
-    mine = str(torch.cuda.get_device_properties(indexed_device(device).index).uuid)
+    index = indexed_device(device).index
+    mine = str(torch.cuda.get_device_properties(index).uuid)
     if fields["device_uuid"] != mine:
         raise RefitError(f"the trainer's buffer is on GPU {fields['device_uuid']}, this engine"
                          f" runs on GPU {mine}: a colocated refit needs both on one device")
