@@ -21,7 +21,9 @@ HTTP. Per rep, interleaved, after one warm-up (medians printed):
               (also printed: the trainer's seconds packing, and waiting for the engine)
   in place:   the same refit from a second copy of the model whose tensors the sender holds
               in place (``make_resident``: one buffer per bucket): no packing, the engine's
-              load the only copy; from the second refit on, the engine replays the first
+              load the only copy, through a transfer engine of its own over the same model
+              (an engine keeps one sender's buffers open; the other columns' refits would
+              close them between its reps); from the second refit on, it replays the first
               one's recorded copies (``adapters/vllm/load_replay.py``; printed: "its load:
               replayed", or why not)
   NeMo-RL:    NeMo-RL's own colocated protocol into the same engine: its sender restated
@@ -142,11 +144,11 @@ class PipeControl:
 
     worker_id = "engine"
 
-    def __init__(self, connection):
-        self.connection = connection
+    def __init__(self, connection, target="main"):
+        self.connection, self.target = connection, target
 
     async def call(self, name, body, *, timeout_s=None):
-        self.connection.send(("control", name, body))
+        self.connection.send(("control", name, body, self.target))
         kind, answer = await asyncio.to_thread(self.connection.recv)
         if kind == "error":
             raise RuntimeError(answer)
@@ -203,8 +205,8 @@ def trainer(args, connection):
                               dtype=torch.uint8, device=device)
         sender = ColocatedSender(PipeControl(connection), buffer_bytes=int(mib * 2**20),
                                  num_buffers=args.num_buffers, device=device)
-        in_place = ColocatedSender(PipeControl(connection), buffer_bytes=int(mib * 2**20),
-                                   device=device)
+        in_place = ColocatedSender(PipeControl(connection, "in_place"),
+                                   buffer_bytes=int(mib * 2**20), device=device)
         in_place.make_resident(resident_model.weights)
         group = sender_packed = None
         if device.type == "cpu":
@@ -238,7 +240,7 @@ def trainer(args, connection):
                 times["pack"].append(result.pack_s)
                 times["wait"].append(result.wait_s)
                 times["in_place"].append(in_place_s)
-                replays.append(in_place_result.engine.get("replay_refusal") or "replayed")
+                replays.append(_load_kind(in_place_result.engine))
                 times["nemo_rl"].append(nemo_rl_s)
                 if packed_s is not None:
                     times["packed"].append(packed_s)
@@ -300,8 +302,11 @@ def engine(args, connection):
     model = LlamaLike(*shape, device=device, dtype=_dtype(args))
     model.randomize(seed=2)
     target = StandaloneColocated(model, device)
-    service = WorkerColocatedRefit(target)
-    controls = service.controls()
+    # The in-place sender gets a transfer engine of its own over the same model: an engine
+    # keeps one sender's buffers open across refits, and the other columns' refits between
+    # its reps would close them (a trainer refits through one sender).
+    controls = {"main": WorkerColocatedRefit(target).controls(),
+                "in_place": WorkerColocatedRefit(StandaloneColocated(model, device)).controls()}
     loop = asyncio.new_event_loop()
     packed = None
     info = refit_info_of(model.state_dict())
@@ -309,7 +314,8 @@ def engine(args, connection):
         message = connection.recv()
         if message[0] == "control":
             try:
-                connection.send(("ok", loop.run_until_complete(controls[message[1]](message[2]))))
+                control = controls[message[3]][message[1]]
+                connection.send(("ok", loop.run_until_complete(control(message[2]))))
             except Exception as error:  # noqa: BLE001 - the trainer reports it
                 connection.send(("error", f"{type(error).__name__}: {error}"))
         elif message[0] == "join":
@@ -337,6 +343,12 @@ def engine(args, connection):
             connection.send(("digest", _digest(model.state_dict())))
         elif message[0] == "quit":
             return
+
+
+def _load_kind(engine_stats):
+    if engine_stats.get("replayed"):
+        return "replayed"
+    return engine_stats.get("replay_refusal") or "recorded (not replayed)"
 
 
 def _dtype(args):
