@@ -43,7 +43,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rollout_fleet.adapters.vllm.load_replay import LoadReplay, RecordedCopy, recorder_for, replay_of
+from rollout_fleet.adapters.vllm.load_replay import (
+    LoadReplay,
+    RecordedCopy,
+    RecordedFill,
+    recorder_for,
+    replay_of,
+)
 from rollout_fleet.adapters.vllm.transfer_engine import InPlaceReload, PackedTransferEngine, RefitStats
 from rollout_fleet.adapters.vllm.transfer_support import synchronize
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedStep
@@ -105,7 +111,7 @@ class _Session:
     # A refit of every bucket in one step, keeping its buffers: its load is recorded
     # (``load_replay``) into ``recorded``, or ``refusal`` says why it cannot be replayed.
     recording: bool = False
-    recorded: list[RecordedCopy] = dataclasses.field(default_factory=list)
+    recorded: list[RecordedCopy | RecordedFill] = dataclasses.field(default_factory=list)
     recorded_bytes: int = 0
     refusal: str = ""
     replayed: bool = False

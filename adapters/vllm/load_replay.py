@@ -12,8 +12,9 @@ later ones make those copies again, in the same order, one ``copy_`` each.
 
 The recording is kept only when it is safe to replay, and it is dropped (the loader runs again)
 when anything it relied on changes:
-- every operation of the load was a view, a copy from a buffer into a parameter's storage, or
-  the opening of a view into a buffer; anything else (a cast, a clone, arithmetic: a loader that
+- every operation of the load was a view, a copy from a buffer into a parameter's storage, a
+  constant written into a parameter (``fill_``: vLLM zeroes the padding rows of a vocabulary),
+  or the opening of a view into a buffer; anything else (a cast, a clone, arithmetic: a loader that
   processes what it loads, vLLM's layerwise reload that loads into fresh tensors first) makes
   the load not replayable, and it is recorded why;
 - the copies read every loaded byte once (a loader that reads part of a tensor, as tensor
@@ -36,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _COPY = torch.ops.aten.copy_.default
+_FILL = torch.ops.aten.fill_.Scalar
 # OpenedBuffer makes its views into a buffer with set_ on an empty tensor
 _VIEW_MAKING = ("aten::set_", "aten::empty")
 
@@ -65,6 +67,14 @@ class RecordedCopy:
     non_blocking: bool
 
 
+@attrs.frozen
+class RecordedFill:
+    """A constant the loader wrote into a parameter (vLLM zeroes a padded vocabulary's rows)."""
+
+    destination: torch.Tensor
+    value: Any
+
+
 class LoadRecorder(TorchDispatchMode):
     """Records a load's copies from the buffers' storages (``sources``: storage address ->
     slot) into the parameters' (``parameters``: storage addresses); ``refusal`` names the
@@ -73,7 +83,7 @@ class LoadRecorder(TorchDispatchMode):
     def __init__(self, sources: dict[int, int], parameters: frozenset[int]) -> None:
         super().__init__()
         self.sources, self.parameters = sources, parameters
-        self.copies: list[RecordedCopy] = []
+        self.copies: list[RecordedCopy | RecordedFill] = []
         self.refusal: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -88,6 +98,8 @@ class LoadRecorder(TorchDispatchMode):
         if func is _COPY:
             self._note_copy(args[0], args[1], bool(args[2] if len(args) > 2
                                                   else kwargs.get("non_blocking", False)))
+        elif func is _FILL and _storage_address(args[0]) in self.parameters:
+            self.copies.append(RecordedFill(args[0], args[1]))
         elif func.is_view or name.startswith(_VIEW_MAKING):
             return
         else:
@@ -112,7 +124,7 @@ class LoadReplay:
     key: Any  # the refit info, the skipped names and the buckets' layout and slots
     buffers: tuple[tuple[int, Any], ...]  # (slot, the opened buffer recorded from)
     parameter_addresses: tuple[int, ...]
-    copies: tuple[RecordedCopy, ...]
+    copies: tuple[RecordedCopy | RecordedFill, ...]  # in the loader's order
 
     def matches(self, key: Any, kept: dict[int, tuple[Any, Any]], model: Any) -> bool:
         if key != self.key:
@@ -128,14 +140,17 @@ class LoadReplay:
         """(slot, opened buffer, dtype) for each typed view of a buffer the copies read."""
         opened = dict(self.buffers)
         wanted = sorted({(c.source.slot, str(c.source.dtype)): c.source.dtype
-                         for c in self.copies}.items())
+                         for c in self.copies if isinstance(c, RecordedCopy)}.items())
         return tuple((slot, opened[slot], dtype) for (slot, _), dtype in wanted)
 
     def replay(self) -> int:
-        """Make every recorded copy again; the copies' count."""
+        """Make every recorded copy and fill again, in order; their count."""
         typed = {(slot, dtype): _typed(opened.block, dtype)
                  for slot, opened, dtype in self._typed_sources}
         for copy in self.copies:
+            if isinstance(copy, RecordedFill):
+                copy.destination.fill_(copy.value)
+                continue
             place = copy.source
             source = typed[place.slot, place.dtype].as_strided(place.size, place.stride, place.offset)
             copy.destination.copy_(source, non_blocking=copy.non_blocking)
@@ -149,9 +164,9 @@ def recorder_for(model: Any, buffers: Iterable[tuple[int, Any]]) -> LoadRecorder
 
 
 def replay_of(key: Any, buffers: Sequence[tuple[int, Any]], model: Any,
-              recorded: Sequence[RecordedCopy], loaded_bytes: int) -> "LoadReplay | str":
+              recorded: Sequence[RecordedCopy | RecordedFill], loaded_bytes: int) -> "LoadReplay | str":
     """The replay of a load whose every recorder came back clean, or why it is none."""
-    read = sum(copy.source.nbytes for copy in recorded)
+    read = sum(copy.source.nbytes for copy in recorded if isinstance(copy, RecordedCopy))
     if read != loaded_bytes:
         return f"the load read {read} bytes of the buffers for {loaded_bytes} loaded"
     return LoadReplay(key, tuple(buffers), parameter_addresses(model), tuple(recorded))

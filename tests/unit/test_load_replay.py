@@ -42,6 +42,25 @@ class CopyingModel:
 FUSED = ("q", "k")
 
 
+class PaddingModel(CopyingModel):
+    """Zeroes the rows past the loaded ones, as vLLM's padded vocabulary embedding does."""
+
+    def __init__(self, state):
+        super().__init__(state)
+        self.weights["d"] = torch.full((320,), 7.0)
+
+    def load_weights(self, named):
+        for name, tensor in named:
+            if name == "d":
+                self.weights["d"][:300].copy_(tensor)
+                self.weights["d"][300:].fill_(0)
+            else:
+                self.destination(name).copy_(tensor)
+
+    def destination(self, name):
+        return self.weights["d"][:300] if name == "d" else super().destination(name)
+
+
 class ScalingModel(CopyingModel):
     """A loader that processes what it loads: never replayable."""
 
@@ -113,6 +132,17 @@ def test_the_first_refit_is_recorded_and_the_next_ones_replay_it_exactly(manifes
         for seed in (2, 3):
             stats = refitter.refit(state_of(seed))
             assert stats.replayed and stats.tensors == 4 and stats.buckets == len(manifest.plan) > 1
+
+
+def test_a_constant_the_loader_writes_into_a_parameter_is_written_again(manifest):
+    model = PaddingModel(state_of(0))
+    with pool_for(manifest) as pool:
+        refitter = Refitter(model, pool, manifest)
+        refitter.refit(state_of(1))
+        for seed in (2, 3):
+            model.weights["d"][300:] = 5.0  # the replay must zero the padding as the loader did
+            assert refitter.refit(state_of(seed)).replayed
+            assert torch.equal(model.weights["d"][300:], torch.zeros(20))
 
 
 def test_a_parameter_rebound_between_refits_is_loaded_by_the_loader_again(manifest):
