@@ -105,7 +105,7 @@ class ColocatedSender:
         places = self._places
         if places is not None:
             manifest, info = places.manifest, places.manifest.info
-            places.check_names(state_dict)
+            places.check(state_dict)
         else:
             info = refit_info_of(state_dict)
             manifest = ColocatedManifest(info, self.buffer_bytes, self.num_buffers, self._transport)
@@ -256,11 +256,18 @@ class InPlaceLayout:
                               "handle": pool.handle(index).to_wire()}
                              for index, bucket in enumerate(manifest.plan)]
 
-    def check_names(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def check(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """The tensors held in place, by name, shape and dtype: refused before any call."""
         if state_dict.keys() != self.places.keys():
             raise InvalidValue("state_dict", f"{len(state_dict)} tensors", "the sender holds"
                                f" {len(self.places)} other tensors in place: send those (same"
                                " names, shapes, dtypes)")
+        for name, tensor in state_dict.items():
+            view = self.places[name][1]
+            if tensor.shape != view.shape or tensor.dtype != view.dtype:
+                raise InvalidValue(f"state_dict[{name!r}]", f"{list(tensor.shape)} {tensor.dtype}",
+                                   f"the sender holds it in place as {list(view.shape)}"
+                                   f" {view.dtype}: send the same names, shapes, dtypes")
 
     def back_in_place(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[float, int]:
         """(seconds, tensors moved): each tensor not at its place (the trainer replaced it)
@@ -269,8 +276,7 @@ class InPlaceLayout:
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 meta, view = self.places[name]
-                if meta.nbytes and (tensor.data_ptr() != view.data_ptr()
-                                    or tensor.shape != view.shape or tensor.dtype != view.dtype):
+                if meta.nbytes and tensor.data_ptr() != view.data_ptr():
                     check_tensor(meta, name, tensor)
                     view.copy_(tensor)
                     moved += 1

@@ -125,3 +125,14 @@ def test_an_in_place_refit_sends_every_bucket_in_one_call(engine):
         assert result.buckets == 2 and result.weight_version == 1
         assert calls == ["colocated_start", "colocated_buckets", "colocated_finish"]
     assert answers(engine) == answers(MemoryEngine(seed=1))
+
+
+def test_a_tensor_of_another_shape_is_refused_before_the_worker_is_asked(engine, sender):
+    params = weights(1)
+    sender.make_resident(params)
+    assert sender.send(params).weight_version == 1
+    name = next(iter(params))
+    with pytest.raises(InvalidValue, match=rf"state_dict\['{name}'\]"):
+        sender.send({**params, name: torch.zeros(3)})
+    assert engine.weight_version() == 1  # nothing started on the worker, nothing aborted
+    assert sender.send(params).weight_version == 2
