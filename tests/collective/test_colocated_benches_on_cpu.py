@@ -10,20 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import start_child, stop_child
+from tests.support.processes import run_to_end
 
 pytestmark = pytest.mark.collective
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path, script, *args):
-    log = tmp_path / f"{script}.log"
-    process = start_child([sys.executable, str(ROOT / "bench" / script), *args], log_path=log)
-    try:
-        code = process.wait(300)
-    finally:
-        stop_child(process)
-    output = log.read_text()
+    code, output = run_to_end([sys.executable, str(ROOT / "bench" / script), *args],
+                              log_path=tmp_path / f"{script}.log")
     assert code == 0, output[-3000:]
     return output
 

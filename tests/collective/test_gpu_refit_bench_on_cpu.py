@@ -9,21 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import start_child, stop_child
+from tests.support.processes import run_to_end
 
 pytestmark = pytest.mark.collective
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_refit_bench_runs_on_the_cpu_and_every_geometry_is_bit_exact(tmp_path):
-    log = tmp_path / "bench.log"
-    process = start_child([sys.executable, str(ROOT / "bench" / "bench_gpu_refit.py"),
-                           "--device", "cpu", "--reps", "1"], log_path=log)
-    try:
-        code = process.wait(300)
-    finally:
-        stop_child(process)
-    output = log.read_text()
+    code, output = run_to_end([sys.executable, str(ROOT / "bench" / "bench_gpu_refit.py"),
+                               "--device", "cpu", "--reps", "1"], log_path=tmp_path / "bench.log")
     assert code == 0, output[-3000:]
     rows = [line for line in output.splitlines() if line.startswith("  buffer")]
     assert len(rows) == 4, output  # 2 buffer sizes x 2 in flight

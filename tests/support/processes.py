@@ -53,6 +53,18 @@ def stop_child(process: subprocess.Popen, *, sig: int = signal.SIGTERM, timeout_
     return process.returncode
 
 
+def run_to_end(command: Sequence[str], *, log_path: str | Path,
+               timeout_s: float = 300.0) -> tuple[int, str]:
+    """Run ``command`` in its own process group to its end (stopped, with its group, if it
+    outlives ``timeout_s``); its exit code and its output."""
+    process = start_child(command, log_path=log_path)
+    try:
+        code = process.wait(timeout_s)
+    finally:
+        stop_child(process)
+    return code, Path(log_path).read_text()
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
     members = []
