@@ -269,7 +269,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
         with recorder:
             self.model.load_weights(tensors)
         session.refusal = recorder.refusal or ""
-        session.recorded.extend(recorder.copies)
+        session.recorded.extend(recorder.writes)
         session.recorded_bytes += sum(e.meta.nbytes for e in bucket.entries
                                       if e.meta.name not in session.skip)
 

@@ -76,14 +76,14 @@ class RecordedFill:
 
 
 class LoadRecorder(TorchDispatchMode):
-    """Records a load's copies from the buffers' storages (``sources``: storage address ->
-    slot) into the parameters' (``parameters``: storage addresses); ``refusal`` names the
-    first operation that makes the load not replayable."""
+    """Records a load's writes, copies from the buffers' storages (``sources``: storage address
+    -> slot) into the parameters' (``parameters``: storage addresses) and constants written
+    into parameters; ``refusal`` names the first operation that makes the load not replayable."""
 
     def __init__(self, sources: dict[int, int], parameters: frozenset[int]) -> None:
         super().__init__()
         self.sources, self.parameters = sources, parameters
-        self.copies: list[RecordedCopy | RecordedFill] = []
+        self.writes: list[RecordedCopy | RecordedFill] = []  # in the loader's order
         self.refusal: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -99,7 +99,7 @@ class LoadRecorder(TorchDispatchMode):
             self._note_copy(args[0], args[1], bool(args[2] if len(args) > 2
                                                   else kwargs.get("non_blocking", False)))
         elif func is _FILL and _storage_address(args[0]) in self.parameters:
-            self.copies.append(RecordedFill(args[0], args[1]))
+            self.writes.append(RecordedFill(args[0], args[1]))
         elif func.is_view or name.startswith(_VIEW_MAKING):
             return
         else:
@@ -112,19 +112,19 @@ class LoadRecorder(TorchDispatchMode):
         elif _storage_address(destination) not in self.parameters:
             self.refusal = "the load copied out of a buffer into a tensor that is no parameter"
         else:
-            self.copies.append(RecordedCopy(destination, SourcePlace(
+            self.writes.append(RecordedCopy(destination, SourcePlace(
                 slot, source.dtype, tuple(source.shape), tuple(source.stride()),
                 source.storage_offset()), non_blocking))
 
 
 @attrs.frozen
 class LoadReplay:
-    """A refit's recorded copies, and what must be unchanged for them to stand for its load."""
+    """A refit's recorded writes, and what must be unchanged for them to stand for its load."""
 
     key: Any  # the refit info, the skipped names and the buckets' layout and slots
     buffers: tuple[tuple[int, Any], ...]  # (slot, the opened buffer recorded from)
     parameter_addresses: tuple[int, ...]
-    copies: tuple[RecordedCopy | RecordedFill, ...]  # in the loader's order
+    writes: tuple[RecordedCopy | RecordedFill, ...]  # in the loader's order
 
     def matches(self, key: Any, kept: dict[int, tuple[Any, Any]], model: Any) -> bool:
         if key != self.key:
@@ -140,21 +140,21 @@ class LoadReplay:
         """(slot, opened buffer, dtype) for each typed view of a buffer the copies read."""
         opened = dict(self.buffers)
         wanted = sorted({(c.source.slot, str(c.source.dtype)): c.source.dtype
-                         for c in self.copies if isinstance(c, RecordedCopy)}.items())
+                         for c in self.writes if isinstance(c, RecordedCopy)}.items())
         return tuple((slot, opened[slot], dtype) for (slot, _), dtype in wanted)
 
     def replay(self) -> int:
         """Make every recorded copy and fill again, in order; their count."""
         typed = {(slot, dtype): _typed(opened.block, dtype)
                  for slot, opened, dtype in self._typed_sources}
-        for copy in self.copies:
+        for copy in self.writes:
             if isinstance(copy, RecordedFill):
                 copy.destination.fill_(copy.value)
                 continue
             place = copy.source
             source = typed[place.slot, place.dtype].as_strided(place.size, place.stride, place.offset)
             copy.destination.copy_(source, non_blocking=copy.non_blocking)
-        return len(self.copies)
+        return len(self.writes)
 
 
 def recorder_for(model: Any, buffers: Iterable[tuple[int, Any]]) -> LoadRecorder:
