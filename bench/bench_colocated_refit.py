@@ -69,6 +69,7 @@ from rollout_fleet.core.colocated_service import WorkerColocatedRefit  # noqa: E
 from rollout_fleet.core.ipc_stream import receive_weight_stream  # noqa: E402
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin  # noqa: E402
 from rollout_fleet.ports.colocated import ColocatedTarget  # noqa: E402
+from rollout_fleet.wiring.demo.colocated import load_kind  # noqa: E402
 
 # A CPU-sized model: 4 layers, hidden 1024, 32k vocabulary (~300 MiB in float32).
 MODELS = {**MODELS, "cpu": ("llama-like, 4 layers, hidden 1024, 32k vocabulary", 1024, 2816,
@@ -240,7 +241,7 @@ def trainer(args, connection):
                 times["pack"].append(result.pack_s)
                 times["wait"].append(result.wait_s)
                 times["in_place"].append(in_place_s)
-                replays.append(_load_kind(in_place_result.engine))
+                replays.append(load_kind(in_place_result.engine))
                 times["nemo_rl"].append(nemo_rl_s)
                 if packed_s is not None:
                     times["packed"].append(packed_s)
@@ -343,12 +344,6 @@ def engine(args, connection):
             connection.send(("digest", _digest(model.state_dict())))
         elif message[0] == "quit":
             return
-
-
-def _load_kind(engine_stats):
-    if engine_stats.get("replayed"):
-        return "replayed"
-    return engine_stats.get("replay_refusal") or "recorded (not replayed)"
 
 
 def _dtype(args):

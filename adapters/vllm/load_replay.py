@@ -57,7 +57,7 @@ class SourcePlace:
         count = 1
         for d in self.size:
             count *= d
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
 
 @attrs.frozen
@@ -197,5 +197,4 @@ def _typed(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The whole of a buffer's storage as ``dtype`` elements (``as_strided`` offsets are in
     elements from the storage's start, as the recorded ones are)."""
     view = torch.empty((0,), dtype=dtype, device=block.device)
-    size = torch.empty((), dtype=dtype).element_size()
-    return view.set_(block.untyped_storage(), 0, (block.untyped_storage().nbytes() // size,))
+    return view.set_(block.untyped_storage(), 0, (block.untyped_storage().nbytes() // dtype.itemsize,))
