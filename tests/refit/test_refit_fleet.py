@@ -259,6 +259,7 @@ GROUP_PROMPT_LEN = 40  # a GRPO-like group sharing a prompt of full KV blocks (b
 NEAR_TIE = 1e-4
 CHECKED_ROLLOUTS = 16  # of those that span the refit, checked token by token against transformers
 CHECKED_AFTER = 48  # tokens past the switch checked in recompute mode
+SPANNING_ATTEMPTS = 3  # runs of the scenario until a refit lands inside the rollouts
 
 
 @pytest.fixture(scope="module")
@@ -287,9 +288,9 @@ def greedy_reference(model, prompt, steps):
     return tokens, True
 
 
-def _rollouts_across_a_refit(fleet, generation, trainer, models, mode, rng):
+def _rollouts_across_a_refit(fleet, generation, trainer, models, mode, rng, *, held: int):
     """64 long greedy rollouts sent on model A; a refit to model B in ``mode`` once the workers
-    hold them; then (while the long ones still run) a fresh rollout of the group's prompt."""
+    hold ``held`` of them; then (while the long ones still run) a fresh rollout of the group's prompt."""
     import collections
     import time
 
@@ -316,8 +317,9 @@ def _rollouts_across_a_refit(fleet, generation, trainer, models, mode, rng):
         # Most rollouts at a worker (and generating on model A), then the refit at once: on a
         # quiet machine the tiny model finishes 64 x 400 tokens in about a second, and a refit
         # sent a second after this point found every rollout done.
-        # (half of them: on a loaded machine three quarters were not reached in 60 s, 2 runs of 4)
-        await asyncio.to_thread(_wait_for_worker_in_flight, fleet, at_least=IN_FLIGHT // 2)
+        # (half of them at first: on a loaded machine three quarters were not reached in 60 s,
+        # 2 runs of 4; fewer on each attempt after one where every rollout ended first)
+        await asyncio.to_thread(_wait_for_worker_in_flight, fleet, at_least=held)
         started = time.monotonic()
         # From this loop, not through Ray tasks: the pause reaches each worker at once.
         updating = asyncio.ensure_future(coordinator.update_weights(mode))
@@ -353,19 +355,28 @@ def test_a_refit_without_draining_keeps_64_rollouts_going_and_tags_the_switch(
 
     trainer = Trainer(generation)
     try:
-        generation.prepare_refit_info(info_of(models[0]))
-        refit(generation, trainer, models[0])  # from model A, drained
-        (version_a,) = set(generation.get_weight_versions().values())
-        version_b = version_a + 1
-        prompts, results, fresh = _rollouts_across_a_refit(
-            fleet, generation, trainer, models, mode, random.Random(11))
-        assert set(generation.get_weight_versions().values()) == {version_b}
+        rng = random.Random(11)
+        for attempt in range(1, SPANNING_ATTEMPTS + 1):
+            generation.prepare_refit_info(info_of(models[0]))
+            refit(generation, trainer, models[0])  # from model A, drained
+            (version_a,) = set(generation.get_weight_versions().values())
+            version_b = version_a + 1
+            prompts, results, fresh = _rollouts_across_a_refit(
+                fleet, generation, trainer, models, mode, rng, held=IN_FLIGHT // 2 ** attempt)
+            assert set(generation.get_weight_versions().values()) == {version_b}
 
-        assert len(results) == IN_FLIGHT
-        assert all(r.finish_reason.value != "abort" for r in results)
-        assert all(len(r.token_ids) == LONG_ROLLOUT or r.token_ids[-1] == 2 for r in results)
-        switched = [i for i, r in enumerate(results) if len(r.weight_versions) == 2]
-        assert switched, f"no rollout spans the refit: {[r.weight_versions for r in results]}"
+            assert len(results) == IN_FLIGHT
+            assert all(r.finish_reason.value != "abort" for r in results)
+            assert all(len(r.token_ids) == LONG_ROLLOUT or r.token_ids[-1] == 2 for r in results)
+            switched = [i for i, r in enumerate(results) if len(r.weight_versions) == 2]
+            if switched:
+                break
+            # The test's own race, not the fleet's: on a loaded machine the refit's pause can
+            # reach the workers after every rollout ended. Each ended whole on model A (checked
+            # below on the last attempt); the scenario runs again from model A.
+            print(f"{mode}: attempt {attempt}: every rollout ended before the refit reached it")
+        assert switched, (f"no rollout spans the refit in {SPANNING_ATTEMPTS} attempts: "
+                          f"{[r.weight_versions for r in results]}")
         for result in results:
             assert [v for v, _ in result.weight_versions] in ([version_a], [version_b],
                                                               [version_a, version_b])
