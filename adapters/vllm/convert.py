@@ -5,6 +5,7 @@ engine's facts, and the vocabulary check of token IDs."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,12 +49,32 @@ def to_sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
                   # Built for this one request and never reused: vLLM may take it as it is
                   # instead of deep-copying it (measured: ~6% of the worker host's main thread).
-                  skip_clone=True, **extra)
+                  skip_clone=True, **_flat_logprobs(), **extra)
     if sampling.greedy:
         return SamplingParams(temperature=0.0, **common)
     return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=0 if sampling.top_k == -1 else sampling.top_k,
                           seed=sampling.seed, **common)
+
+
+@functools.cache
+def _flat_logprobs() -> dict[str, bool]:
+    """vLLM's flat logprobs where it offers them: a request's logprobs kept in a few flat lists
+    rather than a dict and an object per token (on the CPU suite's worker host, ~20% of the CPU
+    that collecting the chosen tokens' logprobs costs; see bench/RESULTS.md)."""
+    from vllm import SamplingParams
+
+    return {"flat_logprobs": True} if "flat_logprobs" in getattr(
+        SamplingParams, "__struct_fields__", ()) else {}
+
+
+def chosen_logprobs(steps: Any, token_ids: Sequence[int]) -> list[float]:
+    """The chosen token's logprob at each step. vLLM's flat logprobs with one entry per step (no
+    alternatives asked) already hold them as one list, in step order."""
+    flat, flat_ids = getattr(steps, "logprobs", None), getattr(steps, "token_ids", None)
+    if isinstance(flat, list) and len(flat) == len(token_ids) and flat_ids == list(token_ids):
+        return list(flat)
+    return [step[token].logprob for step, token in zip(steps, token_ids)]
 
 
 def piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> RolloutPiece:
@@ -75,7 +96,7 @@ def piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> Rollout
         spans = getattr(completion, "weight_versions", None)  # over every token, not the delta
         if spans:
             runs = _runs_of(spans)
-    return RolloutPiece(token_ids, tuple(step[token].logprob for step, token in zip(steps, token_ids)),
+    return RolloutPiece(token_ids, tuple(chosen_logprobs(steps, token_ids)),
                         reason, tuple(_top_of(step, top_n) for step in steps) if top_n else None,
                         cached_prompt_tokens=cached, weight_versions=runs)
 
@@ -91,7 +112,7 @@ def to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> Ser
     if len(logprobs) != len(token_ids):
         raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(logprobs)} logprobs "
                           f"for request {output.request_id!r}")
-    chosen = [step[token].logprob for step, token in zip(logprobs, token_ids)]
+    chosen = chosen_logprobs(logprobs, token_ids)
     # Each step also holds the top_n most likely tokens (ranks 1..top_n; the chosen one may
     # rank lower and is in ``chosen``).
     tops = tuple(_top_of(step, top_n) for step in logprobs) if top_n else None
