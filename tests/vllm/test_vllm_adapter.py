@@ -34,6 +34,28 @@ def test_an_abort_ends_the_request_inside_vllm(vllm_engine):
     assert unfinished == 0, "vLLM still holds the aborted request"
 
 
+def test_a_crowd_of_seeded_rollouts_with_long_prompts_is_served(vllm_engine):
+    """64 seeded rollouts of 200-token prompts at once: more prompt tokens than one step takes.
+    vLLM's CPU worker dies on a seeded request whose prefill is split (it cannot rewind a CPU
+    generator): the engine prefills whole prompts on the CPU, and every rollout is served."""
+    engine = vllm_engine.engine
+    vocab = 400
+
+    async def crowd():
+        return await asyncio.gather(*(engine.serve_rollout(
+            [5 + (index * 7 + position) % vocab for position in range(200)],
+            request_id=f"seeded-crowd-{index}", max_new_tokens=8,
+            sampling=SamplingSpec(greedy=False, temperature=1.0, seed=index))
+            for index in range(64)))
+
+    served = vllm_engine.loop.run(crowd())
+    assert len(served) == 64
+    for rollout in served:  # its whole budget, or ended by the end-of-sequence token
+        assert (rollout.finish_reason, len(rollout.token_ids)) == (FinishReason.LENGTH, 8) or \
+            (rollout.finish_reason, rollout.token_ids[-1]) == (FinishReason.STOP, 2), rollout
+    assert engine.dead_reason() is None
+
+
 def test_a_stream_without_logprobs_asks_vllm_for_none(vllm_engine):
     """vLLM computes and hands out no logprobs then (each piece's are empty), as its own server
     does for a request that asks for none; the tokens are the greedy answer's."""
@@ -118,9 +140,11 @@ def test_config_defaults_per_device():
     cpu = VllmEngineConfig(model="/m").engine_kwargs()
     assert (cpu["dtype"], cpu["enforce_eager"], cpu["max_model_len"]) == ("float32", True, 512)
     assert cpu["kv_cache_memory_bytes"] == 64 * 2**20
+    assert (cpu["enable_chunked_prefill"], cpu["max_num_batched_tokens"]) == (False, 2048)
     assert cpu["weight_transfer_config"] == {"backend": "rollout_fleet_packed"}
     gpu = VllmEngineConfig(model="/m", device="gpu").engine_kwargs()
     assert (gpu["dtype"], gpu["enforce_eager"]) == ("auto", False)
+    assert "enable_chunked_prefill" not in gpu and "max_num_batched_tokens" not in gpu
     assert "max_model_len" not in gpu and gpu["weight_transfer_config"] == {"backend": "rollout_fleet_packed"}
     native = VllmEngineConfig(model="/m", device="gpu", refit_protocol="vllm").engine_kwargs()
     assert native["weight_transfer_config"] == {"backend": "nccl"}
