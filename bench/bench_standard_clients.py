@@ -168,6 +168,9 @@ def vllm_server_flags(model: Path, args) -> list[str]:
     flags += ["--enforce-eager"] if kwargs["enforce_eager"] else []
     flags += ["--enable-prefix-caching"] if kwargs["enable_prefix_caching"] else []
     flags += ["--disable-log-stats"] if kwargs["disable_log_stats"] else []
+    flags += ["--no-enable-chunked-prefill"] if kwargs.get("enable_chunked_prefill") is False else []
+    if "max_num_batched_tokens" in kwargs:
+        flags += ["--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"])]
     return flags + ["--stream-interval", str(args.stream_interval)]
 
 

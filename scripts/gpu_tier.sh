@@ -20,7 +20,11 @@
 #   scripts/gpu_tier.sh grpo-groups [ARGS]
 #                                    bench/bench_grpo_groups.py --gpu (a GRPO load: the fleet
 #                                    grouped (n=8 in one request), one by one, and vLLM's own
-#                                    server with n=8; table in $OUT/grpo-groups)
+#                                    server with n=8, without and with logprobs; table in
+#                                    $OUT/grpo-groups)
+#   scripts/gpu_tier.sh logprobs-cost [ARGS]
+#                                    bench/bench_logprobs_cost.py --gpu (what asking logprobs
+#                                    costs vLLM's front; table in $OUT/logprobs-cost)
 # Output and figures go to $OUT (or ./gpu-out). The project's wheel is built beforehand where
 # pip works, from a copy outside the checkout so no build folder lands in it
 # (`git archive HEAD | tar -x -C "$tmp" && pip wheel --no-deps -w wheel "$tmp"`), and found in ./wheel: vLLM finds the project's
@@ -31,7 +35,7 @@ cd "$root"
 SITE=${SITE:-/root/site}
 OUT=${OUT:-$root/gpu-out}
 case "${1:-}" in  # a usage question writes nothing
-  install|tests|bench|standard-clients|sweep|grpo-groups|agent-door|colocated) mkdir -p "$OUT" ;;
+  install|tests|bench|standard-clients|sweep|grpo-groups|logprobs-cost|agent-door|colocated) mkdir -p "$OUT" ;;
 esac
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH=/root/bin:$PATH
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -89,6 +93,10 @@ case "${1:-}" in
     unshare -n sh -c 'ip link set lo up && exec python3 bench/bench_grpo_groups.py --gpu "$@"' \
       sh --out "$OUT/grpo-groups" "$@" 2>&1 | tee "$OUT/bench-grpo-groups.log"
     ;;
+  logprobs-cost)
+    shift
+    python3 bench/bench_logprobs_cost.py --gpu --out "$OUT/logprobs-cost" "$@" 2>&1 | tee "$OUT/bench-logprobs-cost.log"
+    ;;
   agent-door)
     shift
     ip_shim
@@ -98,6 +106,6 @@ case "${1:-}" in
     shift
     python3 -m rollout_fleet.wiring.cli demo --colocated --device gpu --quiet --out "$OUT/colocated" "$@" 2>&1 | tee "$OUT/colocated-demo.log"
     ;;
-  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | agent-door [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
-  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | agent-door [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
+  -h|--help) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | logprobs-cost [ARGS] | agent-door [ARGS] | colocated [DEMO ARGS]"; exit 0 ;;
+  *) echo "usage: $0 install | tests [PYTEST ARGS] | bench [ARGS] | standard-clients [ARGS] | sweep [ARGS] | grpo-groups [ARGS] | logprobs-cost [ARGS] | agent-door [ARGS] | colocated [DEMO ARGS]" >&2; exit 2 ;;
 esac

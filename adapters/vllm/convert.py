@@ -60,8 +60,8 @@ def to_sampling_params(sampling: SamplingSpec, max_new_tokens: int, stop_strings
 @functools.cache
 def _flat_logprobs() -> dict[str, bool]:
     """vLLM's flat logprobs where it offers them: a request's logprobs kept in a few flat lists
-    rather than a dict and an object per token (on the CPU suite's worker host, ~20% of the CPU
-    that collecting the chosen tokens' logprobs costs; see bench/RESULTS.md)."""
+    rather than a dict and an object per token (bench/bench_logprobs_cost.py on the CPU: about a
+    fifth less of the front CPU that the chosen tokens' logprobs cost; bench/RESULTS.md)."""
     from vllm import SamplingParams
 
     return {"flat_logprobs": True} if "flat_logprobs" in getattr(
