@@ -156,11 +156,19 @@ class PipeControl:
         return answer
 
 
-def _device(args):
+def device_of(args):
     return torch.device("cuda:0" if args.device == "cuda" else "cpu")
 
 
-def _sync(device):
+def built_model(args, seed: int):
+    """The bench's model (``--size``) on its device, in its dtype, with weights from ``seed``."""
+    _name, *shape = MODELS[args.size]
+    model = LlamaLike(*shape, device=device_of(args), dtype=dtype_of(args))
+    model.randomize(seed=seed)
+    return model
+
+
+def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -175,7 +183,7 @@ def _staged_copy(state, copy, staging, device) -> float:
         block = staging[:_nbytes(tensor)]
         block.copy_(tensor.reshape(-1).view(torch.uint8))
         copy[name].view(-1).view(torch.uint8).copy_(block)
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - started
 
 
@@ -188,15 +196,12 @@ def _digest(state) -> str:
 
 
 def trainer(args, connection):
-    device = _device(args)
-    _name, *shape = MODELS[args.size]
-    model = LlamaLike(*shape, device=device, dtype=_dtype(args))
-    model.randomize(seed=1)
+    device = device_of(args)
+    model = built_model(args, seed=1)
     state = model.state_dict()
     copy = {n: torch.empty_like(t) for n, t in state.items()}
     nbytes = refit_info_of(state).total_bytes
-    resident_model = LlamaLike(*shape, device=device, dtype=_dtype(args))
-    resident_model.randomize(seed=1)
+    resident_model = built_model(args, seed=1)
     rows = []
     for mib in args.buffer_mib:
         times = {"copy": [], "staged": [], "colocated": [], "pack": [], "wait": [], "packed": [],
@@ -220,7 +225,7 @@ def trainer(args, connection):
             started = time.perf_counter()
             for name, tensor in state.items():
                 copy[name].copy_(tensor)
-            _sync(device)
+            synchronize(device)
             copy_s = time.perf_counter() - started
             staged_s = _staged_copy(state, copy, staging, device)
             result = sender.send(state)
@@ -258,8 +263,7 @@ def trainer(args, connection):
         _nemo_rl_refit(connection, state, mib, device)
         connection.send(("digest",))
         exact = exact and connection.recv() == ("digest", _digest(state))
-        resident_model = LlamaLike(*shape, device=device, dtype=_dtype(args))  # its own memory
-        resident_model.randomize(seed=1)
+        resident_model = built_model(args, seed=1)  # its own memory
         sender.close()
         if sender_packed is not None:
             sender_packed.close()
@@ -298,10 +302,8 @@ async def _receive_nemo_rl(target, address, info, device):
 
 
 def engine(args, connection):
-    device = _device(args)
-    _name, *shape = MODELS[args.size]
-    model = LlamaLike(*shape, device=device, dtype=_dtype(args))
-    model.randomize(seed=2)
+    device = device_of(args)
+    model = built_model(args, seed=2)
     target = StandaloneColocated(model, device)
     # The in-place sender gets a transfer engine of its own over the same model: an engine
     # keeps one sender's buffers open across refits, and the other columns' refits between
@@ -346,7 +348,7 @@ def engine(args, connection):
             return
 
 
-def _dtype(args):
+def dtype_of(args):
     return torch.float32 if args.device == "cpu" else torch.bfloat16
 
 

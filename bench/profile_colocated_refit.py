@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,26 +35,9 @@ def _ms(values) -> float:
     return round(sorted(values)[len(values) // 2] * 1e3, 2)
 
 
-def _model(args, seed):
-    _name, *shape = bench.MODELS[args.size]
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = bench.LlamaLike(*shape, device=torch.device(_device_name(args)), dtype=dtype)
-    model.randomize(seed=seed)
-    return model
-
-
-def _synchronize(args) -> None:
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _device_name(args) -> str:
-    return "cuda:0" if args.device == "cuda" else "cpu"
-
-
 def engine(args, connection):
-    model = _model(args, seed=2)
-    target = bench.StandaloneColocated(model, torch.device(_device_name(args)))
+    model = bench.built_model(args, seed=2)
+    target = bench.StandaloneColocated(model, bench.device_of(args))
     controls = WorkerColocatedRefit(target).controls()
     loop, seconds, profile = asyncio.new_event_loop(), collections.defaultdict(list), None
     while True:
@@ -94,10 +76,10 @@ class TimedControl(bench.PipeControl):
 
 
 def trainer(args, connection):
-    model, copy = _model(args, seed=1), _model(args, seed=3)
+    model, copy = bench.built_model(args, seed=1), bench.built_model(args, seed=3)
+    device = bench.device_of(args)
     control = TimedControl(connection)
-    sender = ColocatedSender(control, buffer_bytes=args.buffer_mib << 20,
-                             device=_device_name(args))
+    sender = ColocatedSender(control, buffer_bytes=args.buffer_mib << 20, device=str(device))
     sender.make_resident(model.weights)
     for _ in range(3):
         sender.send(model.state_dict())
@@ -107,11 +89,11 @@ def trainer(args, connection):
     refits = [sender.send(model.state_dict()).seconds for _ in range(10)]
     floor = []
     for _ in range(10):
-        _synchronize(args)
+        bench.synchronize(device)
         started = time.perf_counter()
         for name, tensor in model.weights.items():
             copy.weights[name].copy_(tensor)
-        _synchronize(args)
+        bench.synchronize(device)
         floor.append(time.perf_counter() - started)
     print(f"{bench.MODELS[args.size][0]}: {len(model.weights)} tensors; refit {_ms(refits)} ms,"
           f" copy {_ms(floor)} ms ({_ms(refits) / _ms(floor):.2f}x)", flush=True)

@@ -147,13 +147,13 @@ class LoadReplay:
         """Make every recorded copy and fill again, in order; their count."""
         typed = {(slot, dtype): _typed(opened.block, dtype)
                  for slot, opened, dtype in self._typed_sources}
-        for copy in self.writes:
-            if isinstance(copy, RecordedFill):
-                copy.destination.fill_(copy.value)
+        for write in self.writes:
+            if isinstance(write, RecordedFill):
+                write.destination.fill_(write.value)
                 continue
-            place = copy.source
+            place = write.source
             source = typed[place.slot, place.dtype].as_strided(place.size, place.stride, place.offset)
-            copy.destination.copy_(source, non_blocking=copy.non_blocking)
+            write.destination.copy_(source, non_blocking=write.non_blocking)
         return len(self.writes)
 
 
