@@ -196,8 +196,11 @@ def test_a_refit_while_rollouts_are_in_flight_loses_nothing_and_tags_each(fleet,
         trainer.close()
 
 
-def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0, at_least: int = 1) -> int:
-    """The rollouts the workers report in flight, once that is ``at_least``."""
+def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0, at_least: int = 1,
+                               all_ended=lambda: False) -> int:
+    """The rollouts the workers report in flight, once that is ``at_least``; or as many as they
+    hold when ``all_ended()`` says the rollouts waited for have all ended (none is left to
+    wait for)."""
     import time
 
     from rollout_fleet.wiring.fleet import call_control
@@ -206,7 +209,7 @@ def _wait_for_worker_in_flight(fleet, timeout_s: float = 60.0, at_least: int = 1
     while time.monotonic() < deadline:
         in_flight = sum(call_control(url, "stats", fleet.secret)["in_flight"]
                         for url in fleet.control_urls.values())
-        if in_flight >= at_least:
+        if in_flight >= at_least or all_ended():
             return in_flight
     stats = {name: call_control(url, "stats", fleet.secret) for name, url in fleet.control_urls.items()}
     raise AssertionError(f"the workers did not hold {at_least} rollout(s) within {timeout_s:.0f} s;"
@@ -318,8 +321,10 @@ def _rollouts_across_a_refit(fleet, generation, trainer, models, mode, rng, *, h
         # quiet machine the tiny model finishes 64 x 400 tokens in about a second, and a refit
         # sent a second after this point found every rollout done.
         # (half of them at first: on a loaded machine three quarters were not reached in 60 s,
-        # 2 runs of 4; fewer on each attempt after one where every rollout ended first)
-        await asyncio.to_thread(_wait_for_worker_in_flight, fleet, at_least=held)
+        # 2 runs of 4; fewer on each attempt after one where every rollout ended first, which
+        # on a loaded machine happened before the workers were seen holding half of them)
+        await asyncio.to_thread(_wait_for_worker_in_flight, fleet, at_least=held,
+                                all_ended=lambda: all(r.done() for r in rollouts))
         started = time.monotonic()
         # From this loop, not through Ray tasks: the pause reaches each worker at once.
         updating = asyncio.ensure_future(coordinator.update_weights(mode))

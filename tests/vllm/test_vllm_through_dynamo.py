@@ -241,32 +241,47 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
     control = HttpWorkerControl("w0", f"http://127.0.0.1:{_system_port(vllm_fleet)}",
                                 secret=CONTROL_SECRET)
 
+    async def held_by_the_worker(rollout) -> None:
+        """Once the worker reports the rollout in flight (or it ended first)."""
+        while not rollout.done():
+            if (await control.call("stats", {}, timeout_s=30))["in_flight"]:
+                return
+            await asyncio.sleep(0.001)
+
     async def cut_then_continue(request, delay_s):
         client = RolloutClient(HttpCompletionsTransport(vllm_fleet.url()), model=SERVED_MODEL)
         rollout = asyncio.ensure_future(client.rollout(request))
+        # The delay counts from the rollout's arrival at the worker, not from its sending: on a
+        # loaded machine the way through the frontend took longer than the search's steps.
+        await held_by_the_worker(rollout)
         await asyncio.sleep(delay_s)
+        asked = time.monotonic()
         holders = await abort_everywhere([control], request.request_id)
+        abort_s = time.monotonic() - asked
         partial = await rollout
-        if partial.finish_reason is not FinishReason.ABORT:
-            return "late", None
-        if not partial.token_ids:
-            return "early", None
-        return "mid-way", (holders, partial, await client.continue_rollout(request, partial))
+        landed = ("late" if partial.finish_reason is not FinishReason.ABORT
+                  else "early" if not partial.token_ids else "mid-way")
+        seen = (f"{landed} at {delay_s * 1000:.1f} ms ({len(partial.token_ids)} tokens, the abort"
+                f" answered in {abort_s * 1000:.0f} ms, held by {holders})")
+        if landed != "mid-way":
+            return seen, None
+        return seen, (holders, partial, await client.continue_rollout(request, partial))
 
     # How long the rollout takes depends on the machine's load: search the delay between one
     # that cut before the first token and one that came after the end, until a cut lands mid-way.
-    early_s, late_s, delay_s, misses = 0.0, None, whole_s / 2, []
+    early_s, late_s, delay_s, misses = 0.0, None, whole_s / 4, []
     for attempt in range(12):
         request = attrs.evolve(uncut[longest], request_id=f"fe-cut-{attempt}")
-        landed, outcome = asyncio.run(cut_then_continue(request, delay_s))
+        seen, outcome = asyncio.run(cut_then_continue(request, delay_s))
         if outcome is not None:
             break
-        misses.append(f"{landed} at {delay_s * 1000:.1f} ms")
-        early_s, late_s = (delay_s, late_s) if landed == "early" else (early_s, delay_s)
+        misses.append(seen)
+        early_s, late_s = (delay_s, late_s) if seen.startswith("early") else (early_s, delay_s)
         delay_s = (early_s + late_s) / 2 if late_s is not None else max(2 * delay_s, 0.01)
     else:
         pytest.fail(f"no abort landed mid-way (the uncut rollout took {whole_s * 1000:.0f} ms): "
                     + ", ".join(misses))
+    print(f"the uncut rollout took {whole_s * 1000:.0f} ms; cuts: {', '.join([*misses, seen])}")
     holders, partial, joined = outcome
     assert holders == ["w0"]
     assert 0 < len(partial.token_ids) < len(whole.token_ids)
