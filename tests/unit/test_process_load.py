@@ -58,7 +58,7 @@ def test_a_round_names_the_process_that_burnt_cpu_and_its_busy_thread():
     # than its whole process (beyond what two reads of the kernel's 10 ms ticks can differ).
     assert burnt["busiest_thread"] == Path(sys.executable).name[:15], burnt
     assert 0 < burnt["busiest_thread_share"] <= burnt["cores"] + 0.05, burnt
-    assert rows[os.getpid()]["cpu_s"] >= 0.15  # this process, read alone
+    assert rows[os.getpid()]["cpu_s"] >= 0.15  # this process: its own PID was named
     assert f"{burnt['process']}" in load_line(list(rows.values()))
 
 
