@@ -60,6 +60,7 @@ from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_std
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from process_load import snapshot  # noqa: E402
 from tests.support.vllm_bench_client import client_command  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DYN_LOG", "warn")
@@ -225,17 +226,9 @@ def bench_round(url: str, model: Path, args, result: Path, client=None) -> dict:
 def group_cpu_s(leaders: list[int]) -> dict[str, float]:
     """CPU seconds (user + system) so far of every process in the process groups led by
     ``leaders``, by process title ("VLLM::EngineCore", "python -m dynamo.frontend", ...)."""
-    import psutil
-
     seconds: dict[str, float] = {}
-    for process in psutil.process_iter():
-        try:
-            if os.getpgid(process.pid) not in leaders:
-                continue
-            title = " ".join(process.cmdline()[:3]).replace(sys.executable, "python")[:48].strip()
-            seconds[title] = seconds.get(title, 0.0) + sum(process.cpu_times()[:2])
-        except (psutil.Error, ProcessLookupError):
-            continue  # gone meanwhile
+    for process in snapshot(leaders)["processes"].values():
+        seconds[process["title"]] = seconds.get(process["title"], 0.0) + process["cpu_s"]
     return seconds
 
 

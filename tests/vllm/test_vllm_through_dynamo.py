@@ -264,8 +264,8 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
         seen = (f"{landed} at {delay_s * 1000:.1f} ms ({len(partial.token_ids)} tokens, the abort"
                 f" answered in {abort_s * 1000:.0f} ms, held by {holders})")
         if landed != "mid-way":
-            return seen, None
-        return seen, (holders, partial, await client.continue_rollout(request, partial))
+            return landed, seen, None
+        return landed, seen, (holders, partial, await client.continue_rollout(request, partial))
 
     # How long the rollout takes depends on the machine's load: search the delay between one
     # that cut before the first token and one that came after the end, until a cut lands mid-way.
@@ -274,11 +274,11 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
     early_s, late_s, delay_s, misses = 0.0, None, whole_s / 4, []
     for attempt in range(20):
         request = attrs.evolve(uncut[longest], request_id=f"fe-cut-{attempt}")
-        seen, outcome = asyncio.run(cut_then_continue(request, delay_s))
+        landed, seen, outcome = asyncio.run(cut_then_continue(request, delay_s))
         if outcome is not None:
             break
         misses.append(seen)
-        early_s, late_s = (delay_s, late_s) if seen.startswith("early") else (early_s, delay_s)
+        early_s, late_s = (delay_s, late_s) if landed == "early" else (early_s, delay_s)
         delay_s = (early_s + late_s) / 2 if late_s is not None else max(2 * delay_s, 0.01)
     else:
         pytest.fail(f"no abort landed mid-way (the uncut rollout took {whole_s * 1000:.0f} ms): "
