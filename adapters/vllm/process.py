@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from rollout_fleet.core.device import Device
 log = logging.getLogger(__name__)
 
 _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+_RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM puts its IPC socket files
 
 
 async def in_thread(function: Any, *args: Any) -> Any:
@@ -89,6 +91,20 @@ def scoped_environment(values: Mapping[str, str]):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def ipc_environment() -> tuple[str | None, dict[str, str]]:
+    """(a new folder, the environment that puts vLLM's IPC socket files in it) for an engine
+    about to start, or (None, {}) where the user chose the folder (``VLLM_RPC_BASE_PATH``).
+    vLLM names each socket file in the temp folder, and an engine core that is killed, or exits
+    without closing its sockets, leaves them there; the engine's close removes this folder with
+    whatever is left in it. vLLM reads the variable when it builds the sockets: in this process
+    (the front) it caches its environment only when the engine core runs in-process, which the
+    fleet never asks for."""
+    if os.environ.get(_RPC_BASE_PATH):
+        return None, {}
+    folder = tempfile.mkdtemp(prefix="rollout-fleet-vllm-")
+    return folder, {_RPC_BASE_PATH: folder}
 
 
 def child_pids() -> set[int]:

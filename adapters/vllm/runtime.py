@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 from typing import Any
 
 import attrs
@@ -21,8 +22,8 @@ from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
 from rollout_fleet.adapters.vllm.convert import engine_dtype, read_facts
 from rollout_fleet.adapters.vllm.features import VllmFeatures, detect_features
 from rollout_fleet.adapters.vllm.process import (
-    child_pids, freeze_startup_objects, in_thread, pinned_to_cpus, scoped_environment,
-    set_worker_priority, track_segments, unfreeze_and_collect,
+    child_pids, freeze_startup_objects, in_thread, ipc_environment, pinned_to_cpus,
+    scoped_environment, set_worker_priority, track_segments, unfreeze_and_collect,
 )
 from rollout_fleet.adapters.vllm.weights import checkpoint_metas, tied_metas
 from rollout_fleet.core.device import Device
@@ -54,6 +55,7 @@ class VllmRuntime:
     torn: str | None = None  # why rollouts are refused: a refit died half way
     sleep: SleepTracker = attrs.field(factory=SleepTracker)
     steps: int = 0  # engine-core outputs received: grows with every step (``progress``)
+    ipc_folder: str | None = None  # vLLM's IPC socket files, the engine's own (ipc_environment)
     _start_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
 
     def require_engine(self) -> Any:
@@ -72,8 +74,13 @@ class VllmRuntime:
         # Building the engine blocks for ~20 s on a CPU (it spawns and waits for the engine
         # core); a thread keeps this loop answering meanwhile.
         children_before = child_pids()
-        with pinned_to_cpus(config), scoped_environment(precision_env(config)):
-            self.engine = await in_thread(build_async_llm, config)
+        self.ipc_folder, ipc_env = ipc_environment()
+        try:
+            with pinned_to_cpus(config), scoped_environment({**precision_env(config), **ipc_env}):
+                self.engine = await in_thread(build_async_llm, config)
+        except BaseException:
+            self._remove_ipc_folder()
+            raise
         self.features = detect_features(self.engine)
         self.processes = child_pids() - children_before
         self._count_steps(self.engine)
@@ -154,6 +161,12 @@ class VllmRuntime:
         for tracker in self.segments:
             tracker.remove_all()
         self.segments = []
+        self._remove_ipc_folder()
+
+    def _remove_ipc_folder(self) -> None:
+        if self.ipc_folder is not None:
+            shutil.rmtree(self.ipc_folder, ignore_errors=True)
+            self.ipc_folder = None
 
 
 def serving_usage_context() -> Any:

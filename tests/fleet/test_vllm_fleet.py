@@ -6,8 +6,8 @@ only, but for the KV-event publishers Dynamo 1.6.1 binds to every interface in e
 host process (documented; a memory fleet on the default router is checked strict in
 tests/fleet/test_fleet_memory.py), and shows the control secret nowhere; and the shared-memory
 queues vLLM keeps in /dev/shm are gone once the fleet stops, those of an engine core killed by
-SIGKILL included, while a segment that is not the fleet's stays. The last test kills an engine
-core and stops the fleet."""
+SIGKILL included, while a segment that is not the fleet's stays, and so are the socket files of
+vLLM's ipc:// queues. The last test kills an engine core and stops the fleet."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from rollout_fleet.wiring.config import parse_config
 from rollout_fleet.wiring.fleet import Fleet, call_control
 from tests.fleet.helpers import _cmdline, assert_nothing_left, fleet_ports, own_children_before
 from tests.support.engine_core import engine_core_of
-from tests.support.net import listening_sockets
+from tests.support.net import listening_sockets, unix_socket_files
 from tests.support.trust import descendants, open_to_others, secret_leaks, shm_segments_of
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.dynamo]
@@ -104,7 +104,7 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def test_the_fleet_keeps_its_secret_listens_on_loopback_but_for_kv_events_and_leaves_no_shm_queues(
+def test_the_fleet_keeps_its_secret_listens_on_loopback_but_for_kv_events_and_leaves_no_queues(
         started, fleet):
     import ray
 
@@ -127,6 +127,9 @@ def test_the_fleet_keeps_its_secret_listens_on_loopback_but_for_kv_events_and_le
 
         segments = {w.name: shm_segments_of([w.pid, *descendants(w.pid)]) for w in fleet.workers}
         assert all(segments.values()), f"no vLLM queue in /dev/shm: {segments}"
+        ipc_files = {path for w in fleet.workers
+                     for path in unix_socket_files([w.pid, *descendants(w.pid)])}
+        assert ipc_files, "the workers hold no socket file (vLLM's ipc:// queues): nothing checked"
         os.kill(cores["worker-0"], signal.SIGKILL)  # its queue has no one left to remove it
         wait_gone(cores["worker-0"])
         not_theirs = Path("/dev/shm", f"psm_{os.urandom(4).hex()}")  # another program's segment
@@ -136,6 +139,8 @@ def test_the_fleet_keeps_its_secret_listens_on_loopback_but_for_kv_events_and_le
     try:
         left = sorted(path for found in segments.values() for path in found if Path(path).exists())
         assert left == [], f"vLLM queues left in /dev/shm: {left}"
+        files_left = sorted(path for path in ipc_files if os.path.lexists(path))
+        assert files_left == [], f"socket files left: {files_left}"
         assert not_theirs.read_bytes() == b"not the fleet's"
     finally:
         if not_theirs is not None:

@@ -1,4 +1,4 @@
-"""Loopback ports, and which sockets a set of processes listens on (read from /proc)."""
+"""Loopback ports, and which sockets a set of processes listens on or holds (read from /proc)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,19 @@ def listening_sockets(pids: Iterable[int]) -> list[Listener]:
                 hex_address, hex_port = local.split(":")
                 listeners.append(Listener(inode_to_pid[inode], parse(hex_address), int(hex_port, 16)))
     return listeners
+
+
+def unix_socket_files(pids: Iterable[int]) -> set[str]:
+    """The files of the Unix sockets that one of ``pids`` holds (abstract sockets, which have
+    no file, left out): ZMQ's ``ipc://`` endpoints among them."""
+    inodes = {inode for pid in pids for inode in socket_inodes(pid)}
+    try:
+        with open("/proc/net/unix") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+    except OSError:
+        return set()
+    # Num RefCount Protocol Flags Type St Inode [Path]
+    return {row[7] for row in rows if len(row) > 7 and row[6] in inodes and row[7].startswith("/")}
 
 
 def non_loopback_listeners(pids: Iterable[int]) -> list[Listener]:
