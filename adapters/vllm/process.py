@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 _RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM puts its IPC socket files
+_IPC_FOLDER_PREFIX = "rollout-fleet-vllm-"
 
 
 async def in_thread(function: Any, *args: Any) -> Any:
@@ -101,9 +102,11 @@ def ipc_environment() -> tuple[str | None, dict[str, str]]:
     whatever is left in it. vLLM reads the variable when it builds the sockets: in this process
     (the front) it caches its environment only when the engine core runs in-process, which the
     fleet never asks for."""
-    if os.environ.get(_RPC_BASE_PATH):
+    chosen = os.environ.get(_RPC_BASE_PATH)
+    # Another engine's folder (two starting at once in one process) is not a choice.
+    if chosen and not os.path.basename(chosen).startswith(_IPC_FOLDER_PREFIX):
         return None, {}
-    folder = tempfile.mkdtemp(prefix="rollout-fleet-vllm-")
+    folder = tempfile.mkdtemp(prefix=_IPC_FOLDER_PREFIX)
     return folder, {_RPC_BASE_PATH: folder}
 
 
