@@ -38,6 +38,10 @@ class WorkerLaunch:
     ``host_env`` names a variable that must hold the address the worker binds its servers to:
     the placement's bind address, or the node's own cluster address when workers bind per node.
 
+    ``folder_env`` names a variable that must hold a folder of the worker's own on its node,
+    private to its user: the placement makes it before the worker starts and removes it, with
+    whatever is left in it, once the worker is gone (stopped or killed).
+
     ``in_place_of`` names a lost worker of this placement whose reservation this one takes (a
     replacement needs no new resources); refused while that worker still runs. The lost one
     stays reported, as not alive.
@@ -51,6 +55,7 @@ class WorkerLaunch:
     secret: str | None = attrs.field(default=None, repr=False)
     host_env: str = ""
     in_place_of: str = ""
+    folder_env: str = ""
 
 
 @attrs.frozen

@@ -20,7 +20,7 @@ from rollout_fleet.ports.placement import Placement, WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import ConfigError, FleetConfig, fleet_facts
 from rollout_fleet.wiring.control_client import call_control, health_ready
 from rollout_fleet.wiring.fleet_roster import worker_name
-from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK
+from rollout_fleet.wiring.worker import BIND_HOST_ENV, FAILURE_MARK, FOLDER_ENV
 from rollout_fleet.wiring.worker_config import WorkerConfig
 
 SYSTEM_PORT = "DYN_SYSTEM_PORT"  # each worker's system server: health, controls, metrics
@@ -87,7 +87,7 @@ def worker_launch(config: FleetConfig, index: int, worker_config: WorkerConfig, 
                                          "--config", str(config_path), "--control-secret-stdin"),
                         env=env, log_path=str(run_dir / f"{name}.log"),
                         port_env=(SYSTEM_PORT,), secret=secret, host_env=BIND_HOST_ENV,
-                        in_place_of=in_place_of)
+                        in_place_of=in_place_of, folder_env=FOLDER_ENV)
 
 
 def wait_worker_ready(placement: Placement, worker: WorkerHandle, url: str, secret: str, *,

@@ -64,6 +64,10 @@ FAILURE_MARK = "rollout-fleet worker failed: "
 # Set by the placement: the address this worker's servers bind (its node's cluster address
 # when the fleet spans nodes); the config's ``bind_host``, else loopback, when it is unset.
 BIND_HOST_ENV = "ROLLOUT_FLEET_BIND_HOST"
+# Set by the placement: a folder of this worker's own on its node, removed once the worker is
+# gone (killed too): vLLM's ipc:// socket files go there unless the user chose their place.
+FOLDER_ENV = "ROLLOUT_FLEET_WORKER_FOLDER"
+_VLLM_IPC_ENV = "VLLM_RPC_BASE_PATH"
 # How often a worker checks that its engine is alive (a dead one takes the worker out at once).
 ENGINE_WATCH_INTERVAL_S = 0.1
 # How long a worker whose engine died waits for its last answers to leave before it stops.
@@ -111,7 +115,8 @@ def sleep_controls(engine: Any) -> dict[str, Control]:
 
 
 def worker_env(config: WorkerConfig | Mapping[str, Any]) -> dict[str, str]:
-    """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start)."""
+    """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start), and
+    where vLLM puts its socket files."""
     from rollout_fleet.adapters.dynamo.env import dynamo_env
 
     config = WorkerConfig.from_mapping(config)
@@ -119,6 +124,9 @@ def worker_env(config: WorkerConfig | Mapping[str, Any]) -> dict[str, str]:
     env = dynamo_env(config.run_dir, system_port=config.system_port,
                      log_level=config.log_level, host=host)
     env.update(config.env)  # the fleet's discovery choice (etcd) and the like
+    folder = os.environ.get(FOLDER_ENV)
+    if folder and not os.environ.get(_VLLM_IPC_ENV) and _VLLM_IPC_ENV not in env:
+        env[_VLLM_IPC_ENV] = folder
     return env
 
 

@@ -12,6 +12,7 @@ from rollout_fleet.adapters.shared import (free_port, release_ports, stop_proces
 from rollout_fleet.adapters.shared.processes import (hand_over_secret, interrupts_held,
                                                     secret_stdin, signal_group)
 from rollout_fleet.adapters.shared.shm import SegmentWatch
+from rollout_fleet.adapters.shared.worker_folders import WorkerFolders
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
                                            refuse_live_places, refuse_taken_names)
@@ -34,6 +35,7 @@ class LocalPlacement(Placement):
         self._replaced: set[str] = set()  # lost workers a later launch took the place of
         self._ports_given: set[int] = set()
         self._segments = SegmentWatch()
+        self._folders = WorkerFolders()
 
     def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
         refuse_taken_names(launches, self._processes)
@@ -45,7 +47,8 @@ class LocalPlacement(Placement):
             # Claimed for this process: not handed out again while the worker comes up.
             ports = {variable: free_port(self._bind_host) for variable in launch.port_env}
             self._ports_given.update(ports.values())
-            env = {**os.environ, **launch.env, **{k: str(v) for k, v in ports.items()}}
+            env = {**os.environ, **launch.env, **{k: str(v) for k, v in ports.items()},
+                   **self._folders.make(launch.name, launch.folder_env)}
             if launch.host_env:
                 env[launch.host_env] = self._bind_host
             if launch.log_path:
@@ -74,6 +77,7 @@ class LocalPlacement(Placement):
         signal_group(process.pid, signal.SIGKILL)
         process.wait()
         self._segments.release(name)
+        self._folders.remove(name)
         sweep_stale_claims()  # the ports its killed processes had claimed for themselves
 
     def signal(self, name: str, signum: int) -> None:
@@ -90,6 +94,7 @@ class LocalPlacement(Placement):
         for name in self._processes:
             self._segments.release(name)
         self._segments.close()
+        self._folders.remove_all()
         self._processes.clear()
         release_ports(self._ports_given)  # its workers are gone: nothing will bind them now
         self._ports_given.clear()

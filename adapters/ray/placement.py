@@ -84,7 +84,7 @@ class RayPlacement(Placement):
             env = {**launch.env, **self._held_gpus(launch, place)}
             started = ray.get(actor.start.remote(launch.argv, env, launch.log_path,
                                                  launch.port_env, bind_host, sealed,
-                                                 launch.host_env))
+                                                 launch.host_env, launch.folder_env))
             # index continues after the workers of earlier launches
             handle = WorkerHandle(len(self._handles), launch.name, started["pid"],
                                   started["node_ip"], started["ports"], launch.log_path,

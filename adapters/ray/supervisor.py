@@ -23,6 +23,7 @@ from rollout_fleet.adapters.ray.sealed import SecretOpener
 from rollout_fleet.adapters.shared import free_port, release_ports, sweep_stale_claims
 from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_stdin
 from rollout_fleet.adapters.shared.shm import SegmentWatch
+from rollout_fleet.adapters.shared.worker_folders import WorkerFolders
 
 _PR_SET_PDEATHSIG = 1
 
@@ -40,6 +41,7 @@ class ProcessSupervisor:
         self._ports: list[int] = []  # claimed here for the worker, released once it is gone
         self._opener = SecretOpener()
         self._segments = SegmentWatch()
+        self._folders = WorkerFolders()
 
     def public_key(self) -> bytes:
         """What the driver seals the control secret for."""
@@ -47,14 +49,15 @@ class ProcessSupervisor:
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: str,
               port_env: Sequence[str], bind_host: str | None, sealed_secret: bytes | None = None,
-              host_env: str = "") -> dict:
+              host_env: str = "", folder_env: str = "") -> dict:
         """Start the worker; ``bind_host=None``: it binds this node's address in the Ray
         cluster (each node's own, found here, on the node), else ``bind_host``."""
         secret = None if sealed_secret is None else self._opener.open(sealed_secret)
         host = bind_host or _node_ip()
         ports = {name: free_port(host) for name in port_env}
         self._ports.extend(ports.values())
-        full_env = {**os.environ, **env, **{name: str(port) for name, port in ports.items()}}
+        full_env = {**os.environ, **env, **{name: str(port) for name, port in ports.items()},
+                    **self._folders.make("worker", folder_env)}
         if host_env:
             full_env[host_env] = host
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
@@ -78,6 +81,7 @@ class ProcessSupervisor:
         if self._process is not None:
             self._process.wait()
             self._segments.release("worker")
+            self._folders.remove("worker")
             self._release_ports()
 
     def signal(self, signum: int) -> None:
@@ -97,6 +101,7 @@ class ProcessSupervisor:
         code = self._process.wait()
         self._segments.release("worker")
         self._segments.close()
+        self._folders.remove_all()
         self._release_ports()
         return code
 

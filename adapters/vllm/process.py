@@ -96,7 +96,8 @@ def scoped_environment(values: Mapping[str, str]):
 
 def ipc_environment() -> tuple[str | None, dict[str, str]]:
     """(a new folder, the environment that puts vLLM's IPC socket files in it) for an engine
-    about to start, or (None, {}) where the user chose the folder (``VLLM_RPC_BASE_PATH``).
+    about to start, or (None, {}) where the folder is chosen (``VLLM_RPC_BASE_PATH``: the
+    user's, or a fleet worker's own, which its placement removes once the worker is gone).
     vLLM names each socket file in the temp folder, and an engine core that is killed, or exits
     without closing its sockets, leaves them there; the engine's close removes this folder with
     whatever is left in it. vLLM reads the variable when it builds the sockets: in this process

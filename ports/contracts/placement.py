@@ -50,6 +50,16 @@ time.sleep(600)
 """
 
 
+# A worker that leaves a file in the folder its placement made for it.
+_FOLDER_WORKER = """
+import os, pathlib, time
+folder = pathlib.Path(os.environ["CONTRACT_FOLDER"])
+(folder / "left-behind").write_text("a worker's file")
+print("folder", folder, flush=True)
+time.sleep(600)
+"""
+
+
 def _launch(tmp_path: Path, name: str) -> WorkerLaunch:
     return WorkerLaunch(name=name, argv=(sys.executable, "-c", _WORKER),
                         env={"CONTRACT_MARK": f"mark-of-{name}"},
@@ -139,6 +149,26 @@ class PlacementContract:
             assert not_theirs.read_bytes() == b"not a worker's"
         finally:
             not_theirs.unlink(missing_ok=True)
+
+    def test_a_workers_own_folder_is_private_and_removed_once_it_is_gone(
+            self, placement_under_test, tmp_path):
+        placement: Placement = placement_under_test
+        handles = placement.launch([WorkerLaunch(name=name, argv=(sys.executable, "-c", _FOLDER_WORKER),
+                                                 log_path=str(tmp_path / f"{name}.log"),
+                                                 folder_env="CONTRACT_FOLDER")
+                                    for name in ("w0", "w1")])
+        folders = {}
+        for handle in handles:
+            log = Path(handle.log_path)
+            assert _wait(lambda: log.exists() and "folder" in log.read_text()), handle.name
+            folders[handle.name] = Path(log.read_text().split()[1])
+        assert folders["w0"] != folders["w1"]
+        assert all((folder / "left-behind").exists() for folder in folders.values())
+        assert all(folder.stat().st_mode & 0o077 == 0 for folder in folders.values())
+        placement.kill("w0")
+        assert not folders["w0"].exists() and folders["w1"].exists()
+        placement.stop()
+        assert not folders["w1"].exists()
 
     def test_kill_stops_that_worker_only(self, placement_under_test, tmp_path):
         placement: Placement = placement_under_test
