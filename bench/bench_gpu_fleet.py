@@ -39,6 +39,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -142,9 +143,14 @@ class Bare:
             register()  # as the fleet's worker has it; no weights move in this bench
         from rollout_fleet.adapters.vllm.runtime import serving_usage_context
 
-        # built as the fleet's worker builds its engine (the same batch limits)
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
-                                                usage_context=serving_usage_context())
+        from rollout_fleet.adapters.vllm.process import ipc_environment, scoped_environment
+
+        # built as the fleet's worker builds its engine (the same batch limits), its socket
+        # files in a folder of its own (removed at close)
+        self.ipc_folder, ipc_env = ipc_environment()
+        with scoped_environment(ipc_env):
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                    usage_context=serving_usage_context())
 
     async def one(self, prompt, request_id, tokens):
         from vllm import SamplingParams
@@ -172,6 +178,8 @@ class Bare:
         await asyncio.to_thread(self.engine.shutdown, 30.0)
         self.engine = None
         gc.collect()
+        if self.ipc_folder is not None:
+            shutil.rmtree(self.ipc_folder, ignore_errors=True)
 
 
 async def driver_round(generation, prompts, tag):

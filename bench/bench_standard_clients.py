@@ -71,6 +71,11 @@ GPU_MEMORY_SHARE = 0.35  # of the GPU, for each server (both are up at once)
 TARGETS = {"cpu": (0.8, 2.0), "gpu": (0.95, 1.3)}  # tokens/s at least, median TTFT at most
 
 
+# vLLM's own server's folder for its socket files (VLLM_RPC_BASE_PATH), by the server's pid:
+# otherwise vLLM leaves them in the temp folder; removed at the server's stop.
+_IPC_FOLDERS: dict[int, str] = {}
+
+
 def start(command: list[str], log: Path, env: dict | None = None,
           secret: str | None = None) -> subprocess.Popen:
     """``command`` in its own process group; ``secret``, if given, as its first line of input."""
@@ -93,6 +98,9 @@ def stop(process: subprocess.Popen) -> None:
         stop_process_group(process, timeout_s=30)
     finally:
         files.remove_all()
+        folder = _IPC_FOLDERS.pop(process.pid, None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def wait_for_model(url: str, processes: list[subprocess.Popen], log: Path) -> None:
@@ -183,10 +191,13 @@ def start_vllm(run_dir: Path, model: Path, args):
     server_dir = run_dir / "vllm-server"
     server_dir.mkdir(parents=True, exist_ok=True)
     # The environment the fleet's worker gives its engine (the float32 precision settings).
-    env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir, args)}
+    ipc_folder = tempfile.mkdtemp(prefix="rollout-fleet-bench-vllm-")
+    env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir, args),
+           "VLLM_RPC_BASE_PATH": ipc_folder}
     server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                     *vllm_server_flags(model, args), "--served-model-name", SERVED_MODEL,
                     "--host", "127.0.0.1", "--port", str(port)], log, env)
+    _IPC_FOLDERS[server.pid] = ipc_folder
     return f"http://127.0.0.1:{port}", server, log
 
 

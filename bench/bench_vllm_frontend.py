@@ -43,6 +43,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -95,9 +96,14 @@ class BareVllm:
             kwargs["weight_transfer_config"] = WeightTransferConfig(**kwargs["weight_transfer_config"])
         from rollout_fleet.adapters.vllm.runtime import serving_usage_context
 
-        # built as the fleet's worker builds its engine (the same batch limits)
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
-                                                usage_context=serving_usage_context())
+        from rollout_fleet.adapters.vllm.process import ipc_environment, scoped_environment
+
+        # built as the fleet's worker builds its engine (the same batch limits), its socket
+        # files in a folder of its own (removed at close)
+        self.ipc_folder, ipc_env = ipc_environment()
+        with scoped_environment(ipc_env):
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                    usage_context=serving_usage_context())
 
     async def one(self, prompt: list[int], request_id: str, new_tokens: int, seed: int):
         from vllm import SamplingParams, TokensPrompt
@@ -129,6 +135,8 @@ class BareVllm:
         await asyncio.to_thread(engine.shutdown, SHUTDOWN_TIMEOUT_S)
         del engine
         gc.collect()  # now: a late __del__ at interpreter exit would shut the engine down twice
+        if self.ipc_folder is not None:
+            shutil.rmtree(self.ipc_folder, ignore_errors=True)
 
 
 # -- fleet: frontend + worker + the project's VllmEngine -----------------------------------------

@@ -87,8 +87,10 @@ def pytest_runtest_makereport(item, call):
         return
     from rollout_fleet.adapters.shared.processes import read_tail
 
-    for worker in fleet.workers:
-        log_path = getattr(worker, "log_path", None)
+    frontend = getattr(fleet, "frontend", None)  # what it answered, and why, is in its log
+    logs = [*((getattr(w, "name", None), getattr(w, "log_path", None)) for w in fleet.workers),
+            ("frontend", getattr(frontend, "log_path", None))]
+    for name, log_path in logs:
         if log_path:
-            report.sections.append((f"{getattr(worker, 'name', log_path)} log, last "
-                                    f"{_LOG_TAIL_BYTES} bytes", read_tail(log_path, _LOG_TAIL_BYTES)))
+            report.sections.append((f"{name or log_path} log, last {_LOG_TAIL_BYTES} bytes",
+                                    read_tail(log_path, _LOG_TAIL_BYTES)))
