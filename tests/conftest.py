@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -94,3 +95,20 @@ def pytest_runtest_makereport(item, call):
         if log_path:
             report.sections.append((f"{name or log_path} log, last {_LOG_TAIL_BYTES} bytes",
                                     read_tail(log_path, _LOG_TAIL_BYTES)))
+    routing = _routing_events(getattr(frontend, "log_path", None))
+    if routing:
+        report.sections.append(("frontend's routing and discovery events", routing))
+
+
+# What the frontend logs when it takes a worker out of routing or discovery changes (at the
+# levels tests/refit/conftest.py's ROUTING_LOG asks for), and its 503s.
+_ROUTING_EVENT = re.compile(r"instance .* down|inhibit|Expired|[Rr]emov|not ready|status=503"
+                            r"|[Ww]orker set|no instances")
+
+
+def _routing_events(log_path, most: int = 200) -> str:
+    if not log_path or not os.path.exists(log_path):
+        return ""
+    with open(log_path, errors="replace") as log:
+        lines = [line for line in log if _ROUTING_EVENT.search(line)]
+    return "".join(lines[-most:])

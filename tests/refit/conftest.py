@@ -79,6 +79,14 @@ def reference(models):
     return prompts, answers
 
 
+# Dynamo's own account of which workers its frontend routes to: an instance reported down (and
+# why), discovery's changes. A rollout once got "model not ready" (503: no instance to route
+# to) right after a refit; these lines say why if it comes again (tests/conftest.py shows them
+# in a failure's report).
+ROUTING_LOG = ("warn,dynamo_runtime::pipeline::network::egress::push_router=debug,"
+               "dynamo_runtime::storage=info,dynamo_llm::discovery=debug")
+
+
 def start_refit_fleet(models, run_dir, *, num_workers: int = 2, **timeouts):
     """A fleet of vLLM workers serving model A, refit buffers of 1 MiB x 2 (``timeouts``: more
     of the config's timeouts section)."""
@@ -92,7 +100,8 @@ def start_refit_fleet(models, run_dir, *, num_workers: int = 2, **timeouts):
         "engine": {"kind": "vllm"}, "model": str(models[0]), "served_model_name": "tiny",
         "num_workers": num_workers, "max_model_len": 512, "max_new_tokens": STEPS,
         "run_dir": str(run_dir), "refit": {"buffer_bytes": 1 << 20, "num_buffers": 2},
-        "timeouts": {"start_s": 600, "refit_s": 60, **timeouts}}))
+        "timeouts": {"start_s": 600, "refit_s": 60, **timeouts},
+        "env": {"DYN_LOG": ROUTING_LOG}}))
 
 
 @pytest.fixture(scope="module")
