@@ -1,4 +1,4 @@
-"""A GRPO-shaped load served four ways: output tokens/s of n samples per prompt.
+"""A GRPO-shaped load served five ways: output tokens/s of n samples per prompt.
 
 GRPO asks for n samples of each prompt. Sent as one request (a group), the engine prefills the
 prompt once and samples n continuations from it; sent as n requests, each prompt is prefilled
@@ -7,6 +7,8 @@ bench measures what that costs, against vLLM's own server answering the same ``n
 
   fleet grouped:  one request per prompt, ``RolloutRequest(n=N)``, through the project's own
                   rollout client (``build_frontend_client(...).client.rollout_group``)
+  fleet grouped, no logprobs: the same with ``logprobs=False`` (a trainer that recomputes
+                  them): the engine computes none, as for vLLM's n=N below
   fleet 1-by-1:   N requests per prompt, n=1, seeds seed+0 .. seed+N-1 (what sample i of the
                   group draws with), through the same client (``rollout``)
   vllm n=N:       ``python -m vllm.entrypoints.openai.api_server``, ``/v1/completions`` with a
@@ -67,9 +69,10 @@ import bench_serve_sweep as sweep  # noqa: E402
 import bench_standard_clients as servers  # noqa: E402
 from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 
-GROUPED, ONE_BY_ONE, VLLM, VLLM_LOGPROBS = ("fleet grouped", "fleet 1-by-1", "vllm n=",
-                                            "vllm n= +logprobs")
-WAYS = (GROUPED, ONE_BY_ONE, VLLM, VLLM_LOGPROBS)
+GROUPED, GROUPED_BARE, ONE_BY_ONE = "fleet grouped", "fleet grouped, no logprobs", "fleet 1-by-1"
+VLLM, VLLM_LOGPROBS = "vllm n=", "vllm n= +logprobs"
+WAYS = (GROUPED, GROUPED_BARE, ONE_BY_ONE, VLLM, VLLM_LOGPROBS)
+TAGS = {GROUPED: "g", GROUPED_BARE: "b", ONE_BY_ONE: "o", VLLM: "v", VLLM_LOGPROBS: "l"}
 FIRST_TOKEN_ID = 3  # after <pad>, <s>, </s>: the prompts hold no special token
 CPU_CONTEXT = 512  # the CPU engine's max_model_len (VllmEngineConfig)
 SEED = 1000
@@ -138,13 +141,16 @@ def sampling(prompt_index: int, samples: int):
     return SamplingSpec(greedy=False, temperature=1.0, seed=SEED + prompt_index * samples)
 
 
-async def fleet_grouped(client, prompts, samples: int, max_tokens: int, tag: str) -> Counts:
+async def fleet_grouped(client, prompts, samples: int, max_tokens: int, tag: str,
+                        logprobs: bool = True) -> Counts:
     from rollout_fleet.core.rollout import RolloutRequest
 
     groups = await asyncio.gather(*(client.rollout_group(RolloutRequest(
-        f"{tag}-{i}", prompt, max_tokens, sampling=sampling(i, samples), n=samples))
-        for i, prompt in enumerate(prompts)))
-    return [(len(r.token_ids), r.finish_reason.value) for group in groups for r in group]
+        f"{tag}-{i}", prompt, max_tokens, sampling=sampling(i, samples), n=samples,
+        logprobs=logprobs)) for i, prompt in enumerate(prompts)))
+    # With logprobs, each sample must carry one per token (as for vLLM's +logprobs way).
+    return [(len(r.logprobs) if logprobs else len(r.token_ids), r.finish_reason.value)
+            for group in groups for r in group]
 
 
 async def fleet_one_by_one(client, prompts, samples: int, max_tokens: int, tag: str) -> Counts:
@@ -185,8 +191,9 @@ async def run_way(way: str, clients, prompts, samples: int, max_tokens: int, tag
     leaders = [*clients["leaders"]["vllm" if way.startswith(VLLM) else "fleet"], os.getpid()]
     before = snapshot(leaders)
     started = time.perf_counter()
-    if way == GROUPED:
-        counts = await fleet_grouped(clients["fleet"], prompts, samples, max_tokens, tag)
+    if way in (GROUPED, GROUPED_BARE):
+        counts = await fleet_grouped(clients["fleet"], prompts, samples, max_tokens, tag,
+                                     logprobs=way == GROUPED)
     elif way == ONE_BY_ONE:
         counts = await fleet_one_by_one(clients["fleet"], prompts, samples, max_tokens, tag)
     else:
@@ -227,7 +234,7 @@ async def measure(started: dict[str, sweep.Server], prompts, args) -> list[dict]
                "leaders": {way: server.leaders for way, server in started.items()}}
     try:
         for way in WAYS:  # warm-up: a few prompts, a few tokens, not recorded
-            await run_way(way, clients, prompts[:4], args.samples, 4, f"warm-{way[:7]}")
+            await run_way(way, clients, prompts[:4], args.samples, 4, f"warm-{TAGS[way]}")
         return await rounds(clients, prompts, args)
     finally:
         await session.close()
@@ -241,11 +248,11 @@ async def rounds(clients, prompts, args) -> list[dict]:
             # A server that just served may go on polling for a moment (vLLM's engine
             # processes on a CPU host), taking the cores the next way needs: let it settle.
             await asyncio.sleep(args.settle_s)
-            tag = f"r{index}-{'g' if way == GROUPED else 'o'}"
+            tag = f"r{index}-{TAGS[way]}"
             record = {"round": index, **await run_way(way, clients, prompts, args.samples,
                                                       args.max_tokens, tag)}
             records.append(record)
-            print(f"round {index} {record['way']:>13}: {record['tokens_per_s']:,.0f}"
+            print(f"round {index} {record['way']:>26}: {record['tokens_per_s']:,.0f}"
                   f" output tokens/s, {record['seconds']:.2f} s, {record['output_tokens']:,}"
                   f" tokens\n{load_line(record['load'])}", flush=True)
     return records

@@ -95,7 +95,11 @@ class EnginePort(ABC):
         * ``stop_token_ids: Sequence[int]``: end at any of these tokens, which is kept as the
           last token (finish reason ``stop``), as an end-of-sequence token is;
         * ``extra_sampling: Mapping[str, Any]``: non-neutral values of the options the engine
-          declares in ``sampling_offered`` (names and meanings: ``core.sampling``, vLLM's).
+          declares in ``sampling_offered`` (names and meanings: ``core.sampling``, vLLM's);
+        * ``with_logprobs: bool``: passed False for a rollout that asked for no logprobs (a
+          trainer that recomputes them): the engine computes none and answers ``logprobs``
+          None; the tokens stay the same. An engine without it computes them, and the worker
+          drops them from the answer.
         """
 
     async def serve_group(self, prompt_token_ids: Sequence[int], *, request_id: str, n: int,
@@ -165,7 +169,7 @@ class EnginePort(ABC):
         when it stops. Nothing to do by default."""
 
 
-OPTIONAL_ROLLOUT_KEYWORDS = ("top_logprobs", "stop_token_ids")
+OPTIONAL_ROLLOUT_KEYWORDS = ("top_logprobs", "stop_token_ids", "with_logprobs")
 SAMPLING_OPTIONS = tuple(NEUTRAL_SAMPLING)
 
 

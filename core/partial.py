@@ -48,6 +48,9 @@ def continuation_request(request: RolloutRequest, partial: RolloutResult,
         max_new_tokens=request.max_new_tokens - kept,
         sampling=request.sampling,
         stop_strings=request.stop_strings,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
     )
 
 
@@ -56,7 +59,8 @@ def join_rollouts(partial: RolloutResult, rest: RolloutResult) -> RolloutResult:
     return RolloutResult(
         request_id=partial.request_id,
         token_ids=partial.token_ids + rest.token_ids,
-        logprobs=partial.logprobs + rest.logprobs,
+        logprobs=(None if partial.logprobs is None or rest.logprobs is None
+                  else partial.logprobs + rest.logprobs),
         finish_reason=rest.finish_reason,
         routed_experts=_joined_experts(partial.routed_experts, rest.routed_experts),
         weight_version=rest.weight_version,

@@ -79,6 +79,12 @@ def logprobs_tuple(field: str):
     return convert
 
 
+def optional_logprobs(field: str):
+    """attrs converter: None (none were asked for) or ``logprobs_tuple``."""
+    convert = logprobs_tuple(field)
+    return lambda value: None if value is None else convert(value)
+
+
 VersionRuns = tuple[tuple[int, int], ...]
 
 
@@ -210,6 +216,10 @@ class RolloutRequest:
     # Generate the whole budget: an end-of-sequence token does not end the rollout (fixed
     # lengths, as benchmarks ask); stop strings and stop_token_ids still do.
     ignore_eos: bool = attrs.field(default=False, validator=a_bool("ignore_eos"))
+    # The chosen token's logprob per generated token. False for a trainer that recomputes them
+    # itself: the engine computes none (they cost vLLM's engine a share of its throughput) and
+    # the result's ``logprobs`` is None.
+    logprobs: bool = attrs.field(default=True, validator=a_bool("logprobs"))
 
     def __attrs_post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -226,8 +236,8 @@ class Usage:
     completion_tokens: int = attrs.field(validator=int_at_least("usage.completion_tokens", 0))
 
 
-def _check_generation(token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> None:
-    if len(token_ids) != len(logprobs):
+def _check_generation(token_ids: tuple[int, ...], logprobs: tuple[float, ...] | None) -> None:
+    if logprobs is not None and len(token_ids) != len(logprobs):
         raise InvalidValue(
             "logprobs", f"{len(logprobs)} values",
             f"need one logprob per generated token ({len(token_ids)} tokens)",
@@ -236,10 +246,11 @@ def _check_generation(token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -
 
 @attrs.frozen
 class ServedRollout:
-    """An engine's answer to one rollout: generated tokens, one logprob each, why it ended."""
+    """An engine's answer to one rollout: generated tokens, one logprob each (None when none
+    were asked for), why it ended."""
 
     token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("token_ids"))
-    logprobs: tuple[float, ...] = attrs.field(converter=logprobs_tuple("logprobs"))
+    logprobs: tuple[float, ...] | None = attrs.field(converter=optional_logprobs("logprobs"))
     finish_reason: FinishReason = attrs.field(converter=FinishReason.parse)
     usage: Usage
     routed_experts: Any = None  # MoE engines: per-token expert choices, passed through as-is
@@ -266,15 +277,15 @@ class ServedRollout:
                                f"must equal the number of generated tokens ({len(self.token_ids)})")
 
     @classmethod
-    def from_decoded(cls, token_ids: tuple[int, ...], logprobs: tuple[float, ...],
+    def from_decoded(cls, token_ids: tuple[int, ...], logprobs: tuple[float, ...] | None,
                      finish_reason: FinishReason, prompt_tokens: int, *,
                      routed_experts: Any = None, weight_version: int | None = None,
                      weight_versions: Sequence[Sequence[int]] | None = None) -> "ServedRollout":
         """A served rollout from a typed decoder that has checked every element as this class
-        would: the token IDs a tuple of ints >= 0, the logprobs a tuple of finite floats <= 0,
-        the counts ints >= 0 (a weight version may be None). Those per-element checks are not
-        run twice on the driver's hot path; the checks across fields (one logprob per token,
-        runs that tag every token once) still are, and the runs are merged as usual."""
+        would: the token IDs a tuple of ints >= 0, the logprobs a tuple of finite floats <= 0
+        or None, the counts ints >= 0 (a weight version may be None). Those per-element checks
+        are not run twice on the driver's hot path; the checks across fields (one logprob per
+        token, runs that tag every token once) still are, and the runs are merged as usual."""
         served = object.__new__(cls)
         runs = None if weight_versions is None else version_runs("weight_versions")(weight_versions)
         for name, value in (("token_ids", token_ids), ("logprobs", logprobs),
@@ -292,11 +303,12 @@ class ServedRollout:
 
 @attrs.frozen
 class RolloutResult:
-    """What the trainer gets back for one RolloutRequest."""
+    """What the trainer gets back for one RolloutRequest (``logprobs`` None when it asked for
+    none)."""
 
     request_id: str
     token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("token_ids"))
-    logprobs: tuple[float, ...] = attrs.field(converter=logprobs_tuple("logprobs"))
+    logprobs: tuple[float, ...] | None = attrs.field(converter=optional_logprobs("logprobs"))
     finish_reason: FinishReason = attrs.field(converter=FinishReason.parse)
     routed_experts: Any = None
     weight_version: int | None = None

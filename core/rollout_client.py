@@ -13,6 +13,7 @@ from rollout_fleet.core.budget import ContextLimitPolicy, token_budget
 from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.errors import (
     HttpStatusError,
+    MissingField,
     RetriesExhausted,
     RolloutFleetError,
 )
@@ -95,6 +96,17 @@ def _cause(error: BaseException) -> str:
     return f"http {status}" if isinstance(status, int) else type(error).__name__
 
 
+def _no_logprobs(request: RolloutRequest) -> tuple[()] | None:
+    """The logprobs of an answer with no token: none, or None when none were asked for."""
+    return () if request.logprobs else None
+
+
+def _check_logprobs(request: RolloutRequest, served: ServedRollout) -> None:
+    if request.logprobs and served.logprobs is None:
+        raise MissingField(f"nvext.engine_data.logprobs (rollout {request.request_id!r} asked "
+                           "for them; the worker answered none)")
+
+
 class RolloutClient:
     """Sends rollouts through a CompletionsTransport, retrying transient failures.
 
@@ -115,8 +127,10 @@ class RolloutClient:
 
     async def rollout(self, request: RolloutRequest) -> RolloutResult:
         if request.max_new_tokens == 0:  # the "empty" context-limit policy: nothing to generate
-            return RolloutResult(request.request_id, (), (), FinishReason.LENGTH, attempts=0)
+            return RolloutResult(request.request_id, (), _no_logprobs(request), FinishReason.LENGTH,
+                                 attempts=0)
         served, attempts = await self._send(request, self._transport.read_answer)
+        _check_logprobs(request, served)
         return RolloutResult.from_served(request.request_id, served, attempts=attempts)
 
     async def rollout_group(self, request: RolloutRequest) -> tuple[RolloutResult, ...]:
@@ -124,9 +138,12 @@ class RolloutClient:
         retried whole). Sample i's request id is ``<request_id>/<i>``."""
         ids = [f"{request.request_id}/{index}" for index in range(request.n)]
         if request.max_new_tokens == 0:
-            return tuple(RolloutResult(i, (), (), FinishReason.LENGTH, attempts=0) for i in ids)
+            return tuple(RolloutResult(i, (), _no_logprobs(request), FinishReason.LENGTH,
+                                       attempts=0) for i in ids)
         samples, attempts = await self._send(
             request, lambda body: parse_group_answer(body, request.n))
+        for served in samples:
+            _check_logprobs(request, served)
         return tuple(RolloutResult.from_served(i, served, attempts=attempts)
                      for i, served in zip(ids, samples))
 

@@ -3,7 +3,8 @@
 Driver side: ``completion_body`` builds the ``/v1/completions`` body; ``parse_completion_answer``
 reads the answer. Worker side: ``decode_rollout_annotation`` reads the spec the driver sent;
 ``engine_data_of`` encodes the engine's answer. Token IDs and logprobs always travel together in
-one ``engine_data`` payload, so they cannot disagree in length.
+one ``engine_data`` payload, so they cannot disagree in length (logprobs are null for a rollout
+that asked for none).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class RolloutSpec:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples of the prompt (a group)
     ignore_eos: bool = False
+    logprobs: bool = True
 
     def to_request(self, prompt_token_ids: Sequence[int]) -> RolloutRequest:
         return RolloutRequest(
@@ -69,6 +71,7 @@ class RolloutSpec:
             stop_token_ids=self.stop_token_ids,
             n=self.n,
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
         )
 
 
@@ -89,6 +92,8 @@ def encode_rollout_annotation(request: RolloutRequest) -> str:
         text += f',"n":{_json(request.n)}'
     if request.ignore_eos:  # optional within v1, as stop_token_ids
         text += ',"ignore_eos":true'
+    if not request.logprobs:  # optional within v1, as stop_token_ids
+        text += ',"logprobs":false'
     return ROLLOUT_ANNOTATION_PREFIX + text + "}"
 
 
@@ -141,11 +146,12 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
             stop_token_ids=spec.get("stop_token_ids") or (),
             n=spec.get("n", 1),
             ignore_eos=spec.get("ignore_eos", False),
+            logprobs=spec.get("logprobs", True),
         )
     except InvalidValue as exc:
         raise AnnotationError(f"rollout spec has a bad field: {exc}") from None
     return RolloutSpec(spec["request_id"], spec["max_new_tokens"], sampling, tuple(stop_strings),
-                       checked.stop_token_ids, checked.n, checked.ignore_eos)
+                       checked.stop_token_ids, checked.n, checked.ignore_eos, checked.logprobs)
 
 
 def find_annotation(annotations: Sequence[Any] | None, prefix: str) -> str | None:
@@ -184,7 +190,7 @@ def engine_data_of(served: ServedRollout) -> dict[str, Any]:
     return {
         "v": ENGINE_DATA_VERSION,
         "token_ids": list(served.token_ids),
-        "logprobs": list(served.logprobs),
+        "logprobs": None if served.logprobs is None else list(served.logprobs),
         "finish_reason": served.finish_reason.value,
         "prompt_tokens": served.usage.prompt_tokens,
         "routed_experts": served.routed_experts,
@@ -235,9 +241,9 @@ def served_from_engine_data(data: Any) -> ServedRollout:
         raise _refusal(data["refused"])
     token_ids = _required_wire(data, "token_ids", "nvext.engine_data")
     logprobs = _required_wire(data, "logprobs", "nvext.engine_data")
-    if not isinstance(token_ids, list) or not isinstance(logprobs, list):
-        raise WireError("nvext.engine_data.token_ids and .logprobs must be lists")
-    if len(token_ids) != len(logprobs):
+    if not isinstance(token_ids, list) or not isinstance(logprobs, list | None):
+        raise WireError("nvext.engine_data.token_ids must be a list, .logprobs a list or null")
+    if logprobs is not None and len(token_ids) != len(logprobs):
         raise LengthMismatch(
             f"engine_data has {len(token_ids)} token IDs but {len(logprobs)} logprobs"
         )

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_fleet.core.engine import EnginePort
+import attrs
+from rollout_fleet.core.engine import EnginePort, offered_keywords
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
+from rollout_fleet.core.rollout import RolloutRequest, ServedRollout
 from rollout_fleet.core.wire import (
     RolloutSpec, decode_rollout_annotation, engine_data_of, group_engine_data_of,
     refused_engine_data,
@@ -43,11 +45,14 @@ async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
         extra["stop_token_ids"] = request.stop_token_ids
     if request.ignore_eos:
         extra["extra_sampling"] = {"ignore_eos": True}
+    if not request.logprobs and "with_logprobs" in offered_keywords(engine):
+        extra["with_logprobs"] = False  # the engine need not compute them
     if request.n > 1:  # a group: n samples from one request, on this one worker
-        return group_engine_data_of(await engine.serve_group(
+        samples = await engine.serve_group(
             request.prompt_token_ids, request_id=request.request_id, n=request.n,
             max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-            stop_strings=request.stop_strings, **extra))
+            stop_strings=request.stop_strings, **extra)
+        return group_engine_data_of([_as_asked(request, served) for served in samples])
     served = await engine.serve_rollout(
         request.prompt_token_ids,
         request_id=request.request_id,
@@ -56,7 +61,15 @@ async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
         stop_strings=request.stop_strings,
         **extra,
     )
-    return engine_data_of(served)
+    return engine_data_of(_as_asked(request, served))
+
+
+def _as_asked(request: RolloutRequest, served: ServedRollout) -> ServedRollout:
+    """Without the logprobs a rollout did not ask for (an engine that computes them anyway):
+    every worker answers such a rollout alike, and the wire carries none."""
+    if request.logprobs or served.logprobs is None:
+        return served
+    return attrs.evolve(served, logprobs=None)
 
 
 def status_of_engine_error(error: BaseException) -> int:

@@ -185,7 +185,7 @@ class AgentDoor:
     async def _group(self, body: Mapping[str, Any], prompt: list[int], *,
                      chat: bool) -> web.Response:
         """``n`` samples of one prompt as one rollout group, answered as ``n`` choices."""
-        request = group_request(body, prompt, default_max_tokens=None if chat
+        request = group_request(body, prompt, chat=chat, default_max_tokens=None if chat
                                 else COMPLETIONS_DEFAULT_MAX_TOKENS)
         sent = completion_body(request, self.template.served_model_name)
         status, text = await self._forward_text("/v1/completions", sent)

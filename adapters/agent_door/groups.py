@@ -44,8 +44,10 @@ def group_size(body: Mapping[str, Any]) -> int:
 
 
 def group_request(body: Mapping[str, Any], prompt: Sequence[int], *,
-                  default_max_tokens: int | None) -> RolloutRequest:
-    """The rollout group a ``n > 1`` request asks for; refuses, by name, what it cannot serve."""
+                  default_max_tokens: int | None, chat: bool) -> RolloutRequest:
+    """The rollout group a ``n > 1`` request asks for; refuses, by name, what it cannot serve.
+    A completion that asks for no logprobs is sampled without them (as vLLM's server does);
+    a chat's samples always carry them (its message's ``generation_log_probs``)."""
     unserved = sorted(set(body) - GROUP_FIELDS)
     if unserved:
         raise InvalidValue(unserved[0], body[unserved[0]],
@@ -63,7 +65,8 @@ def group_request(body: Mapping[str, Any], prompt: Sequence[int], *,
                             top_p=body.get("top_p", 1.0), seed=body.get("seed"))
     return RolloutRequest(f"door-group-{uuid.uuid4().hex}", tuple(prompt), max_tokens,
                           sampling=sampling, n=group_size(body),
-                          ignore_eos=body.get("ignore_eos", False))
+                          ignore_eos=body.get("ignore_eos", False),
+                          logprobs=chat or body.get("logprobs") is not None)
 
 
 def completion_answer(body: Mapping[str, Any], prompt: Sequence[int],

@@ -119,7 +119,7 @@ class EngineData(msgspec.Struct):
 
     v: Literal[ENGINE_DATA_VERSION]  # type: ignore[valid-type]
     token_ids: tuple[TokenId, ...]
-    logprobs: tuple[Logprob, ...]
+    logprobs: tuple[Logprob, ...] | None  # None: the rollout asked for none
     finish_reason: FinishReason
     prompt_tokens: Count
     routed_experts: Any = None
@@ -159,7 +159,8 @@ def served_or_none(body: bytes) -> ServedRollout | None:
     if answer.error is not msgspec.UNSET or answer.status == "error" or answer.nvext is None:
         return None
     data = answer.nvext.engine_data
-    if data.refused is not msgspec.UNSET or len(data.token_ids) != len(data.logprobs):
+    if data.refused is not msgspec.UNSET or (
+            data.logprobs is not None and len(data.token_ids) != len(data.logprobs)):
         return None
     try:  # each element was checked as it was decoded: only the checks across fields remain
         return ServedRollout.from_decoded(

@@ -16,6 +16,7 @@ import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 from rollout_fleet.adapters.memory.colocated import MemoryColocated
 from rollout_fleet.adapters.memory.model import (
     EOS_TOKEN_ID, HIDDEN, VOCAB, WEIGHT_NAMES, Steering, TinyBigramModel, as_matrix, decode,
@@ -106,7 +107,8 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
                             stop_token_ids: Sequence[int] = (),
-                            extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
+                            extra_sampling: Mapping[str, Any] | None = None,
+                            with_logprobs: bool = True) -> ServedRollout:
         self._check_alive()
         if not self.sleeper.serving_gate.is_set():
             self.sleeper.check_serving()  # asleep: refused, retryable (EngineAsleep)
@@ -121,7 +123,7 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                                           tuple(stop_strings), rng, top_logprobs,
                                           Steering.of(extra_sampling or {}, stop_token_ids))
             self.generated_tokens += len(served.token_ids)
-            return served
+            return served if with_logprobs else attrs.evolve(served, logprobs=None)
         finally:
             self.in_flight.discard(request_id)
             self._live_tokens.pop(request_id, None)

@@ -101,13 +101,19 @@ def piece_of(output: Any, top_n: int = 0, with_logprobs: bool = True) -> Rollout
                         cached_prompt_tokens=cached, weight_versions=runs)
 
 
-def to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> ServedRollout:
+def to_served(output: Any, prompt_len: int, version: int, top_n: int = 0,
+              with_logprobs: bool = True) -> ServedRollout:
     completion = output.outputs[0]
     reason = _FINISH_REASONS.get(completion.finish_reason)
     if reason is None:
         raise EngineError(f"vLLM ended request {output.request_id!r} with finish_reason="
                           f"{completion.finish_reason!r}")
     token_ids = list(completion.token_ids)
+    # An older vLLM has no per-token versions: every token is tagged with ``version``, exact
+    # because such an engine accepts drain refits only (features.py).
+    runs = _version_runs(getattr(completion, "weight_versions", None), len(token_ids), version)
+    if not with_logprobs:  # none asked of vLLM
+        return served_rollout(token_ids, None, reason, prompt_len, version, runs=runs)
     logprobs = completion.logprobs or []
     if len(logprobs) != len(token_ids):
         raise EngineError(f"vLLM returned {len(token_ids)} tokens but {len(logprobs)} logprobs "
@@ -116,10 +122,7 @@ def to_served(output: Any, prompt_len: int, version: int, top_n: int = 0) -> Ser
     # Each step also holds the top_n most likely tokens (ranks 1..top_n; the chosen one may
     # rank lower and is in ``chosen``).
     tops = tuple(_top_of(step, top_n) for step in logprobs) if top_n else None
-    # An older vLLM has no per-token versions: every token is tagged with ``version``, exact
-    # because such an engine accepts drain refits only (features.py).
-    return served_rollout(token_ids, chosen, reason, prompt_len, version, tops,
-                   _version_runs(getattr(completion, "weight_versions", None), len(token_ids), version))
+    return served_rollout(token_ids, chosen, reason, prompt_len, version, tops, runs)
 
 
 def _top_of(step: Mapping[int, Any], top_n: int) -> tuple[tuple[int, float], ...]:

@@ -84,23 +84,28 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str] = (), top_logprobs: int = 0,
                             stop_token_ids: Sequence[int] = (),
-                            extra_sampling: Mapping[str, Any] | None = None) -> ServedRollout:
+                            extra_sampling: Mapping[str, Any] | None = None,
+                            with_logprobs: bool = True) -> ServedRollout:
+        """Without logprobs, vLLM's sampler computes none and its front builds none per token,
+        as for a request to vLLM's own server that asks for none."""
+        with_logprobs = with_logprobs or top_logprobs > 0
         output, prompt_len = await self._final_output(
             prompt_token_ids, request_id, max_new_tokens, sampling, stop_strings, top_logprobs,
-            stop_token_ids, extra_sampling)
+            stop_token_ids, extra_sampling, with_logprobs)
         if output is None:  # aborted before it came
-            return served_rollout([], [], FinishReason.ABORT, prompt_len, self.runtime.version)
+            return served_rollout([], [] if with_logprobs else None, FinishReason.ABORT,
+                                  prompt_len, self.runtime.version)
         # vLLM labels each step's tokens with the weight version set while it was paused for
         # the swap (``VllmRefit.commit_new_weights``): per-token versions, exact whatever the
         # pause mode.
-        return to_served(output, prompt_len, self.runtime.version, top_logprobs)
+        return to_served(output, prompt_len, self.runtime.version, top_logprobs, with_logprobs)
 
     async def serve_group(self, prompt_token_ids: Sequence[int], *, request_id: str, n: int,
                           max_new_tokens: int, sampling: SamplingSpec,
                           stop_strings: Sequence[str] = (), top_logprobs: int = 0,
                           stop_token_ids: Sequence[int] = (),
-                          extra_sampling: Mapping[str, Any] | None = None
-                          ) -> tuple[ServedRollout, ...]:
+                          extra_sampling: Mapping[str, Any] | None = None,
+                          with_logprobs: bool = True) -> tuple[ServedRollout, ...]:
         """vLLM's own ``n``: one request (one id, so one abort ends it) whose samples share the
         prompt's prefill; vLLM seeds sample i with the seed + i, the port's
         ``sample_sampling``. Each sample keeps its own logprobs and weight versions. Greedy
@@ -109,26 +114,29 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             served = await self.serve_rollout(
                 prompt_token_ids, request_id=request_id, max_new_tokens=max_new_tokens,
                 sampling=sampling, stop_strings=stop_strings, top_logprobs=top_logprobs,
-                stop_token_ids=stop_token_ids, extra_sampling=extra_sampling)
+                stop_token_ids=stop_token_ids, extra_sampling=extra_sampling,
+                with_logprobs=with_logprobs)
             return (served,) * n
+        with_logprobs = with_logprobs or top_logprobs > 0
         output, prompt_len = await self._final_output(
             prompt_token_ids, request_id, max_new_tokens, sampling, stop_strings, top_logprobs,
-            stop_token_ids, {**(extra_sampling or {}), "n": n})
+            stop_token_ids, {**(extra_sampling or {}), "n": n}, with_logprobs)
         if output is None:
-            return tuple(served_rollout([], [], FinishReason.ABORT, prompt_len, self.runtime.version)
-                         for _ in range(n))
+            return tuple(served_rollout([], [] if with_logprobs else None, FinishReason.ABORT,
+                                        prompt_len, self.runtime.version) for _ in range(n))
         samples = sorted(output.outputs, key=lambda completion: completion.index)
         if len(samples) != n:
             raise EngineError(f"vLLM answered request {request_id!r} with {len(samples)} of its"
                               f" {n} samples")
         return tuple(to_served(_one_sample(output, completion), prompt_len, self.runtime.version,
-                               top_logprobs) for completion in samples)
+                               top_logprobs, with_logprobs) for completion in samples)
 
     async def _final_output(self, prompt_token_ids: Sequence[int], request_id: str,
                             max_new_tokens: int, sampling: SamplingSpec,
                             stop_strings: Sequence[str], top_logprobs: int,
                             stop_token_ids: Sequence[int],
-                            extra_sampling: Mapping[str, Any] | None) -> tuple[Any, int]:
+                            extra_sampling: Mapping[str, Any] | None,
+                            with_logprobs: bool = True) -> tuple[Any, int]:
         """(vLLM's finished output, the prompt's length); no output for a request aborted
         before it came."""
         engine = self.runtime.require_engine()
@@ -136,7 +144,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         if self._early_aborts.pop(request_id, "absent") is None:
             return None, len(prompt)
         params = to_sampling_params(sampling, max_new_tokens, stop_strings, top_logprobs,
-                                    stop_token_ids, extra_sampling)
+                                    stop_token_ids, extra_sampling, logprobs=with_logprobs)
         live = self._live[request_id] = _Live()
         try:
             output = await self._generate(engine, prompt, params, request_id, live)

@@ -30,12 +30,10 @@ from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.contracts.structured import probe_structured_outputs
 from rollout_fleet.ports.engine import (
-    OPTIONAL_ROLLOUT_KEYWORDS,
     SAMPLING_OPTIONS,
     EngineFacts,
     EnginePort,
     KvEventSource,
-    offered_keywords,
     streams_without_logprobs,
 )
 
@@ -336,44 +334,6 @@ _SAMPLING_PROBES: dict[str, Callable[[EngineUnderTest], None]] = {
 }
 
 
-class OpenAIExtrasContract:
-    """Tests for engines that offer the optional ``serve_rollout`` keywords (``top_logprobs``,
-    ``stop_token_ids``; see ``ports.engine.OPTIONAL_ROLLOUT_KEYWORDS``)."""
-
-    def _serve(self, eut: EngineUnderTest, prompt, budget, **keywords) -> ServedRollout:
-        return eut.loop.run(eut.engine.serve_rollout(
-            list(prompt), request_id=eut.next_id(), max_new_tokens=budget, sampling=GREEDY,
-            **keywords))
-
-    def test_offers_both_keywords(self, engine_under_test: EngineUnderTest):
-        assert offered_keywords(engine_under_test.engine) == frozenset(OPTIONAL_ROLLOUT_KEYWORDS)
-
-    def test_top_logprobs_rank_the_alternatives_and_leave_the_tokens_alone(
-            self, engine_under_test: EngineUnderTest):
-        for prompt in engine_under_test.prompts[:2]:
-            plain = self._serve(engine_under_test, prompt, 8)
-            ranked = self._serve(engine_under_test, prompt, 8, top_logprobs=3)
-            assert plain.top_logprobs is None
-            assert ranked.token_ids == plain.token_ids
-            assert ranked.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
-            assert len(ranked.top_logprobs) == len(ranked.token_ids)
-            for token, logprob, top in zip(ranked.token_ids, ranked.logprobs, ranked.top_logprobs):
-                assert len(top) == 3 and len({t for t, _ in top}) == 3
-                values = [lp for _, lp in top]
-                assert values == sorted(values, reverse=True)
-                # Greedy: the chosen token is the most likely one.
-                assert top[0][0] == token and top[0][1] == pytest.approx(logprob, abs=1e-5)
-
-    def test_stop_token_ids_end_at_the_token_and_keep_it(self, engine_under_test: EngineUnderTest):
-        prompt = engine_under_test.prompts[0]
-        free = self._serve(engine_under_test, prompt, 12)
-        stop_at = free.token_ids[min(3, len(free.token_ids) - 1)]
-        stopped = self._serve(engine_under_test, prompt, 12, stop_token_ids=[stop_at])
-        end = free.token_ids.index(stop_at) + 1
-        assert stopped.token_ids == free.token_ids[:end]
-        assert stopped.finish_reason is FinishReason.STOP
-
-
 def _find_stop_string_case(eut: EngineUnderTest):
     """A prompt whose free greedy text has a substring that first appears after token 2."""
     for prompt in eut.prompts:
@@ -389,9 +349,13 @@ def _find_stop_string_case(eut: EngineUnderTest):
 
 
 def __getattr__(name: str) -> Any:
-    """The refit port's suite, as it was imported from here (it lives in refit_target.py)."""
+    """The suites that live beside this one, as they were imported from here."""
     if name in ("RefitTargetContract", "RefitTrainer"):
         from rollout_fleet.ports.contracts import refit_target
 
         return getattr(refit_target, name)
+    if name == "OpenAIExtrasContract":  # lives in openai_extras.py
+        from rollout_fleet.ports.contracts import openai_extras
+
+        return openai_extras.OpenAIExtrasContract
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

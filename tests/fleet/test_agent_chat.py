@@ -294,6 +294,20 @@ def test_n_samples_of_a_prompt_are_one_group_each_choice_its_own_seeds_sample(do
     assert group.usage.completion_tokens == sum(len(c.token_ids) for c in group.choices)
 
 
+def test_a_group_that_asks_for_no_logprobs_gets_the_same_samples_without_them(door, model):
+    """A completion group without ``logprobs`` (what a GRPO trainer that recomputes them sends):
+    drawn without them, the same samples as the group that asks for them."""
+    asked = dict(model=model, prompt="The weather is", max_tokens=8, temperature=1.0, n=4,
+                 seed=5, extra_body={"return_token_ids": True})
+    with door_client(door) as client:
+        bare = client.completions.create(**asked)
+        with_logprobs = client.completions.create(logprobs=0, **asked)
+    assert [c.logprobs for c in bare.choices] == [None] * 4
+    assert all(len(c.logprobs.token_logprobs) == len(c.token_ids) for c in with_logprobs.choices)
+    assert [c.token_ids for c in bare.choices] == [c.token_ids for c in with_logprobs.choices]
+    assert len({tuple(c.token_ids) for c in bare.choices}) > 1
+
+
 def test_a_chat_group_answers_n_messages_and_what_a_group_cannot_serve_is_refused(door, model):
     messages = [{"role": "user", "content": "Weather?"}]
     with door_client(door) as client:

@@ -14,11 +14,11 @@ from rollout_fleet.core.rollout import ServedRollout, Usage
 
 def test_a_group_request_carries_n_the_budget_and_the_sampling():
     request = group_request({"n": 8, "max_tokens": 5, "temperature": 0.7, "top_p": 0.9,
-                             "seed": 3}, [4, 5, 6], default_max_tokens=None)
+                             "seed": 3}, [4, 5, 6], default_max_tokens=None, chat=True)
     assert (request.n, request.max_new_tokens, request.prompt_token_ids) == (8, 5, (4, 5, 6))
     assert not request.sampling.greedy and request.sampling.seed == 3
     assert request.sampling.temperature == 0.7 and request.sampling.top_p == 0.9
-    greedy = group_request({"n": 2, "temperature": 0}, [4], default_max_tokens=16)
+    greedy = group_request({"n": 2, "temperature": 0}, [4], default_max_tokens=16, chat=False)
     assert greedy.sampling.greedy and greedy.max_new_tokens == 16
 
 
@@ -33,7 +33,7 @@ def test_a_group_request_carries_n_the_budget_and_the_sampling():
 ])
 def test_what_a_group_cannot_serve_is_refused_by_name(body, field):
     with pytest.raises(InvalidValue) as refused:
-        group_request(body, [4], default_max_tokens=None)
+        group_request(body, [4], default_max_tokens=None, chat=True)
     assert refused.value.field == field
 
 
@@ -41,8 +41,30 @@ def test_what_vllms_benchmark_client_sends_with_n_is_served():
     body = {"model": "m", "prompt": "x", "n": 8, "max_tokens": 4, "repetition_penalty": 1.0,
             "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}
-    request = group_request(body, [4], default_max_tokens=None)
+    request = group_request(body, [4], default_max_tokens=None, chat=False)
     assert request.n == 8 and request.ignore_eos
+    # It asks for no logprobs: the samples are drawn without them, as vLLM's server would.
+    assert not request.logprobs
+
+
+@pytest.mark.parametrize(("body", "chat", "asked"), [
+    ({"n": 2, "max_tokens": 4}, False, False),
+    ({"n": 2, "max_tokens": 4, "logprobs": 0}, False, True),
+    ({"n": 2, "max_tokens": 4, "logprobs": 2}, False, True),
+    # A chat's samples always carry them: its message's generation_log_probs.
+    ({"n": 2, "max_tokens": 4}, True, True),
+    ({"n": 2, "max_tokens": 4, "logprobs": False}, True, True),
+])
+def test_a_group_asks_for_logprobs_only_where_its_answer_carries_them(body, chat, asked):
+    assert group_request(body, [4], default_max_tokens=None, chat=chat).logprobs is asked
+
+
+def test_a_completion_group_without_logprobs_is_answered_without_them():
+    samples = [ServedRollout([7, 8], None, "length", Usage(3, 2), weight_version=1)] * 2
+    answer = completion_answer({"n": 2, "max_tokens": 2, "return_token_ids": True}, [4], samples,
+                               lambda ids: "x" * len(ids), lambda ids: ["x"] * len(ids))
+    assert [c["logprobs"] for c in answer["choices"]] == [None, None]
+    assert [c["token_ids"] for c in answer["choices"]] == [[7, 8], [7, 8]]
 
 
 def test_n_must_be_a_positive_int():

@@ -8,7 +8,8 @@ from rollout_fleet.adapters.memory import MemoryCollective, MemoryWeightSender
 from rollout_fleet.adapters.memory.engine import MemoryEngine, TinyBigramModel, decode
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
 from rollout_fleet.ports.contracts.colocated import ColocatedContract
-from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest, OpenAIExtrasContract
+from rollout_fleet.ports.contracts.engine import EngineContract, EngineUnderTest
+from rollout_fleet.ports.contracts.openai_extras import OpenAIExtrasContract
 from rollout_fleet.ports.contracts.group import GroupContract
 from rollout_fleet.ports.contracts.refit_target import RefitTargetContract, RefitTrainer
 from tests.support.memory_group import SwappableGroup

@@ -60,14 +60,16 @@ requests = st.builds(
     sampling=samplings,
     stop_strings=stop_lists,
     ignore_eos=st.booleans(),
+    logprobs=st.booleans(),
 )
 
 
 @st.composite
 def served_rollouts(draw):
     ids = draw(token_ids)
-    logprobs = draw(st.lists(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False),
-                             min_size=len(ids), max_size=len(ids)))
+    logprobs = draw(st.none() | st.lists(st.floats(max_value=0.0, allow_nan=False,
+                                                   allow_infinity=False),
+                                         min_size=len(ids), max_size=len(ids)))
     return ServedRollout(
         token_ids=ids, logprobs=logprobs,
         finish_reason=draw(st.sampled_from(FinishReason)),
@@ -157,7 +159,8 @@ def test_a_deeply_nested_spec_is_an_annotation_error():
 def test_annotation_round_trips_every_valid_request(request):
     spec = decode_rollout_annotation(encode_rollout_annotation(request))
     assert spec == RolloutSpec(request.request_id, request.max_new_tokens, request.sampling,
-                               request.stop_strings, ignore_eos=request.ignore_eos)
+                               request.stop_strings, ignore_eos=request.ignore_eos,
+                               logprobs=request.logprobs)
     assert spec.to_request(request.prompt_token_ids) == request
 
 
@@ -166,7 +169,7 @@ def test_annotation_round_trips_every_valid_request(request):
 def test_the_annotation_is_the_text_json_dumps_writes(request, stop_token_ids):
     request = RolloutRequest(request.request_id, request.prompt_token_ids, request.max_new_tokens,
                              request.sampling, request.stop_strings, stop_token_ids,
-                             ignore_eos=request.ignore_eos)
+                             ignore_eos=request.ignore_eos, logprobs=request.logprobs)
     s = request.sampling
     spec = {"v": 1, "request_id": request.request_id, "max_new_tokens": request.max_new_tokens,
             "greedy": s.greedy, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
@@ -175,6 +178,8 @@ def test_the_annotation_is_the_text_json_dumps_writes(request, stop_token_ids):
         spec["stop_token_ids"] = stop_token_ids
     if request.ignore_eos:
         spec["ignore_eos"] = True
+    if not request.logprobs:
+        spec["logprobs"] = False
     expected = ROLLOUT_ANNOTATION_PREFIX + json.dumps(spec, separators=(",", ":"))
     assert encode_rollout_annotation(request) == expected
 

@@ -6,7 +6,8 @@ import pytest
 
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.ports.contracts.colocated import ColocatedContract
-from rollout_fleet.ports.contracts.engine import EngineContract, OpenAIExtrasContract
+from rollout_fleet.ports.contracts.engine import EngineContract
+from rollout_fleet.ports.contracts.openai_extras import OpenAIExtrasContract
 from rollout_fleet.ports.contracts.group import GroupContract
 from rollout_fleet.ports.contracts.refit_target import RefitTargetContract
 from tests.support.trainer import ThreadedTrainer

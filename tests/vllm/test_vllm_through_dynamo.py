@@ -353,3 +353,34 @@ def test_a_bad_group_size_is_a_400_naming_n_and_the_worker_serves_on(vllm_fleet,
     answer = post_json(vllm_fleet, "/v1/completions", body)
     assert answer.status_code == 400 and "n=0" in answer.text, answer.text
     assert len(through_frontend(vllm_fleet, attrs.evolve(request, n=1)).token_ids) == 4
+
+
+def test_rollouts_without_logprobs_give_the_same_tokens_and_none(vllm_fleet, vllm_engine):
+    """A trainer that recomputes logprobs asks for none: through the frontend and the worker,
+    one rollout and a group come back with the engine's own tokens and no logprobs."""
+    import asyncio
+
+    from rollout_fleet.adapters.http import HttpCompletionsTransport
+    from rollout_fleet.core.rollout import sample_sampling
+    from rollout_fleet.core.rollout_client import RolloutClient
+
+    prompt, seeded = vllm_engine.prompts[1], SamplingSpec(greedy=False, temperature=0.8, seed=21)
+
+    async def bare():
+        transport = HttpCompletionsTransport(vllm_fleet.url())
+        client = RolloutClient(transport, model=SERVED_MODEL)
+        try:
+            return (await client.rollout(RolloutRequest("bare-1", prompt, 12, logprobs=False)),
+                    await client.rollout_group(RolloutRequest("bare-g", prompt, 12,
+                                                              sampling=seeded, n=3,
+                                                              logprobs=False)))
+        finally:
+            await transport.aclose()
+
+    one, group = asyncio.run(bare())
+    assert one.logprobs is None and all(r.logprobs is None for r in group)
+    assert one.token_ids == direct(vllm_engine, RolloutRequest("bare-d", prompt, 12)).token_ids
+    alone = [direct(vllm_engine, RolloutRequest(f"bare-a{i}", prompt, 12,
+                                                sampling=sample_sampling(seeded, i)))
+             for i in range(3)]
+    assert [r.token_ids for r in group] == [a.token_ids for a in alone]
