@@ -1,37 +1,13 @@
-"""ignore_eos on the rollout path: in the request, through the annotation, to the engine, for a
-single rollout and for a group."""
-
-import asyncio
-
-import pytest
+"""ignore_eos on the rollout path, to the engine, for a single rollout and for a group (its
+travel in the annotation: tests/unit/test_rollouts_without_logprobs.py)."""
 
 from rollout_fleet.adapters.memory.engine import MemoryEngine
 from rollout_fleet.adapters.memory.model import EOS_TOKEN_ID
-from rollout_fleet.core.errors import AnnotationError, InvalidValue
 from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec
-from rollout_fleet.core.wire import decode_rollout_annotation, encode_rollout_annotation
-from rollout_fleet.core.worker_service import serve_annotated_rollout
+from tests.support.annotated import serve_annotated as serve
 
 BUDGET = 40
 SAMPLED = SamplingSpec(greedy=False, temperature=1.0, seed=3)
-
-
-def serve(engine, request):
-    return asyncio.run(serve_annotated_rollout(engine, request.prompt_token_ids,
-                                               encode_rollout_annotation(request)))
-
-
-def test_the_annotation_carries_ignore_eos_only_when_asked():
-    plain = RolloutRequest("r1", [3, 4], 8)
-    assert "ignore_eos" not in encode_rollout_annotation(plain)
-    asked = RolloutRequest("r2", [3, 4], 8, ignore_eos=True)
-    assert decode_rollout_annotation(encode_rollout_annotation(asked)).to_request([3, 4]) == asked
-    with pytest.raises(InvalidValue, match="ignore_eos=1"):
-        RolloutRequest("r3", [3], 4, ignore_eos=1)
-    bad = encode_rollout_annotation(plain).replace('"stop_strings":[]',
-                                                   '"stop_strings":[],"ignore_eos":"yes"')
-    with pytest.raises(AnnotationError, match="ignore_eos"):
-        decode_rollout_annotation(bad)
 
 
 def ended_at_eos(engine) -> RolloutRequest:

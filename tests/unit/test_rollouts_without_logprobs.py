@@ -13,27 +13,27 @@ from rollout_fleet.core.wire import (
     decode_rollout_annotation, encode_rollout_annotation, engine_data_of,
     served_from_engine_data,
 )
-from rollout_fleet.core.worker_service import serve_annotated_rollout
+from tests.support.annotated import serve_annotated as serve
 
 SAMPLED = SamplingSpec(greedy=False, temperature=1.0, seed=5)
 
 
-def serve(engine, request):
-    return asyncio.run(serve_annotated_rollout(engine, request.prompt_token_ids,
-                                               encode_rollout_annotation(request)))
-
-
-def test_the_annotation_carries_the_flag_only_when_no_logprobs_are_asked():
-    asked = RolloutRequest("r1", [3, 4], 8)
-    assert asked.logprobs and "logprobs" not in encode_rollout_annotation(asked)
-    bare = RolloutRequest("r2", [3, 4], 8, logprobs=False)
-    assert decode_rollout_annotation(encode_rollout_annotation(bare)).to_request([3, 4]) == bare
-    with pytest.raises(InvalidValue, match="logprobs=0"):
-        RolloutRequest("r3", [3], 4, logprobs=0)
-    bad = encode_rollout_annotation(asked).replace('"stop_strings":[]',
-                                                   '"stop_strings":[],"logprobs":"no"')
-    with pytest.raises(AnnotationError, match="logprobs"):
-        decode_rollout_annotation(bad)
+@pytest.mark.parametrize(("field", "unasked", "asked", "bad"), [
+    ("logprobs", True, False, 0),
+    ("ignore_eos", False, True, 1),
+])
+def test_an_optional_field_travels_in_the_annotation_only_when_asked(field, unasked, asked, bad):
+    plain = RolloutRequest("r1", [3, 4], 8)
+    assert getattr(plain, field) is unasked and field not in encode_rollout_annotation(plain)
+    request = RolloutRequest("r2", [3, 4], 8, **{field: asked})
+    assert decode_rollout_annotation(encode_rollout_annotation(request)).to_request([3, 4]) \
+        == request
+    with pytest.raises(InvalidValue, match=f"{field}={bad}"):
+        RolloutRequest("r3", [3], 4, **{field: bad})
+    garbled = encode_rollout_annotation(plain).replace(
+        '"stop_strings":[]', f'"stop_strings":[],"{field}":"yes"')
+    with pytest.raises(AnnotationError, match=field):
+        decode_rollout_annotation(garbled)
 
 
 @pytest.mark.parametrize("n", [1, 3])
