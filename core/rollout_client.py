@@ -46,7 +46,7 @@ class RolloutLimits:
 
     def request(self, request_id: str, prompt_token_ids: Sequence[int], *,
                 sampling: SamplingSpec, stop_strings: Sequence[str] | None = None,
-                max_new_tokens: int | None = None) -> RolloutRequest:
+                max_new_tokens: int | None = None, logprobs: bool = True) -> RolloutRequest:
         """A validated request: budget fitted to the context, stop strings merged."""
         budget = token_budget(len(prompt_token_ids),
                               self.max_new_tokens if max_new_tokens is None else max_new_tokens,
@@ -59,6 +59,7 @@ class RolloutLimits:
             stop_strings=(merge_stop_strings(self.stop_strings, stop_strings)
                           if self.stop_strings or stop_strings is not None else ()),
             stop_token_ids=self.stop_token_ids,
+            logprobs=logprobs,
         )
 
 

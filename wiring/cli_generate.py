@@ -49,6 +49,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           help="a model folder with tokenizer.json: encodes text prompts and "
                                "adds the generated text to each result")
     generate.add_argument("--concurrency", type=int, default=64, help="rollouts in flight (64)")
+    generate.add_argument("--no-logprobs", action="store_true",
+                          help="ask for no logprobs (the engine computes none; each line's "
+                               "logprobs is null)")
     generate.add_argument("--quiet", action="store_true",
                           help="no progress bar (there is none when stderr is not a terminal)")
     generate.set_defaults(run=run_generate)
@@ -82,6 +85,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "model": args.model or (fleet.served_model_name if fleet else "tiny"),
         "max_new_tokens": args.max_new_tokens or (fleet.max_new_tokens if fleet else 64),
         "max_model_len": args.max_model_len or (fleet.max_model_len if fleet else 512),
+        "logprobs": not args.no_logprobs,
     }
     sampling = SamplingSpec(greedy=args.greedy, seed=args.seed)
     progress = _progress_bar(len(prompts), quiet=args.quiet)
@@ -201,7 +205,8 @@ def _progress_bar(total: int, *, quiet: bool):
 
 
 async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, concurrency: int, *,
-                    model: str, max_new_tokens: int, max_model_len: int, done=None) -> list:
+                    model: str, max_new_tokens: int, max_model_len: int, logprobs: bool = True,
+                    done=None) -> list:
     """One entry per prompt, in order: its RolloutResult, or the error that ended it (after
     the client's retries); a bad prompt fails the whole command before anything is sent."""
     from rollout_fleet.core.errors import RolloutFleetError
@@ -209,7 +214,7 @@ async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, con
     from rollout_fleet.wiring.driver import build_frontend_client
 
     limits = RolloutLimits(max_model_len=max_model_len, max_new_tokens=max_new_tokens)
-    requests = [_request(limits, prompt, sampling) for prompt in prompts]
+    requests = [_request(limits, prompt, sampling, logprobs) for prompt in prompts]
     concurrency = min(concurrency, len(prompts))
     frontend = build_frontend_client(url, model=model, max_in_flight=concurrency)
     gate = asyncio.Semaphore(concurrency)
@@ -237,11 +242,12 @@ async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, con
         await frontend.aclose()
 
 
-def _request(limits: Any, prompt: Prompt, sampling: SamplingSpec) -> RolloutRequest:
+def _request(limits: Any, prompt: Prompt, sampling: SamplingSpec,
+             logprobs: bool = True) -> RolloutRequest:
     try:
         return limits.request(f"generate-{prompt.id}", prompt.token_ids, sampling=sampling,
                               stop_strings=prompt.stop_strings,
-                              max_new_tokens=prompt.max_new_tokens)
+                              max_new_tokens=prompt.max_new_tokens, logprobs=logprobs)
     except InvalidValue as exc:
         raise InvalidValue(f"prompt {prompt.id!r}: {exc.field}", exc.value, exc.rule) from None
 
@@ -251,7 +257,8 @@ def _error_line(index: int, prompt: Prompt, error: BaseException) -> dict[str, A
 
 
 def _result_line(prompt: Prompt, result: Any, tokenizer: Any) -> dict[str, Any]:
-    line = {"id": prompt.id, "token_ids": list(result.token_ids), "logprobs": list(result.logprobs),
+    logprobs = None if result.logprobs is None else list(result.logprobs)
+    line = {"id": prompt.id, "token_ids": list(result.token_ids), "logprobs": logprobs,
             "finish_reason": result.finish_reason.value}
     if result.weight_version is not None:
         line["weight_version"] = result.weight_version

@@ -123,6 +123,11 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
         assert result["token_ids"] == list(answer.token_ids)
         assert result["logprobs"] == pytest.approx(list(answer.logprobs), abs=1e-9)
         assert result["finish_reason"] == answer.finish_reason.value
+    # --no-logprobs: the same tokens, no logprobs asked of the engine, null in each line
+    (tmp_path / "n").mkdir()
+    bare = _generate(tmp_path / "n", fleet_file, _token_prompts(), "--no-logprobs")
+    assert [r["token_ids"] for r in bare] == [r["token_ids"] for r in before]
+    assert [r["logprobs"] for r in bare] == [None] * len(before)
 
     # text prompts through the model folder's tokenizer, the text of each answer back
     tokenizer_dir = fleet_file.parent / "model-memory"
