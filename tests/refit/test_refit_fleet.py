@@ -220,7 +220,9 @@ def test_a_trainer_dying_mid_transfer_fails_clearly_and_the_old_weights_stay(gen
                                                                              reference):
     import ray
 
-    trainer = Trainer(generation, timeout_s=20)
+    # The trainer waits for the workers as long as they try to reach it (60 s): with 20 s, on
+    # a host running two test sessions at once, neither worker had connected when it gave up.
+    trainer = Trainer(generation)
     try:
         generation.prepare_refit_info(info_of(models[1]))
         before = generation.get_weight_versions()
