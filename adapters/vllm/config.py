@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
+from rollout_fleet.adapters.vllm.ipc_folder import kv_events_socket
 from rollout_fleet.adapters.vllm.sharded_transfer_engine import SHARDED_BACKEND_NAME
 from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME
 from rollout_fleet.core.device import Device
@@ -170,10 +170,11 @@ class VllmEngineConfig:
     def kv_events_endpoint(self) -> str | None:
         # vLLM's publisher binds only wildcard and ipc endpoints: to tcp://127.0.0.1:<port> it
         # connects, and its events went nowhere. An ipc socket binds, is local to this host,
-        # and listens on no network interface. kv_events_port names it (unique per host).
+        # and listens on no network interface. kv_events_port names it (unique per host); a
+        # fleet worker's lies in the worker's own folder, removed once the worker is gone.
         if self.kv_events_port is None:
             return None
-        return f"ipc://{tempfile.gettempdir()}/rollout-fleet-kv-events-{self.kv_events_port}"
+        return f"ipc://{kv_events_socket(self.kv_events_port)}"
 
     def checkpoint_dtype(self) -> str | None:
         """The dtype the model folder's config.json names (vLLM's spelling); None for a hub

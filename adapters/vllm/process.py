@@ -18,13 +18,14 @@ from typing import Any
 
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+from rollout_fleet.adapters.vllm.ipc_folder import (
+    ENGINE_FOLDER_PREFIX, RPC_BASE_PATH, chosen_ipc_folder,
+)
 from rollout_fleet.core.device import Device
 
 log = logging.getLogger(__name__)
 
 _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
-_RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM puts its IPC socket files
-_IPC_FOLDER_PREFIX = "rollout-fleet-vllm-"
 
 
 async def in_thread(function: Any, *args: Any) -> Any:
@@ -103,12 +104,11 @@ def ipc_environment() -> tuple[str | None, dict[str, str]]:
     whatever is left in it. vLLM reads the variable when it builds the sockets: in this process
     (the front) it caches its environment only when the engine core runs in-process, which the
     fleet never asks for."""
-    chosen = os.environ.get(_RPC_BASE_PATH)
     # Another engine's folder (two starting at once in one process) is not a choice.
-    if chosen and not os.path.basename(chosen).startswith(_IPC_FOLDER_PREFIX):
+    if chosen_ipc_folder() is not None:
         return None, {}
-    folder = tempfile.mkdtemp(prefix=_IPC_FOLDER_PREFIX)
-    return folder, {_RPC_BASE_PATH: folder}
+    folder = tempfile.mkdtemp(prefix=ENGINE_FOLDER_PREFIX)
+    return folder, {RPC_BASE_PATH: folder}
 
 
 def child_pids() -> set[int]:
