@@ -16,7 +16,7 @@ import mmap
 import os
 import secrets
 
-from rollout_fleet.adapters.shared.processes import pid_namespace, process_alive
+from rollout_fleet.adapters.shared.orphans import maker_tag, orphans
 from rollout_fleet.core.colocated_refit import SEGMENT_PREFIX
 from rollout_fleet.core.errors import InvalidValue, RefitError
 
@@ -26,7 +26,7 @@ SHM_DIR = "/dev/shm"
 def new_segment_name(slot: int) -> str:
     """``<prefix><pid>.<pid namespace>-<slot>-<random>``: the sweep judges a creator only
     inside its own pid namespace (containers sharing /dev/shm see other pids)."""
-    return f"{SEGMENT_PREFIX}{os.getpid()}.{pid_namespace()}-{slot}-{secrets.token_hex(6)}"
+    return f"{maker_tag(SEGMENT_PREFIX)}-{slot}-{secrets.token_hex(6)}"
 
 
 class Segment:
@@ -100,25 +100,13 @@ def remove_orphans(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink this user's segments whose creating process is gone (a trainer killed by SIGKILL
     cannot unlink its own); returns their names. A live creator's are kept, whoever it is."""
     removed = []
-    for entry in os.scandir(shm_dir) if os.path.isdir(shm_dir) else ():
-        pid = _creator(entry.name)
-        if pid is None or process_alive(pid):
-            continue
+    for entry in orphans(shm_dir, SEGMENT_PREFIX):
         try:
-            if entry.stat(follow_symlinks=False).st_uid == os.getuid():
-                os.unlink(entry.path)
-                removed.append(entry.name)
+            os.unlink(entry.path)
+            removed.append(entry.name)
         except FileNotFoundError:
             pass  # its creator's clean-up, or another sweep, got there first
     return removed
-
-
-def _creator(name: str) -> int | None:
-    """The pid in a name from ``new_segment_name`` made in this pid namespace; else None."""
-    if not name.startswith(SEGMENT_PREFIX):
-        return None
-    pid, _, namespace = name[len(SEGMENT_PREFIX):].split("-", 1)[0].partition(".")
-    return int(pid) if pid.isdigit() and namespace == pid_namespace() else None
 
 
 def _path(name: str) -> str:

@@ -3,17 +3,16 @@ them: made on the worker's node before it starts, removed with whatever is left 
 is gone. What a worker's processes leave in such a folder (the socket files of an engine core
 killed with SIGKILL) goes with it, which a worker killed itself cannot see to.
 
-A folder is named after the process that made it (``<prefix><pid>.<pid namespace>-``): one whose
-maker died with it (a Ray node lost, the placement's process killed) is removed by the next
-placement on that host that makes one."""
+A folder is named after the process that made it (``adapters.shared.orphans``): one whose maker
+died with it (a Ray node lost, the placement's process killed) is removed by the next placement
+on that host that makes one."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 
-from rollout_fleet.adapters.shared.processes import pid_namespace, process_alive
+from rollout_fleet.adapters.shared.orphans import maker_tag, orphans
 
 FOLDER_PREFIX = "rollout-fleet-worker-"
 
@@ -29,8 +28,7 @@ class WorkerFolders:
             return {}
         self.remove(name)  # a worker started again under its name gets a fresh one
         remove_orphan_folders()
-        self._folders[name] = tempfile.mkdtemp(
-            prefix=f"{FOLDER_PREFIX}{os.getpid()}.{pid_namespace()}-")
+        self._folders[name] = tempfile.mkdtemp(prefix=f"{maker_tag(FOLDER_PREFIX)}-")
         return {variable: self._folders[name]}
 
     def remove(self, name: str) -> None:
@@ -44,27 +42,11 @@ class WorkerFolders:
 
 
 def remove_orphan_folders(parent: str | None = None) -> list[str]:
-    """Remove this user's worker folders in ``parent`` (the temp folder) whose maker is gone;
-    returns their paths. A live maker's are kept, whoever it is."""
-    parent = parent or tempfile.gettempdir()
+    """Remove this user's worker folders in ``parent`` (the temp folder) whose maker is gone,
+    with what they hold; returns their paths."""
     removed = []
-    for entry in os.scandir(parent):
-        maker = _maker(entry.name)
-        if maker is None or process_alive(maker):
-            continue
-        try:
-            if entry.is_dir(follow_symlinks=False) and \
-                    entry.stat(follow_symlinks=False).st_uid == os.getuid():
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.path)
-        except FileNotFoundError:
-            pass  # its maker's clean-up, or another sweep, got there first
+    for entry in orphans(parent or tempfile.gettempdir(), FOLDER_PREFIX):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
     return removed
-
-
-def _maker(name: str) -> int | None:
-    """The pid in a worker folder's name made in this pid namespace; else None."""
-    if not name.startswith(FOLDER_PREFIX):
-        return None
-    pid, _, namespace = name[len(FOLDER_PREFIX):].split("-", 1)[0].partition(".")
-    return int(pid) if pid.isdigit() and namespace == pid_namespace() else None

@@ -125,3 +125,10 @@ def own_open_sockets() -> int:
         except OSError:
             pass
     return count
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (a maker gone, for the orphan sweeps)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid

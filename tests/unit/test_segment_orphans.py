@@ -6,20 +6,13 @@ private folder standing in for /dev/shm, real processes."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 from rollout_fleet.adapters.collective.colocated import BufferPool
 from rollout_fleet.adapters.shared.processes import pid_namespace
 from rollout_fleet.adapters.shared.segments import remove_orphans
 from rollout_fleet.core.colocated_refit import SEGMENT_PREFIX
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+from tests.support.processes import dead_pid
 
 
 def test_segments_of_a_dead_trainer_go_and_a_live_ones_stay(tmp_path):

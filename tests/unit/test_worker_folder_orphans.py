@@ -5,19 +5,12 @@ worker folder, stay. Real folders in a private parent, real processes."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 from rollout_fleet.adapters.shared.processes import pid_namespace
 from rollout_fleet.adapters.shared.worker_folders import (
     FOLDER_PREFIX, WorkerFolders, remove_orphan_folders,
 )
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+from tests.support.processes import dead_pid
 
 
 def test_a_dead_makers_folders_go_with_what_they_hold_and_the_rest_stay(tmp_path):
