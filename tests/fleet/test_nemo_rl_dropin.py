@@ -204,7 +204,11 @@ def test_logger_metrics_have_nemo_rl_keys_and_shapes(dropin):
     deadline = time.monotonic() + 30  # sampled every 0.2 s since the start
     while time.monotonic() < deadline:
         metrics = dropin.get_logger_metrics()
-        if all(len(metrics["generation_tokens"].get(w, [])) >= 2 for w in range(WORKERS)):
+        counts = metrics["generation_tokens"]
+        # Until a sample taken after the rollouts counts their tokens: samples from before
+        # them (two per worker already, on a loaded host) all say 0.
+        if all(len(counts.get(w, [])) >= 2 for w in range(WORKERS)) and \
+                max(v for values in counts.values() for v in values) > 0:
             break
         time.sleep(0.2)
     assert set(metrics) == set(NEMO_RL_KEYS)
@@ -212,7 +216,8 @@ def test_logger_metrics_have_nemo_rl_keys_and_shapes(dropin):
         assert set(metrics[key]) == set(range(WORKERS)), (key, metrics[key])
         for values in metrics[key].values():
             assert values and all(isinstance(v, float) for v in values), (key, values)
-    assert max(v for values in metrics["generation_tokens"].values() for v in values) > 0
+    assert max(v for values in metrics["generation_tokens"].values() for v in values) > 0, \
+        dropin.native.get_logger_metrics()["generated_tokens"]  # with each sample's time
     dropin.clear_logger_metrics()  # starts over (the sampler may add a point at once)
     after = dropin.get_logger_metrics()
     assert all(len(values) <= 1 for per in after.values() for values in per.values()), after
