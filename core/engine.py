@@ -8,7 +8,6 @@ Dynamo or HTTP code: the Dynamo adapter serves any EnginePort.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
@@ -180,12 +179,6 @@ def streams_without_logprobs(engine: EnginePort) -> bool:
 
 
 def offered_keywords(engine: EnginePort) -> frozenset[str]:
-    """The optional ``serve_rollout`` keywords this engine's signature takes (its class's,
-    read once: the worker asks on every rollout that wants none of the logprobs)."""
-    return _offered_by_class(type(engine))
-
-
-@functools.cache
-def _offered_by_class(engine_class: type) -> frozenset[str]:
-    parameters = inspect.signature(engine_class.serve_rollout).parameters
+    """The optional ``serve_rollout`` keywords this engine's signature takes."""
+    parameters = inspect.signature(engine.serve_rollout).parameters
     return frozenset(name for name in OPTIONAL_ROLLOUT_KEYWORDS if name in parameters)
