@@ -19,7 +19,8 @@ from rollout_fleet.core.wire import (
 
 async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence[int],
                                   annotation: str | RolloutSpec, *,
-                                  worker: str | None = None) -> dict[str, Any]:
+                                  worker: str | None = None,
+                                  offered: frozenset[str] | None = None) -> dict[str, Any]:
     """Decode the rollout spec (unless the caller decoded it already), serve it, and encode
     the whole answer as engine_data.
 
@@ -27,15 +28,19 @@ async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence
     engine_data (``core.wire.refused_engine_data``): the driver retries it, and when its retries
     give up, that message is its last error. Raises AnnotationError / SpecVersionError for a
     bad spec, InvalidValue for a bad prompt, and whatever else the engine raises.
+    ``offered``: the engine's ``offered_keywords``, where the caller read them once (a
+    long-lived worker); else they are read from its signature here.
     """
+    if offered is None:
+        offered = offered_keywords(engine)
     try:
-        return await _serve(engine, prompt_token_ids, annotation)
+        return await _serve(engine, prompt_token_ids, annotation, offered)
     except EngineAsleep as asleep:
         return refused_engine_data(status_of_engine_error(asleep), str(asleep.named(worker)))
 
 
 async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
-                 annotation: str | RolloutSpec) -> dict[str, Any]:
+                 annotation: str | RolloutSpec, offered: frozenset[str]) -> dict[str, Any]:
     spec = (annotation if isinstance(annotation, RolloutSpec)
             else decode_rollout_annotation(annotation))
     request = spec.to_request(prompt_token_ids)
@@ -45,7 +50,7 @@ async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
         extra["stop_token_ids"] = request.stop_token_ids
     if request.ignore_eos:
         extra["extra_sampling"] = {"ignore_eos": True}
-    if not request.logprobs and "with_logprobs" in offered_keywords(engine):
+    if not request.logprobs and "with_logprobs" in offered:
         extra["with_logprobs"] = False  # the engine need not compute them
     if request.n > 1:  # a group: n samples from one request, on this one worker
         samples = await engine.serve_group(

@@ -258,7 +258,8 @@ class DynamoEngineAdapter(LLMEngine):
                                "this worker's engine does not offer it")
         self.ledger.in_flight[context_id] = spec.request_id
         engine_data = await serve_annotated_rollout(self.engine, prompt_of(request), spec,
-                                                    worker=self.worker_name)
+                                                    worker=self.worker_name,
+                                                    offered=self._offered)
         if "refused" in engine_data:  # asleep: the refusal rides where the result would
             self.ledger.counts["asleep"] += 1
             return [{"token_ids": [], "index": 0, "finish_reason": "stop",
