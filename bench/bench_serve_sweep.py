@@ -64,7 +64,7 @@ import bench_standard_clients as servers  # noqa: E402
 from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 from tests.support.vllm_bench_client import ResidentClient  # noqa: E402
 from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
-                           engine_facts, write_report)
+                           check_positions, engine_facts, write_report)
 
 WARM_UP = dict(input_len=64, output_len=16, prompts=16, concurrency=16)
 
@@ -276,7 +276,8 @@ def build_model(folder: Path, args) -> Path:
     if args.model_dir is not None:
         last_written = "generation_config.json" if args.gpu else "rollout_fleet_tiny_model.json"
         if (args.model_dir / last_written).exists():  # a whole folder, not one cut short
-            return args.model_dir
+            return (check_positions(args.model_dir, args.max_model_len) if args.gpu
+                    else args.model_dir)
         folder = args.model_dir
     if not args.gpu:
         from rollout_fleet.adapters.tiny_model import build_tiny_model

@@ -78,6 +78,16 @@ class Budget:
         self.seconds_per_work = max(pace, self.seconds_per_work or 0.0)
 
 
+def check_positions(model: Path, max_model_len: int) -> Path:
+    """A model folder an earlier call built, if its positions hold this run's context (a GPU
+    model is built with exactly the positions its first run asked for); else a clear exit."""
+    positions = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    if positions < max_model_len:
+        raise SystemExit(f"--model-dir {model}: its model has {positions} positions, this run "
+                         f"needs max_model_len {max_model_len}; name another folder")
+    return model
+
+
 def append_round(out: Path, record: dict) -> None:
     with open(out / ROUNDS_FILE, "a") as stream:
         stream.write(json.dumps(record) + "\n")

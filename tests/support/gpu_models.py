@@ -20,6 +20,7 @@ SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden
              init_std=0.08)  # wide: greedy choices are rarely near-ties
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{{ eos_token }}{% endfor %}"
 PAD, BOS, EOS = 0, 1, 2
+PAD_TEXT = "<padding>"
 
 
 def build_llama(folder: str | Path, shape: dict, dtype: str, seed: int = 0,
@@ -61,13 +62,18 @@ def _write_tokenizer(out: Path, vocab_size: int, max_positions: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS}
+    # vLLM's server refuses a text prompt longer than its token budget times the vocabulary's
+    # longest token, in characters; a word here costs its letters and a space, so one entry
+    # must be longer than any word and its space: the pad token's name.
+    vocab = {PAD_TEXT: PAD, "<s>": BOS, "</s>": EOS}
     vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    if len(PAD_TEXT) < len(f"w{vocab_size - 1} "):
+        raise ValueError(f"vocab_size={vocab_size}: its words outgrow the pad's name {PAD_TEXT!r}")
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=PAD_TEXT))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", model_max_length=max_positions)
+                                   pad_token=PAD_TEXT, model_max_length=max_positions)
     fast.save_pretrained(out)
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())

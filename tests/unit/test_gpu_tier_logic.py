@@ -35,3 +35,24 @@ def test_agreement_stops_at_the_first_near_tie_and_counts_a_difference_before_it
     assert logprob_off.equal_to_first_near_tie == 1 and abs(logprob_off.max_dlogprob - 0.05) < 1e-9
     longer = agreement([([5, 6, 7, 8], [-0.1] * 4)], [ref], near_tie=1e-6)
     assert longer.equal_to_first_near_tie == 0
+
+
+def test_vllms_server_takes_a_text_prompt_of_the_1b_models_longest_words_at_its_token_budget(tmp_path):
+    """vLLM's server refuses, before tokenizing, a text prompt longer than its token budget
+    times the vocabulary's longest token in characters; the 1B model's words (``w128255``) and
+    their spaces must fit that bound, or `vllm bench serve` sees 400s at long prompts."""
+    from transformers import AutoTokenizer
+    from vllm.tokenizers.hf import get_cached_tokenizer
+
+    from tests.support.gpu_models import LLAMA_1B, build_llama
+
+    shape = {**LLAMA_1B, "num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 8,
+             "num_attention_heads": 1, "num_key_value_heads": 1}
+    folder = build_llama(tmp_path / "m", shape, "bfloat16", seed=0, max_positions=64)
+    tokenizer = get_cached_tokenizer(AutoTokenizer.from_pretrained(folder))
+    budget = 4096
+    longest = [LLAMA_1B["vocab_size"] - 1] * budget
+    text = tokenizer.decode(longest)
+    assert len(tokenizer.encode(text, add_special_tokens=False)) == budget
+    assert len(text) <= budget * tokenizer.max_chars_per_token, (
+        len(text), tokenizer.max_chars_per_token)

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sweep_records import Budget, Shape, engine_facts, markdown, ratio_rows  # noqa: E402
+from sweep_records import (  # noqa: E402
+    Budget, Shape, check_positions, engine_facts, markdown, ratio_rows,
+)
 
 GPU_LOG = """INFO gpu_worker.py:760] Available KV cache memory: 40.12 GiB
 INFO kv_cache_utils.py:2328] GPU KV cache size: 1,312,000 tokens, Maximum concurrency for 5,120 tokens per request: 256.25x"""
@@ -51,3 +53,10 @@ def test_ratios_are_fleet_over_vllm_of_the_medians_and_one_sided_shapes_are_left
     (row,) = ratio_rows(rounds)
     assert (row["shape"], row["tokens_ratio"], row["ttft_ratio"]) == (Shape(128, 128, 64), 0.5, 2.0)
     assert "**0.500** | **2.00x**" in markdown(rounds, {"fleet": {"kv_cache_gib": None}})
+
+
+def test_a_reused_model_folder_too_short_for_the_runs_context_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 1280}')
+    assert check_positions(tmp_path, 1280) == tmp_path
+    with pytest.raises(SystemExit, match=r"1280 positions, this run needs max_model_len 5376"):
+        check_positions(tmp_path, 5376)
