@@ -27,7 +27,9 @@ capped it: the fleet's worker host or vLLM's API server collecting the engine's 
 
 ``--budget-s S``: a shape starts only if it fits in what is left of S seconds (estimated from the
 slowest pace of the shapes done); the shapes left out are printed as a ``--shapes`` argument for
-the next call. ``--out DIR`` gets rounds.jsonl (one line per run of the client), engines.json,
+the next call. A shape a server fails some requests of (vLLM's server answers 400 to a prompt
+over its limits) gets no ratio: it is named under the table, the sweep goes on to the next
+shape, and the command exits 1. ``--out DIR`` gets rounds.jsonl (one line per run of the client), engines.json,
 sweep.md (the table: fleet / vLLM of the median output tokens/s and median TTFT) and sweep.png
 (if matplotlib is installed), the client's JSON per run and the servers' log tails.
 ``--combine DIR [DIR ...]`` writes one table and plot from several calls' folders into --out.
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import shutil
@@ -64,7 +67,7 @@ import bench_standard_clients as servers  # noqa: E402
 from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 from tests.support.vllm_bench_client import ResidentClient  # noqa: E402
 from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
-                           check_positions, engine_facts, write_report)
+                           check_positions, engine_facts, failure_record, write_report)
 
 WARM_UP = dict(input_len=64, output_len=16, prompts=16, concurrency=16)
 
@@ -167,6 +170,7 @@ class Sweep:
     def __init__(self, args, run_dir: Path, model: Path, shapes: list[Shape]) -> None:
         self.args, self.run_dir, self.model, self.out = args, run_dir, model, args.out
         self.shapes, self.left_out = shapes, []
+        self.failed: list[str] = []  # "arrangement shape: why", one per shape a server failed
         self.budget = Budget(args.budget_s, args.started)  # from the command's start
         # One client process for every run (vLLM imported once), unless --fresh-client.
         self.client = None if args.fresh_client else ResidentClient(run_dir / "client.log")
@@ -227,10 +231,23 @@ class Sweep:
             if not self.admit(shape, 2 * self.args.rounds):
                 continue
             began = time.monotonic()
-            for index in range(self.args.rounds):
-                for way in (FLEET, VLLM) if index % 2 == 0 else (VLLM, FLEET):
-                    measure(started[way], way, shape, index, arrangement, self)
-            self.budget.record(self.work(shape, 2 * self.args.rounds), time.monotonic() - began)
+            with self.failure_kept(arrangement, shape):
+                for index in range(self.args.rounds):
+                    for way in (FLEET, VLLM) if index % 2 == 0 else (VLLM, FLEET):
+                        measure(started[way], way, shape, index, arrangement, self)
+                self.budget.record(self.work(shape, 2 * self.args.rounds),
+                                   time.monotonic() - began)
+
+    @contextlib.contextmanager
+    def failure_kept(self, arrangement: str, shape: Shape):
+        """A shape a server failed requests of: named in ``failed`` (no ratio for it), and the
+        sweep goes on to the next shape rather than losing the call's remaining time."""
+        try:
+            yield
+        except servers.IncompleteRun as failure:
+            self.failed.append(f"{arrangement} {shape}: {failure}")
+            append_round(self.out, failure_record(arrangement, shape, str(failure)))
+            print(f"{arrangement} {shape}: failed, no ratio: {failure}", flush=True)
 
     def alone(self) -> None:
         """The fleet alone on the shapes that fit (with room left for vLLM's server to repeat
@@ -249,11 +266,13 @@ class Sweep:
                                                        extra_s=time.monotonic() - began):
                         continue
                     shape_began = time.monotonic()
-                    for index in range(self.args.rounds):
-                        measure(Server(url, leaders_of(processes)), way, shape, index, "alone",
-                                self)
-                    self.budget.record(self.work(shape, self.args.rounds), time.monotonic() - shape_began)
-                    ran += [shape] if way == FLEET else []
+                    with self.failure_kept("alone", shape):
+                        for index in range(self.args.rounds):
+                            measure(Server(url, leaders_of(processes)), way, shape, index,
+                                    "alone", self)
+                        self.budget.record(self.work(shape, self.args.rounds),
+                                           time.monotonic() - shape_began)
+                        ran += [shape] if way == FLEET else []
             finally:
                 stop_all(processes)
 
@@ -364,8 +383,8 @@ def main(argv=None) -> int:
     finally:
         keep_records(run_dir, args.out)
         shutil.rmtree(run_dir, ignore_errors=True)
-    print(write_report([args.out], args.out))
-    return 0
+    print(write_report([args.out], args.out))  # the failed shapes listed under the table
+    return 1 if sweep.failed else 0
 
 
 def keep_records(run_dir: Path, out: Path) -> None:

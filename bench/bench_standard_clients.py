@@ -213,6 +213,11 @@ def bench_argv(url: str, model: Path, args, result: Path) -> list[str]:
             "--result-filename", result.name]
 
 
+class IncompleteRun(SystemExit):
+    """A run in which a server failed some requests: its figures would compare unequal work.
+    A script that meets one exits with its message; the sweep records it and goes on."""
+
+
 def bench_round(url: str, model: Path, args, result: Path, client=None) -> dict:
     """One run of the client (a new process, or ``client``: a ResidentClient); its outcome,
     with the client's own CPU seconds added."""
@@ -228,7 +233,7 @@ def bench_round(url: str, model: Path, args, result: Path, client=None) -> dict:
         raise SystemExit(f"vllm bench serve failed ({status}):\n{output[-6000:]}")
     outcome = json.loads(result.read_text())
     if outcome["completed"] != args.prompts:
-        raise SystemExit(f"{url}: {outcome['completed']} of {args.prompts} requests succeeded;"
+        raise IncompleteRun(f"{url}: {outcome['completed']} of {args.prompts} requests succeeded;"
                          f" errors: {[e for e in outcome.get('errors', []) if e][:3]}")
     outcome["client_cpu_s"] = json.loads(cpu_record.read_text())["cpu_s"]
     return outcome

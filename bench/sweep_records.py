@@ -106,10 +106,20 @@ def load_records(folders: list[Path]) -> tuple[list[dict], dict[str, dict]]:
     return rounds, engines
 
 
+def failure_record(arrangement: str, shape: Shape, why: str) -> dict:
+    """A shape a server failed requests of, kept among the rounds: none of its rounds makes a
+    ratio, in this call's table or in a table combined later."""
+    return {"arrangement": arrangement, "shape": str(shape), "failed": why}
+
+
+def failures(rounds: list[dict]) -> dict[tuple[str, Shape], str]:
+    return {(r["arrangement"], Shape.parse(r["shape"])): r["failed"] for r in rounds if "failed" in r}
+
+
 def medians(rounds: list[dict]) -> dict[tuple[str, Shape, str], dict]:
     """(arrangement, shape, way) -> median output tokens/s, median TTFT and TPOT, round count."""
     grouped: dict[tuple[str, Shape, str], list[dict]] = {}
-    for record in rounds:
+    for record in (r for r in rounds if "failed" not in r):
         key = (record["arrangement"], Shape.parse(record["shape"]), record["way"])
         grouped.setdefault(key, []).append(record)
     return {key: {"tokens_s": statistics.median(r["output_throughput"] for r in group),
@@ -120,10 +130,11 @@ def medians(rounds: list[dict]) -> dict[tuple[str, Shape, str], dict]:
 
 
 def ratio_rows(rounds: list[dict]) -> list[dict]:
-    """One row per (arrangement, shape) measured on both ways: fleet / vllm of the medians."""
-    table = medians(rounds)
+    """One row per (arrangement, shape) measured on both ways, and failed by neither: fleet /
+    vllm of the medians."""
+    table, failed = medians(rounds), failures(rounds)
     rows = []
-    for arrangement, shape in sorted({(a, s) for a, s, _ in table}):
+    for arrangement, shape in sorted({(a, s) for a, s, _ in table} - set(failed)):
         fleet, vllm = table.get((arrangement, shape, FLEET)), table.get((arrangement, shape, VLLM))
         if fleet is None or vllm is None:
             continue
@@ -145,6 +156,10 @@ def markdown(rounds: list[dict], engines: dict[str, dict]) -> str:
                      f" {f['tokens_s']:,.0f} | {v['tokens_s']:,.0f} | {f['ttft_ms']:,.0f} |"
                      f" {v['ttft_ms']:,.0f} | {f['tpot_ms']:.1f} | {v['tpot_ms']:.1f} |"
                      f" {min(f['rounds'], v['rounds'])} |")
+    failed = failures(rounds)
+    if failed:
+        lines += ["", "Failed, no ratio (a server failed some of the shape's requests):", ""]
+        lines += [f"- {a} {shape}: {why}" for (a, shape), why in sorted(failed.items())]
     lines += ["", "Each engine's KV cache, as its log says:", "",
               "| engine | KV cache GiB | KV cache tokens | max concurrency (x max_model_len) |"
               " max_model_len | start s |", "| --- | --- | --- | --- | --- | --- |"]

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from sweep_records import (  # noqa: E402
-    Budget, Shape, check_positions, engine_facts, markdown, ratio_rows,
+    Budget, Shape, check_positions, engine_facts, failure_record, markdown, ratio_rows,
 )
 
 GPU_LOG = """INFO gpu_worker.py:760] Available KV cache memory: 40.12 GiB
@@ -60,3 +60,18 @@ def test_a_reused_model_folder_too_short_for_the_runs_context_is_refused_by_name
     assert check_positions(tmp_path, 1280) == tmp_path
     with pytest.raises(SystemExit, match=r"1280 positions, this run needs max_model_len 5376"):
         check_positions(tmp_path, 5376)
+
+
+def _run(way, shape, tokens_s, ttft_ms):
+    return {"arrangement": "together", "shape": shape, "way": way, "output_throughput": tokens_s,
+            "median_ttft_ms": ttft_ms, "median_tpot_ms": 1.0}
+
+
+def test_a_shape_a_server_failed_gets_no_ratio_even_from_rounds_before_the_failure_and_is_named():
+    rounds = [_run("fleet", "4096x1024x64", 100, 10), _run("vllm", "4096x1024x64", 100, 10),
+              failure_record("together", Shape(4096, 1024, 64), "50 of 64 requests succeeded"),
+              _run("fleet", "128x128x64", 100, 10), _run("vllm", "128x128x64", 50, 10)]
+    assert [row["shape"] for row in ratio_rows(rounds)] == [Shape(128, 128, 64)]
+    table = markdown(rounds, {})
+    assert "- together 4096x1024x64: 50 of 64 requests succeeded" in table
+    assert "| together | 4096 | 1024 | 64 |" not in table
