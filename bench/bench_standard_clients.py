@@ -233,8 +233,10 @@ def bench_round(url: str, model: Path, args, result: Path, client=None) -> dict:
         raise SystemExit(f"vllm bench serve failed ({status}):\n{output[-6000:]}")
     outcome = json.loads(result.read_text())
     if outcome["completed"] != args.prompts:
+        # The client keeps only each failure's HTTP reason ("Bad Request"), and prints it.
+        printed = [line for line in output.splitlines() if line.startswith("Error ")]
         raise IncompleteRun(f"{url}: {outcome['completed']} of {args.prompts} requests succeeded;"
-                         f" errors: {[e for e in outcome.get('errors', []) if e][:3]}")
+                            f" the client printed: {printed[:3]}")
     outcome["client_cpu_s"] = json.loads(cpu_record.read_text())["cpu_s"]
     return outcome
 
