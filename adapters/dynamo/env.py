@@ -2,9 +2,9 @@
 every host setting named): on loopback with file discovery on one machine, or on one node's
 cluster address (etcd discovery) across nodes.
 
-Builds a dict (reading only where vLLM's cache lives from this process's environment); the
-frontend launcher gives it to its child, the worker entry point puts it into its own
-``os.environ`` before the Dynamo runtime starts (the runtime reads it once).
+Builds a dict (reading only where vLLM's and the kernel caches live from this process's
+environment); the frontend launcher gives it to its child, the worker entry point puts it into
+its own ``os.environ`` before the Dynamo runtime starts (the runtime reads it once).
 """
 
 from __future__ import annotations
@@ -47,6 +47,27 @@ def vllm_cache_root() -> str:
     return os.path.join(cache, "vllm")
 
 
+# Kernel caches that live under HOME unless named, each filled once per machine by a JIT
+# compile (CUDA's PTX, FlashInfer's modules and cubins, Triton's kernels, DeepGEMM's,
+# torch's C++ extensions): under the run's own HOME every fleet start would compile them
+# again, where vLLM's own server finds them warm in its user's home.
+_HOME_KERNEL_CACHES = {
+    "CUDA_CACHE_PATH": (".nv", "ComputeCache"),
+    "FLASHINFER_WORKSPACE_BASE": (),
+    "TRITON_CACHE_DIR": (".triton", "cache"),
+    "DG_JIT_CACHE_DIR": (".deep_gemm",),
+    "TORCH_EXTENSIONS_DIR": (".cache", "torch_extensions"),
+}
+
+
+def user_kernel_caches() -> dict[str, str]:
+    """Where the launching user's kernel caches are (each variable this process sets is kept
+    as it is), for processes whose HOME is the run's own."""
+    home = os.path.expanduser("~")
+    return {name: os.environ.get(name) or os.path.join(home, *parts)
+            for name, parts in _HOME_KERNEL_CACHES.items()}
+
+
 def dynamo_env(run_dir: str | Path, *, system_port: int | None = None,
                log_level: str = "warn", host: str = LOOPBACK) -> dict[str, str]:
     """DYN_* variables for one process of a run whose discovery folder lives in ``run_dir``.
@@ -72,6 +93,7 @@ def dynamo_env(run_dir: str | Path, *, system_port: int | None = None,
         "DYN_LOG": log_level,  # info writes ~5 lines per request
         "HOME": str(run_dir / "home"),  # workers copy model files under $HOME/.cache
         "VLLM_CACHE_ROOT": vllm_cache_root(),
+        **user_kernel_caches(),
         "HF_HUB_OFFLINE": "1",
     }
     if system_port is not None:

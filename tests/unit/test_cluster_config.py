@@ -81,3 +81,20 @@ def test_vllms_cache_stays_the_users_while_home_moves_into_the_run(tmp_path, mon
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "user-cache" / "vllm")
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "chosen"))
     assert dynamo_env(tmp_path / "run")["VLLM_CACHE_ROOT"] == str(tmp_path / "chosen")
+
+
+def test_the_kernel_caches_stay_the_users_while_home_moves_into_the_run(tmp_path, monkeypatch):
+    """CUDA's, FlashInfer's, Triton's, DeepGEMM's and torch's extension caches default to
+    HOME: a worker whose HOME is the run's would compile every kernel again at each start."""
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    for name in ("CUDA_CACHE_PATH", "FLASHINFER_WORKSPACE_BASE", "DG_JIT_CACHE_DIR",
+                 "TORCH_EXTENSIONS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "chosen-triton"))
+    env = dynamo_env(tmp_path / "run")
+    assert env["HOME"] == str(tmp_path / "run" / "home")
+    assert env["CUDA_CACHE_PATH"] == str(tmp_path / "user" / ".nv" / "ComputeCache")
+    assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "user")
+    assert env["DG_JIT_CACHE_DIR"] == str(tmp_path / "user" / ".deep_gemm")
+    assert env["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "user" / ".cache" / "torch_extensions")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "chosen-triton")  # as the user set it
