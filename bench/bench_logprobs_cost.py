@@ -13,7 +13,8 @@ load asked three ways, rounds interleaved:
   flat:   the same in vLLM's flat lists (``flat_logprobs=True``: what the fleet's worker asks)
 
 Load: ``--prompts`` prompts of ``--input-len`` random token IDs, ``--samples`` samples each
-(vLLM's ``n``), ``--tokens`` new tokens, temperature 1.0, ``ignore_eos``; all sent at once.
+(vLLM's ``n``), ``--tokens`` new tokens, temperature 1.0, ``ignore_eos``; all sent at once,
+every round and way prompts of its own (none in the engine's prefix cache from an earlier run).
 Per way: median output tokens/s, this process's CPU ms per 1,000 output tokens (the front's
 work) and its child processes' (vLLM's engine core and model worker: whether logprobs lengthen
 the engine's own step loop), each with its ratio to "none"; each round prints every process's
@@ -41,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_gpu_fleet as gpu_fleet  # noqa: E402
+from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import load_between, load_line, snapshot  # noqa: E402
 from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
@@ -98,20 +100,24 @@ async def measure(args, work: Path) -> list[dict]:
     shape, dtype = (LLAMA_1B, "bfloat16") if args.gpu else (SMALL, "float32")
     model = build_llama(work / "model", shape, dtype, seed=0,
                         max_positions=max(2048, args.max_model_len))
-    prompts = random_prompts(args.prompts, args.input_len, shape["vocab_size"], seed=1)
+
+    def drawn(*run) -> list[list[int]]:  # every run its own: none in the prefix cache
+        return random_prompts(args.prompts, args.input_len, shape["vocab_size"],
+                              seed=prompt_seed(*run))
+
     kwargs = gpu_fleet.worker_engine_kwargs(parse_config(gpu_fleet.fleet_config(model, work, args)))
     print("engine arguments:", json.dumps(kwargs, default=str), flush=True)
     bare = await asyncio.to_thread(gpu_fleet.Bare, kwargs)
     records = []
     try:
         for way in WAYS:  # warm-up, not recorded
-            await run_way(bare.engine, prompts[:8], way, args, f"warm-{way}")
+            await run_way(bare.engine, drawn("warm-up", way)[:8], way, args, f"warm-{way}")
         order = list(WAYS)
         for index in range(args.rounds):
             for way in order if index % 2 == 0 else order[::-1]:
                 await asyncio.sleep(args.settle_s)
-                record = {"round": index, **await run_way(bare.engine, prompts, way, args,
-                                                          f"r{index}-{way}")}
+                record = {"round": index, **await run_way(bare.engine, drawn(way, index), way,
+                                                          args, f"r{index}-{way}")}
                 records.append(record)
                 print(f"round {index} {way:>5}: {record['tokens_per_s']:,.0f} output tokens/s,"
                       f" CPU ms per 1k tokens: front {record['cpu_ms_per_1k_tokens']:.1f},"

@@ -19,8 +19,10 @@ Arrangements (``--arrangement``, comma-separated, run in that order):
 
 Shapes: ``--input`` x ``--output`` x ``--concurrency`` (comma-separated lists), or ``--shapes
 1024x128x256,...``; each shape sends ``--num-prompts`` prompts (default ``--prompts-per-level`` x
-its concurrency) with ``--ignore-eos``. After each server starts: one small warm-up run. Each
-engine's KV cache (GiB, tokens, maximum concurrency at max_model_len) is read from its log.
+its concurrency) with ``--ignore-eos``, each round of each shape prompts of its own (the same
+for both servers; none already in a server's prefix cache). After each server starts: one
+small warm-up run. Each engine's KV cache (GiB, tokens, maximum concurrency at max_model_len)
+is read from its log.
 Each run also records where the serving side's CPU went (``process_load``): per process of the
 server that ran, its cores and its busiest thread's share of the run (a thread at ~1.0 is what
 capped it: the fleet's worker host or vLLM's API server collecting the engine's outputs).
@@ -64,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_standard_clients as servers  # noqa: E402
+from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 from tests.support.vllm_bench_client import ResidentClient  # noqa: E402
 from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
@@ -127,15 +130,16 @@ def stop_all(processes: list) -> None:
             servers.stop(process)
 
 
-def client_run(url: str, shape: Shape, prompts: int, path: Path, ctx) -> dict:
+def client_run(url: str, shape: Shape, prompts: int, path: Path, ctx, seed: int) -> dict:
     level = argparse.Namespace(input_len=shape.input_len, output_len=shape.output_len,
-                               prompts=prompts, concurrency=shape.concurrency)
+                               prompts=prompts, concurrency=shape.concurrency, prompt_seed=seed)
     return servers.bench_round(url, ctx.model, level, path, ctx.client)
 
 
 def warm(url: str, way: str, ctx) -> None:
     shape = Shape(WARM_UP["input_len"], WARM_UP["output_len"], WARM_UP["concurrency"])
-    client_run(url, shape, WARM_UP["prompts"], ctx.run_dir / f"warm-{way}.json", ctx)
+    client_run(url, shape, WARM_UP["prompts"], ctx.run_dir / f"warm-{way}.json", ctx,
+               prompt_seed("warm-up"))
 
 
 def record_facts(out: Path, key: str, log: Path, started_s: float) -> None:
@@ -152,10 +156,13 @@ def measure(server: Server, way: str, shape: Shape, index: int, arrangement: str
     path = ctx.run_dir / arrangement / f"{shape}-{way}-{index}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     before = snapshot(server.leaders)
-    outcome = client_run(server.url, shape, prompts, path, ctx)
+    # Each round of each shape its own prompts, the same for both servers: none is in a
+    # server's prefix cache from an earlier run.
+    seed = prompt_seed(shape, index)
+    outcome = client_run(server.url, shape, prompts, path, ctx, seed)
     load = load_between(before, snapshot(server.leaders))
     record = {"arrangement": arrangement, "shape": str(shape), "way": way, "round": index,
-              "prompts": prompts, **{key: outcome[key] for key in (
+              "prompts": prompts, "prompt_seed": seed, **{key: outcome[key] for key in (
                   "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration",
                   "client_cpu_s")}, "load": load}
     append_round(ctx.out, record)

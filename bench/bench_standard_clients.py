@@ -9,7 +9,9 @@ Both serve the tiny model the project builds, on the same engine arguments (the 
 
 Both are up for the whole run; each round runs ``vllm bench serve`` (random dataset, token-ID
 prompts from the model's tokenizer, streamed ``/v1/completions``, ``--ignore-eos`` so every
-request makes its full output) once against each, the order alternating round by round.
+request makes its full output) once against each, the order alternating round by round. Each
+round's prompts are its own (the client's ``--seed``, from ``prompt_seed``), the same for both
+servers: no round re-sends prompts a server's prefix cache already holds.
 Prints each round's output tokens/s and median time to first token, then fleet / vllm on the
 medians. Targets on a 2-core machine: tokens/s >= 0.8, median TTFT <= 2x.
 
@@ -60,6 +62,7 @@ from rollout_fleet.adapters.shared.processes import hand_over_secret, secret_std
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import snapshot  # noqa: E402
 from tests.support.vllm_bench_client import client_command  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -202,13 +205,15 @@ def start_vllm(run_dir: Path, model: Path, args):
 
 
 def bench_argv(url: str, model: Path, args, result: Path) -> list[str]:
-    """``bench serve`` and its arguments for one run (the client's command line after ``vllm``)."""
+    """``bench serve`` and its arguments for one run (the client's command line after
+    ``vllm``); its prompts are those of ``args.prompt_seed``."""
     return ["bench", "serve",
             "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL,
             "--tokenizer", str(model), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len",
             str(args.output_len), "--num-prompts", str(args.prompts),
-            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
+            "--max-concurrency", str(args.concurrency), "--ignore-eos",
+            "--seed", str(args.prompt_seed),
             "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
             "--result-filename", result.name]
 
@@ -347,14 +352,16 @@ def run_rounds(urls: dict[str, str], leaders: dict[str, list[int]], model: Path,
     """A warm-up run per way, then ``args.rounds`` rounds, the order alternating."""
     folder.mkdir(parents=True, exist_ok=True)
     ways = list(urls)
-    warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency})
+    warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency,
+                                 "prompt_seed": prompt_seed("warm-up", args.concurrency)})
     for number, way in enumerate(ways):
         bench_round(urls[way], model, warm, folder / f"warm-{number}.json")
     results: dict[str, list[dict]] = {way: [] for way in ways}
     for index in range(args.rounds):
         for way in ways if index % 2 == 0 else ways[::-1]:
             before = group_cpu_s(leaders[way])
-            outcome = bench_round(urls[way], model, args, folder / f"{ways.index(way)}-{index}.json")
+            outcome = bench_round(urls[way], model, this_round(args, index),
+                                  folder / f"{ways.index(way)}-{index}.json")
             results[way].append(outcome)
             print(f"round {index} {way:>14} ({args.concurrency} concurrent): "
                   f"{outcome['output_throughput']:,.0f} output tokens/s, median TTFT "
@@ -366,6 +373,12 @@ def run_rounds(urls: dict[str, str], leaders: dict[str, list[int]], model: Path,
                                  f" (vllm bench serve), {outcome['duration']:.1f} s of requests"]),
                       flush=True)
     return results
+
+
+def this_round(args, index: int):
+    """``args`` with round ``index``'s own prompts."""
+    seed = prompt_seed(args.input_len, args.output_len, args.concurrency, index)
+    return argparse.Namespace(**{**vars(args), "prompt_seed": seed})
 
 
 def build_model(folder: Path, gpu: bool) -> Path:

@@ -22,7 +22,8 @@ _CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 _SUBCOMMAND = re.compile(r"(?:^|[\s$(])rollout-fleet ([a-z][a-z-]*)\b(?! failed:)")
 _SCRIPT = re.compile(r"(?:^|[\s(])((?:scripts|bench|examples)/[a-z_]+\.(?:py|sh))\b")
 # Modules in bench/ that are helpers of the benches, not commands.
-_NOT_COMMANDS = {"bench/llama_shapes.py", "bench/private_netns.py", "bench/process_load.py"}
+_NOT_COMMANDS = {"bench/fresh_prompts.py", "bench/llama_shapes.py", "bench/private_netns.py",
+                 "bench/process_load.py"}
 
 
 def _code_of(page: Path) -> str:
