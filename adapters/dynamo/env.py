@@ -50,22 +50,27 @@ def vllm_cache_root() -> str:
 # Kernel caches that live under HOME unless named, each filled once per machine by a JIT
 # compile (CUDA's PTX, FlashInfer's modules and cubins, Triton's kernels, DeepGEMM's,
 # torch's C++ extensions): under the run's own HOME every fleet start would compile them
-# again, where vLLM's own server finds them warm in its user's home.
+# again, where vLLM's own server finds them warm in its user's home. Per variable: the root
+# its tool puts the cache under when that root's own variable is set (Triton's TRITON_HOME,
+# torch's XDG_CACHE_HOME), the root's place under HOME otherwise, and the cache in the root.
 _HOME_KERNEL_CACHES = {
-    "CUDA_CACHE_PATH": (".nv", "ComputeCache"),
-    "FLASHINFER_WORKSPACE_BASE": (),
-    "TRITON_CACHE_DIR": (".triton", "cache"),
-    "DG_JIT_CACHE_DIR": (".deep_gemm",),
-    "TORCH_EXTENSIONS_DIR": (".cache", "torch_extensions"),
+    "CUDA_CACHE_PATH": (None, (), (".nv", "ComputeCache")),
+    "FLASHINFER_WORKSPACE_BASE": (None, (), ()),
+    "TRITON_CACHE_DIR": ("TRITON_HOME", (), (".triton", "cache")),
+    "DG_JIT_CACHE_DIR": (None, (), (".deep_gemm",)),
+    "TORCH_EXTENSIONS_DIR": ("XDG_CACHE_HOME", (".cache",), ("torch_extensions",)),
 }
 
 
 def user_kernel_caches() -> dict[str, str]:
     """Where the launching user's kernel caches are (each variable this process sets is kept
-    as it is), for processes whose HOME is the run's own."""
+    as it is, and so is a root it sets), for processes whose HOME is the run's own."""
     home = os.path.expanduser("~")
-    return {name: os.environ.get(name) or os.path.join(home, *parts)
-            for name, parts in _HOME_KERNEL_CACHES.items()}
+    caches = {}
+    for name, (root_variable, root_in_home, in_root) in _HOME_KERNEL_CACHES.items():
+        root = os.environ.get(root_variable or "") or os.path.join(home, *root_in_home)
+        caches[name] = os.environ.get(name) or os.path.join(root, *in_root)
+    return caches
 
 
 def dynamo_env(run_dir: str | Path, *, system_port: int | None = None,

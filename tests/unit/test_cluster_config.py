@@ -1,11 +1,14 @@
 """The config of a fleet across nodes: refused by name when it cannot work, and what each
-server binds (pure: nothing starts)."""
+server binds (no server starts)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from rollout_fleet.adapters.dynamo.env import dynamo_env
+from rollout_fleet.adapters.dynamo.env import dynamo_env, user_kernel_caches
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.wiring.config import ConfigError, parse_config
 
@@ -88,7 +91,7 @@ def test_the_kernel_caches_stay_the_users_while_home_moves_into_the_run(tmp_path
     HOME: a worker whose HOME is the run's would compile every kernel again at each start."""
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
     for name in ("CUDA_CACHE_PATH", "FLASHINFER_WORKSPACE_BASE", "DG_JIT_CACHE_DIR",
-                 "TORCH_EXTENSIONS_DIR"):
+                 "TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME", "TRITON_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "chosen-triton"))
     env = dynamo_env(tmp_path / "run")
@@ -98,3 +101,36 @@ def test_the_kernel_caches_stay_the_users_while_home_moves_into_the_run(tmp_path
     assert env["DG_JIT_CACHE_DIR"] == str(tmp_path / "user" / ".deep_gemm")
     assert env["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "user" / ".cache" / "torch_extensions")
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "chosen-triton")  # as the user set it
+
+
+def test_a_kernel_cache_follows_the_root_its_tool_would_put_it_under(tmp_path, monkeypatch):
+    """Triton roots its cache at TRITON_HOME and torch its extensions at XDG_CACHE_HOME when
+    set: a user who set only the root keeps the caches there, not under ~ again."""
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "triton-root"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    env = dynamo_env(tmp_path / "run")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "triton-root" / ".triton" / "cache")
+    assert env["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "xdg" / "torch_extensions")
+
+
+@pytest.mark.parametrize("roots_set", [False, True])
+def test_the_kernel_caches_named_are_where_triton_and_torch_put_them_for_the_user(
+        tmp_path, monkeypatch, roots_set):
+    """The same places Triton and torch themselves compute in the launching user's
+    environment, asked of the installed libraries."""
+    for name in ("TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TRITON_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    if roots_set:
+        monkeypatch.setenv("TRITON_HOME", str(tmp_path / "triton-root"))
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    asked = subprocess.run(
+        [sys.executable, "-c", "import torch.utils.cpp_extension as e, triton.knobs as k;"
+         " print(e.get_default_build_root()); print(k.cache.dir)"],
+        capture_output=True, text=True, check=True, timeout=120)
+    torch_root, triton_cache = asked.stdout.split()
+    caches = user_kernel_caches()
+    assert (caches["TORCH_EXTENSIONS_DIR"], caches["TRITON_CACHE_DIR"]) == (torch_root, triton_cache)
