@@ -131,6 +131,6 @@ def test_the_kernel_caches_named_are_where_triton_and_torch_put_them_for_the_use
         [sys.executable, "-c", "import torch.utils.cpp_extension as e, triton.knobs as k;"
          " print(e.get_default_build_root()); print(k.cache.dir)"],
         capture_output=True, text=True, check=True, timeout=120)
-    torch_root, triton_cache = asked.stdout.split()
+    torch_root, triton_cache = asked.stdout.splitlines()[-2:]  # after any notice printed
     caches = user_kernel_caches()
     assert (caches["TORCH_EXTENSIONS_DIR"], caches["TRITON_CACHE_DIR"]) == (torch_root, triton_cache)
