@@ -247,10 +247,7 @@ async def bench(args, work: Path) -> dict:
     model = build_llama(work / "model", shape, dtype, seed=0,
                         max_positions=max(2048, args.max_model_len))
 
-    def drawn(way: str, index: int) -> list[list[int]]:
-        """A round's prompts: bare and http (two engines) the same ones, whose answers are
-        compared; the driver, on the fleet's engine as http, its own: none in a prefix cache."""
-        run = ("driver" if way == "driver" else "bare and http", index)
+    def drawn(*run) -> list[list[int]]:  # every run its own: none in an engine's prefix cache
         return random_prompts(args.prompts, args.input_len, shape["vocab_size"],
                               seed=prompt_seed(*run))
 
@@ -299,14 +296,17 @@ async def bench(args, work: Path) -> dict:
             await http_round(session, url, warm, 8, "warm")
             answers = {}
             for index in range(args.rounds):
-                prompts = drawn("http", index)  # the last round's are compared below
+                # Bare and http (two engines) get the same prompts, whose answers are compared
+                # below (the last round's); the driver, on the fleet's engine as http, its own.
+                prompts = drawn("bare and http", index)
+                sent = {"bare": prompts, "http": prompts, "driver": drawn("driver", index)}
                 for way, run in (("bare", lambda p, t: bare.round(p, args.tokens, t)),
                                  ("driver", lambda p, t: driver_round(generation, p, t)),
                                  ("http", lambda p, t: http_round(session, url, p, args.tokens, t))):
                     if way == "bare" and bare is None:
                         continue
                     before = meter.snapshot() if meter else None
-                    seconds, got = await run(drawn(way, index), f"{way}-{index}")
+                    seconds, got = await run(sent[way], f"{way}-{index}")
                     if meter:
                         result["meter"].append({"way": way, "round": index,
                                                 **meter.between(before, meter.snapshot())})
