@@ -55,7 +55,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -144,8 +143,7 @@ def start_servers(run_dir: Path, model: Path, args, running: list) -> dict[str, 
         started = {}
         for way in (sweep.FLEET, sweep.VLLM):
             began = time.monotonic()
-            url, processes, log = sweep.started_server(way, run_dir / way, model, args)
-            running += processes
+            url, processes, log = sweep.started_server(way, run_dir / way, model, args, running)
             sweep.record_facts(facts, way, log, time.monotonic() - began)
             started[way] = sweep.Server(url, leaders_of(processes))
     return {"fleet" if way == sweep.FLEET else "vllm": server for way, server in started.items()}
@@ -350,8 +348,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # A SIGTERM unwinds through the finally below, which stops the servers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    servers.unwind_on_sigterm()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-groups-"))
     running: list = []
     try:
@@ -360,7 +357,7 @@ def main(argv=None) -> int:
         started = start_servers(run_dir, model, args, running)
         records = asyncio.run(measure(started, draw, args))
     finally:
-        sweep.stop_all(running)
+        servers.stop_all(running)
         shutil.rmtree(run_dir, ignore_errors=True)
     text = table(records, args.samples)
     print(f"\n{args.prompts} prompts x {args.prompt_len} tokens x {args.samples} samples x"

@@ -83,14 +83,16 @@ class Server:
     leaders: list[int]
 
 
-def started_server(way: str, run_dir: Path, model: Path, args):
-    """(url, processes to stop, log) of one server, once it lists the model."""
+def started_server(way: str, run_dir: Path, model: Path, args, running: list):
+    """(url, its processes, log) of one server, once it lists the model; each process goes
+    into ``running`` as soon as it is started, so the caller stops it whatever happens."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if way == FLEET:
-        url, worker, frontend, log = servers.start_fleet(run_dir / "fleet", model, None, args)
+        url, worker, frontend, log = servers.start_fleet(run_dir / "fleet", model, None, args,
+                                                         running)
         servers.wait_for_model(url, [worker], log)
         return url, [worker, frontend], log
-    url, server, log = servers.start_vllm(run_dir, model, args)
+    url, server, log = servers.start_vllm(run_dir, model, args, running)
     servers.wait_for_model(url, [server], log)
     return url, [server], log
 
@@ -99,14 +101,15 @@ def started_together(run_dir: Path, model: Path, args, facts: Path, running: lis
                      label: str = "together") -> dict[str, Server]:
     """Both servers started at the same time, each with a compile cache of its own; each
     one's KV cache facts and start seconds kept under ``facts``. Every process started goes
-    into ``running``, so the caller stops it even when the other's start failed."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    into ``running`` at once, so the caller stops it even when a start failed or the bench was
+    stopped meanwhile (the pool is not waited for then: the stop ends the starts)."""
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
         starts = {way: pool.submit(timed_start, way, run_dir / f"{label}-{way}", model,
-                                   own_cache(args, way)) for way in (FLEET, VLLM)}
+                                   own_cache(args, way), running) for way in (FLEET, VLLM)}
         concurrent.futures.wait(starts.values())
-    for future in starts.values():
-        if future.exception() is None:
-            running += future.result()[0][1]
+    finally:
+        pool.shutdown(wait=False)
     started = {}
     for way, future in starts.items():
         (url, processes, log), seconds = future.result()  # raises the first failure
@@ -115,19 +118,10 @@ def started_together(run_dir: Path, model: Path, args, facts: Path, running: lis
     return started
 
 
-def timed_start(way: str, run_dir: Path, model: Path, args):
+def timed_start(way: str, run_dir: Path, model: Path, args, running: list):
     """``started_server``'s answer and its seconds."""
     began = time.monotonic()
-    return started_server(way, run_dir, model, args), time.monotonic() - began
-
-
-def stop_all(processes: list) -> None:
-    """Each server's process group, in reverse order of start."""
-    for process in reversed(processes):
-        if hasattr(process, "stop"):
-            process.stop()  # the frontend: its own process group
-        else:
-            servers.stop(process)
+    return started_server(way, run_dir, model, args, running), time.monotonic() - began
 
 
 def client_run(url: str, shape: Shape, prompts: int, path: Path, ctx, seed: int) -> dict:
@@ -206,14 +200,13 @@ class Sweep:
             for way in (FLEET, VLLM):  # one after the other: their memory profiles never overlap
                 began = time.monotonic()
                 url, processes, log = started_server(way, self.run_dir / f"resident-{way}",
-                                                     self.model, self.args)
-                running += processes
+                                                     self.model, self.args, running)
                 record_facts(self.out, f"resident {way}", log, time.monotonic() - began)
                 warm(url, way, self)
                 started[way] = Server(url, leaders_of(processes))
             self.interleaved(started, "resident")
         finally:
-            stop_all(running)
+            servers.stop_all(running)
 
     def together(self) -> None:
         """Both servers started at the same time, each with its own compile cache and a KV
@@ -224,7 +217,7 @@ class Sweep:
         try:
             self.interleaved(self.started_at_once(running), "together")
         finally:
-            stop_all(running)
+            servers.stop_all(running)
 
     def started_at_once(self, running: list) -> dict[str, Server]:
         started = started_together(self.run_dir, self.model, self.args, self.out, running)
@@ -261,10 +254,10 @@ class Sweep:
         them), then vLLM's server alone on those."""
         ran: list[Shape] = []
         for way in (FLEET, VLLM):
-            began = time.monotonic()
-            url, processes, log = started_server(way, self.run_dir / f"alone-{way}", self.model,
-                                                 self.args)
+            began, running = time.monotonic(), []
             try:
+                url, processes, log = started_server(way, self.run_dir / f"alone-{way}",
+                                                     self.model, self.args, running)
                 record_facts(self.out, f"alone {way}", log, time.monotonic() - began)
                 warm(url, way, self)
                 for shape in self.shapes if way == FLEET else ran:
@@ -281,7 +274,7 @@ class Sweep:
                                            time.monotonic() - shape_began)
                         ran += [shape] if way == FLEET else []
             finally:
-                stop_all(processes)
+                servers.stop_all(running)
 
 
 def own_cache(args, way: str):
@@ -376,6 +369,7 @@ def main(argv=None) -> int:
     shapes = selected_shapes(args)
     check_lengths(shapes, args)
     args.out.mkdir(parents=True, exist_ok=True)
+    servers.unwind_on_sigterm()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
     try:
         sweep = Sweep(args, run_dir, build_model(run_dir / "model", args), shapes)

@@ -44,10 +44,12 @@ the run's own folder (model, logs) is removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +81,18 @@ TARGETS = {"cpu": (0.8, 2.0), "gpu": (0.95, 1.3)}  # tokens/s at least, median T
 _IPC_FOLDERS: dict[int, str] = {}
 
 
+def unwind_on_sigterm() -> None:
+    """A SIGTERM (``timeout``'s, a job scheduler's) exits through the caller's ``finally``
+    blocks. Without it Python dies on the spot, and the servers ``start`` put in process
+    groups of their own outlive the bench, holding the GPU. Later SIGTERMs are ignored, so
+    they cannot cut the stops short: ``timeout`` sends one to its child and one to the group."""
+    def exit_once(*_) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, exit_once)
+
+
 def start(command: list[str], log: Path, env: dict | None = None,
           secret: str | None = None) -> subprocess.Popen:
     """``command`` in its own process group; ``secret``, if given, as its first line of input."""
@@ -104,6 +118,17 @@ def stop(process: subprocess.Popen) -> None:
         folder = _IPC_FOLDERS.pop(process.pid, None)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def stop_all(processes: list) -> None:
+    """Each server's process group, in reverse order of start; one that fails to stop does
+    not keep the others running (its error is raised after)."""
+    with contextlib.ExitStack() as stops:
+        for process in processes:  # the stack unwinds last-in first
+            if hasattr(process, "stop"):
+                stops.callback(process.stop)  # the frontend: its own process group
+            else:
+                stops.callback(stop, process)
 
 
 def wait_for_model(url: str, processes: list[subprocess.Popen], log: Path) -> None:
@@ -141,7 +166,9 @@ def own_caches(run_dir: Path, args=None) -> dict[str, str]:
             ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
 
 
-def start_fleet(run_dir: Path, model: Path, nice: int | None, args):
+def start_fleet(run_dir: Path, model: Path, nice: int | None, args, running: list):
+    """The fleet's worker and frontend, each put in ``running`` as soon as it is started (the
+    caller stops them even if the rest of the start fails or is interrupted)."""
     from rollout_fleet.adapters.dynamo import DynamoFrontend
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +184,10 @@ def start_fleet(run_dir: Path, model: Path, nice: int | None, args):
     worker = start([sys.executable, "-m", "rollout_fleet.wiring.worker", "--config",
                     str(run_dir / "worker.json"), "--control-secret-stdin"], log,
                    own_caches(run_dir, args), secret=secrets.token_hex(32))
-    frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
+    running.append(worker)
+    frontend = DynamoFrontend(run_dir, http_port=free_port())
+    running.append(frontend)
+    frontend.start()
     return frontend.url, worker, frontend, log
 
 
@@ -186,7 +216,8 @@ def vllm_server_flags(model: Path, args) -> list[str]:
     return flags + ["--stream-interval", str(args.stream_interval)]
 
 
-def start_vllm(run_dir: Path, model: Path, args):
+def start_vllm(run_dir: Path, model: Path, args, running: list):
+    """vLLM's own server, put in ``running`` as soon as it is started."""
     from rollout_fleet.adapters.vllm.config import precision_env
 
     port = free_port()
@@ -201,6 +232,7 @@ def start_vllm(run_dir: Path, model: Path, args):
                     *vllm_server_flags(model, args), "--served-model-name", SERVED_MODEL,
                     "--host", "127.0.0.1", "--port", str(port)], log, env)
     _IPC_FOLDERS[server.pid] = ipc_folder
+    running.append(server)
     return f"http://127.0.0.1:{port}", server, log
 
 
@@ -312,14 +344,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="also copy each round's result JSON and the servers' logs here")
     args = parser.parse_args(argv)
+    unwind_on_sigterm()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-clients-"))
-    model = build_model(run_dir / "model", args.gpu)
     if args.gpu:
         args.fleet_nice = [None]  # cpu_worker_nice is a CPU setting
-    fleets = {fleet_way(nice): start_fleet(run_dir / f"fleet-{index}", model, nice, args)
-              for index, nice in enumerate(args.fleet_nice)}
-    vllm_url, server, vllm_log = start_vllm(run_dir, model, args)
+    fleets, running = {}, []
     try:
+        model = build_model(run_dir / "model", args.gpu)
+        for index, nice in enumerate(args.fleet_nice):
+            fleets[fleet_way(nice)] = start_fleet(run_dir / f"fleet-{index}", model, nice, args,
+                                                  running)
+        vllm_url, server, vllm_log = start_vllm(run_dir, model, args, running)
         for url, worker, _, log in fleets.values():
             wait_for_model(url, [worker], log)
         wait_for_model(vllm_url, [server], vllm_log)
@@ -337,10 +372,7 @@ def main(argv=None) -> int:
         if len(args.concurrency) > 1:
             print("\n".join(lines))
     finally:
-        for _, worker, frontend, _ in fleets.values():
-            stop(worker)
-            frontend.stop()
-        stop(server)
+        stop_all(running)
         if args.out is not None:
             keep_records(run_dir, args.out)
         shutil.rmtree(run_dir, ignore_errors=True)

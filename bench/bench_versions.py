@@ -185,9 +185,11 @@ def main() -> int:
     if args.serve:
         serve(args.workers, args.tokens, args.run_dir)
         return 0
+    from bench_standard_clients import unwind_on_sigterm
     from private_netns import reexec_in_private_netns
 
     reexec_in_private_netns()
+    unwind_on_sigterm()  # the children live in process groups of their own
     work = Path(tempfile.mkdtemp(prefix="rollout-fleet-versions-"))
     children: list[Child] = []
     try:

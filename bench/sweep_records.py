@@ -97,8 +97,8 @@ def load_records(folders: list[Path]) -> tuple[list[dict], dict[str, dict]]:
     rounds, engines = [], {}
     for number, folder in enumerate(folders, 1):
         if (folder / ROUNDS_FILE).exists():
-            rounds += [json.loads(line) for line in (folder / ROUNDS_FILE).read_text().splitlines()
-                       if line.strip()]
+            rounds += [{**json.loads(line), "call": number}
+                       for line in (folder / ROUNDS_FILE).read_text().splitlines() if line.strip()]
         if (folder / ENGINES_FILE).exists():
             call = f"call {number}" if len(folders) > 1 else folder.name  # calls share folder names
             for key, facts in json.loads((folder / ENGINES_FILE).read_text()).items():
@@ -129,9 +129,21 @@ def medians(rounds: list[dict]) -> dict[tuple[str, Shape, str], dict]:
             for key, group in grouped.items()}
 
 
+def round_ratios(rounds: list[dict], arrangement: str, shape: Shape) -> list[float]:
+    """Fleet / vllm output tokens/s of each round both ways ran (a round of one call), sorted:
+    the spread the medians hide."""
+    pairs: dict[tuple, dict[str, float]] = {}
+    for record in rounds:
+        if ("round" in record and record["arrangement"] == arrangement
+                and Shape.parse(record["shape"]) == shape and "failed" not in record):
+            pair = pairs.setdefault((record.get("call"), record["round"]), {})
+            pair[record["way"]] = record["output_throughput"]
+    return sorted(pair[FLEET] / pair[VLLM] for pair in pairs.values() if len(pair) == 2)
+
+
 def ratio_rows(rounds: list[dict]) -> list[dict]:
     """One row per (arrangement, shape) measured on both ways, and failed by neither: fleet /
-    vllm of the medians."""
+    vllm of the medians, and of each round."""
     table, failed = medians(rounds), failures(rounds)
     rows = []
     for arrangement, shape in sorted({(a, s) for a, s, _ in table} - set(failed)):
@@ -140,22 +152,24 @@ def ratio_rows(rounds: list[dict]) -> list[dict]:
             continue
         rows.append({"arrangement": arrangement, "shape": shape, "fleet": fleet, "vllm": vllm,
                      "tokens_ratio": fleet["tokens_s"] / vllm["tokens_s"],
-                     "ttft_ratio": fleet["ttft_ms"] / vllm["ttft_ms"]})
+                     "ttft_ratio": fleet["ttft_ms"] / vllm["ttft_ms"],
+                     "round_ratios": round_ratios(rounds, arrangement, shape)})
     return rows
 
 
 def markdown(rounds: list[dict], engines: dict[str, dict]) -> str:
     lines = ["| arrangement | input | output | concurrency | fleet / vLLM output tokens/s |"
              " fleet / vLLM median TTFT | fleet tokens/s | vLLM tokens/s | fleet TTFT ms |"
-             " vLLM TTFT ms | fleet TPOT ms | vLLM TPOT ms | rounds |",
-             "| --- " * 13 + "|"]
+             " vLLM TTFT ms | fleet TPOT ms | vLLM TPOT ms | rounds |"
+             " fleet / vLLM tokens/s of each round, lowest-highest |",
+             "| --- " * 14 + "|"]
     for row in ratio_rows(rounds):
         s, f, v = row["shape"], row["fleet"], row["vllm"]
         lines.append(f"| {row['arrangement']} | {s.input_len} | {s.output_len} | {s.concurrency} |"
                      f" **{row['tokens_ratio']:.3f}** | **{row['ttft_ratio']:.2f}x** |"
                      f" {f['tokens_s']:,.0f} | {v['tokens_s']:,.0f} | {f['ttft_ms']:,.0f} |"
                      f" {v['ttft_ms']:,.0f} | {f['tpot_ms']:.1f} | {v['tpot_ms']:.1f} |"
-                     f" {min(f['rounds'], v['rounds'])} |")
+                     f" {min(f['rounds'], v['rounds'])} | {_spread(row['round_ratios'])} |")
     failed = failures(rounds)
     if failed:
         lines += ["", "Failed, no ratio (a server failed some of the shape's requests):", ""]
@@ -168,6 +182,10 @@ def markdown(rounds: list[dict], engines: dict[str, dict]) -> str:
                  ("kv_cache_gib", "kv_cache_tokens", "max_concurrency", "max_model_len", "start_s")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{ratios[0]:.3f}-{ratios[-1]:.3f}" if ratios else "-"
 
 
 def _cell(value: float | None) -> str:

@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from sweep_records import (  # noqa: E402
-    Budget, Shape, check_positions, engine_facts, failure_record, markdown, ratio_rows,
+    ROUNDS_FILE, Budget, Shape, check_positions, engine_facts, failure_record, load_records,
+    markdown, ratio_rows,
 )
 
 GPU_LOG = """INFO gpu_worker.py:760] Available KV cache memory: 40.12 GiB
@@ -75,3 +76,24 @@ def test_a_shape_a_server_failed_gets_no_ratio_even_from_rounds_before_the_failu
     table = markdown(rounds, {})
     assert "- together 4096x1024x64: 50 of 64 requests succeeded" in table
     assert "| together | 4096 | 1024 | 64 |" not in table
+
+
+def test_each_rounds_ratio_pairs_the_two_ways_of_one_round_of_one_call(tmp_path):
+    """The table shows the spread its medians hide: a round's ratio pairs that round's two
+    ways, never rounds of different calls (combined calls number their rounds alike)."""
+    import json
+
+    def round_of(way, index, tokens_s):
+        return {**_run(way, "1024x1024x64", tokens_s, 10), "round": index}
+
+    calls = [[round_of("fleet", 0, 90), round_of("vllm", 0, 100), round_of("vllm", 1, 80),
+              round_of("fleet", 1, 100)],
+             [round_of("fleet", 0, 120), round_of("vllm", 0, 100), round_of("fleet", 1, 50)]]
+    for number, records in enumerate(calls):
+        folder = tmp_path / f"call{number}"
+        folder.mkdir()
+        (folder / ROUNDS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    rounds, _ = load_records([tmp_path / "call0", tmp_path / "call1"])
+    (row,) = ratio_rows(rounds)
+    assert row["round_ratios"] == [0.9, 1.2, 1.25]  # call 1's round 1 ran one way only
+    assert "| 3 | 0.900-1.250 |" in markdown(rounds, {})
