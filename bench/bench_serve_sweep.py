@@ -157,12 +157,16 @@ def measure(server: Server, way: str, shape: Shape, index: int, arrangement: str
     load = load_between(before, snapshot(server.leaders))
     record = {"arrangement": arrangement, "shape": str(shape), "way": way, "round": index,
               "prompts": prompts, "prompt_seed": seed, **{key: outcome[key] for key in (
-                  "output_throughput", "median_ttft_ms", "median_tpot_ms", "duration",
-                  "client_cpu_s")}, "load": load}
+                  "output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms",
+                  "p99_itl_ms", "duration", "client_cpu_s")}, "load": load}
     append_round(ctx.out, record)
+    # The inter-token gaps tell a steady per-token cost (median up) from tokens held back
+    # and sent in bursts (median down, p99 up).
     print(f"{arrangement} {shape} round {index} {way:>5}: {outcome['output_throughput']:,.0f}"
           f" output tokens/s, median TTFT {outcome['median_ttft_ms']:,.0f} ms, median TPOT"
-          f" {outcome['median_tpot_ms']:.1f} ms\n{load_line(load)}", flush=True)
+          f" {outcome['median_tpot_ms']:.1f} ms, inter-token median"
+          f" {outcome['median_itl_ms']:.1f} ms, p99 {outcome['p99_itl_ms']:.1f} ms"
+          f"\n{load_line(load)}", flush=True)
 
 
 class Sweep:

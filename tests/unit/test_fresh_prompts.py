@@ -19,7 +19,7 @@ from fresh_prompts import prompt_seed  # noqa: E402
 from sweep_records import ROUNDS_FILE, Shape  # noqa: E402
 
 OUTCOME = {"output_throughput": 1.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0,
-           "duration": 1.0, "client_cpu_s": 0.0}
+           "median_itl_ms": 1.0, "p99_itl_ms": 1.0, "duration": 1.0, "client_cpu_s": 0.0}
 
 
 def test_vllm_bench_serve_repeats_its_prompts_under_one_seed_and_not_under_each_runs_own(tmp_path):
