@@ -348,8 +348,9 @@ async def shape_rounds(each, bare, fleet, model_shape: dict, args, drivers: list
 
     count, tokens = each.concurrency, each.output_len
 
-    def drawn(*run) -> list[list[int]]:  # every run its own: none in an engine's prefix cache
-        return random_prompts(count, each.input_len, model_shape["vocab_size"],
+    # Every run its own prompts: none in an engine's prefix cache from an earlier run.
+    def drawn(*run, number: int = count) -> list[list[int]]:
+        return random_prompts(number, each.input_len, model_shape["vocab_size"],
                               seed=prompt_seed(each, *run))
 
     generation = build_generation(
@@ -364,7 +365,7 @@ async def shape_rounds(each, bare, fleet, model_shape: dict, args, drivers: list
             ways = {"bare": lambda p, t: bare.round(p, tokens, t),
                     "driver": lambda p, t: driver_round(generation, p, t),
                     "http": lambda p, t: http_round(session, url, p, tokens, t)}
-            warm = drawn("warm-up")[:8]
+            warm = drawn("warm-up", number=8)
             if bare is not None:  # a few prompts through each way first
                 await bare.round(warm, 8, f"{each}-warm")
             await driver_round(generation, warm, f"{each}-warm")

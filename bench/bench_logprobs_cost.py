@@ -101,8 +101,9 @@ async def measure(args, work: Path) -> list[dict]:
     model = build_llama(work / "model", shape, dtype, seed=0,
                         max_positions=max(2048, args.max_model_len))
 
-    def drawn(*run) -> list[list[int]]:  # every run its own: none in the prefix cache
-        return random_prompts(args.prompts, args.input_len, shape["vocab_size"],
+    # Every run its own prompts: none in the prefix cache from an earlier run.
+    def drawn(*run, number: int = args.prompts) -> list[list[int]]:
+        return random_prompts(number, args.input_len, shape["vocab_size"],
                               seed=prompt_seed(*run))
 
     kwargs = gpu_fleet.worker_engine_kwargs(parse_config(gpu_fleet.fleet_config(model, work, args)))
@@ -111,7 +112,7 @@ async def measure(args, work: Path) -> list[dict]:
     records = []
     try:
         for way in WAYS:  # warm-up, not recorded
-            await run_way(bare.engine, drawn("warm-up", way)[:8], way, args, f"warm-{way}")
+            await run_way(bare.engine, drawn("warm-up", way, number=8), way, args, f"warm-{way}")
         order = list(WAYS)
         for index in range(args.rounds):
             for way in order if index % 2 == 0 else order[::-1]:
