@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -27,31 +28,43 @@ class MetricTimelines:
         self._interval_s = interval_s
         self._sampler: Any = None
         self._started_at = time.monotonic()
+        # Held while the sources change, a sample's answers are recorded (on the helper loop's
+        # thread) or the timelines are read: a worker left out gets no point after
+        # ``keep_only`` returns, even from a sample already in flight.
+        self._membership = threading.Lock()
         self._timelines: dict[str, dict[str, list]] = {
             key: {m.worker_id: [] for m in self.sources} for key in METRIC_KEYS}
 
     def keep_only(self, worker_ids: Collection[str]) -> None:
-        self.sources = tuple(m for m in self.sources if m.worker_id in worker_ids)
+        with self._membership:
+            self.sources = tuple(m for m in self.sources if m.worker_id in worker_ids)
 
     def add(self, sources: Sequence[WorkerMetrics]) -> None:
-        self.sources = (*self.sources, *sources)
-        for per_worker in self._timelines.values():
-            for source in sources:
-                per_worker.setdefault(source.worker_id, [])
+        with self._membership:
+            self.sources = (*self.sources, *sources)
+            for per_worker in self._timelines.values():
+                for source in sources:
+                    per_worker.setdefault(source.worker_id, [])
 
     def timelines(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
-        return {key: {w: list(points) for w, points in per_worker.items()}
-                for key, per_worker in self._timelines.items()}
+        with self._membership:
+            return {key: {w: list(points) for w, points in per_worker.items()}
+                    for key, per_worker in self._timelines.items()}
 
     def drain_latest(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
         """Each worker's newest point per quantity, the rest dropped: a frequent poller gets a
         bounded answer (``generated_tokens`` is a running count, so deltas stay readable)."""
-        latest = {key: {w: points[-1:] for w, points in per_worker.items() if points}
-                  for key, per_worker in self._timelines.items()}
-        self.clear()
+        with self._membership:
+            latest = {key: {w: points[-1:] for w, points in per_worker.items() if points}
+                      for key, per_worker in self._timelines.items()}
+            self._clear()
         return latest
 
     def clear(self) -> None:
+        with self._membership:
+            self._clear()
+
+    def _clear(self) -> None:
         for per_worker in self._timelines.values():
             for points in per_worker.values():
                 points.clear()
@@ -79,11 +92,18 @@ class MetricTimelines:
                 log.warning("metrics of worker %s unavailable: %s", source.worker_id, answer)
                 continue
             loads.append(answer)
-            for key in METRIC_KEYS:
-                value = getattr(answer, key)
-                if value is not None:
-                    self._timelines[key][answer.worker_id].append((at, value))
+        with self._membership:
+            members = {m.worker_id for m in self.sources}
+            for answer in loads:
+                if answer.worker_id in members:  # not left out while the sample was in flight
+                    self._record(at, answer)
         return loads
+
+    def _record(self, at: float, answer: WorkerLoad) -> None:
+        for key in METRIC_KEYS:
+            value = getattr(answer, key)
+            if value is not None:
+                self._timelines[key][answer.worker_id].append((at, value))
 
     async def _sample_forever(self) -> None:
         while True:
