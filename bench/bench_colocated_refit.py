@@ -24,7 +24,7 @@ HTTP. Per rep, interleaved, after one warm-up (medians printed):
               load the only copy, through a transfer engine of its own over the same model
               (an engine keeps one sender's buffers open; the other columns' refits would
               close them between its reps); from the second refit on, it replays the first
-              one's recorded copies (``adapters/vllm/load_replay.py``; printed: "its load:
+              one's recorded copies (``adapters/vllm/inside/load_replay.py``; printed: "its load:
               replayed", or why not)
   NeMo-RL:    NeMo-RL's own colocated protocol into the same engine: its sender restated
               (tests/support/nemo_rl_ipc_sender.py: ZeroMQ, two buffers of this size, fresh
@@ -63,8 +63,8 @@ from rollout_fleet.adapters.collective.colocated import open_buffer  # noqa: E40
 from rollout_fleet.adapters.collective.colocated_sender import ColocatedSender  # noqa: E402
 from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
 from rollout_fleet.adapters.collective.transfer import TorchWeightSender  # noqa: E402
-from rollout_fleet.adapters.vllm.colocated_engine import compose_colocated_engine  # noqa: E402
-from rollout_fleet.adapters.vllm.transfer_engine import PackedInitInfo  # noqa: E402
+from rollout_fleet.adapters.vllm.inside.colocated_engine import compose_colocated_engine  # noqa: E402
+from rollout_fleet.adapters.vllm.messages import PackedInitInfo  # noqa: E402
 from rollout_fleet.core.colocated_service import WorkerColocatedRefit  # noqa: E402
 from rollout_fleet.core.ipc_stream import receive_weight_stream  # noqa: E402
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin  # noqa: E402
@@ -327,7 +327,7 @@ def engine(args, connection):
                              first_rank=1, ranks_per_worker=1, sender_spec=spec, backend="gloo",
                              timeout_s=120.0)
             packed = colocated_engine_over(model, device)
-            packed.init_transfer_engine(PackedInitInfo(join=join.to_wire(), rollback="none"))
+            packed.init_transfer_engine(PackedInitInfo(join))
         elif message[0] == "packed":
             packed.start_weight_update()
             packed.update_weights({"refit_info": info.to_wire()})

@@ -143,9 +143,9 @@ class Bare:
             from rollout_fleet.wiring.vllm_plugin import register
 
             register()  # as the fleet's worker has it; no weights move in this bench
-        from rollout_fleet.adapters.vllm.runtime import serving_usage_context
+        from rollout_fleet.adapters.vllm.host.runtime import serving_usage_context
 
-        from rollout_fleet.adapters.vllm.process import ipc_environment, scoped_environment
+        from rollout_fleet.adapters.vllm.host.process import ipc_environment, scoped_environment
 
         # built as the fleet's worker builds its engine (the same batch limits), its socket
         # files in a folder of its own (removed at close)

@@ -51,10 +51,8 @@ import_package()
 from rollout_fleet.adapters.collective import init_group, join_receiver  # noqa: E402
 from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
 from rollout_fleet.adapters.collective.transfer import TorchWeightSender  # noqa: E402
-from rollout_fleet.adapters.vllm.transfer_engine import (  # noqa: E402
-    PackedInitInfo,
-    compose_transfer_engine,
-)
+from rollout_fleet.adapters.vllm.inside.transfer_engine import compose_transfer_engine  # noqa: E402
+from rollout_fleet.adapters.vllm.messages import PackedInitInfo  # noqa: E402
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin  # noqa: E402
 
 NVLINK_GBPS = 450.0
@@ -265,7 +263,7 @@ def engine(args, size, ports, results) -> None:
                          first_rank=1, ranks_per_worker=1, sender_spec=spec, backend=backend,
                          timeout_s=120.0)
         transfer = transfer_engine_over(model, device)
-        transfer.init_transfer_engine(PackedInitInfo(join=join.to_wire(), rollback="none"))
+        transfer.init_transfer_engine(PackedInitInfo(join))
         group = transfer.receiver.group
         times = {"flat": [], "packed": [], "refit": []}
         for rep in range(args.reps + 1):

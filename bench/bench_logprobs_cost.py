@@ -61,7 +61,7 @@ def sampling_params(flat: bool | None, args, seed: int):
 
 async def one(engine, prompt, params, request_id: str) -> int:
     """The output tokens of one request, every sample's logprobs read as the fleet reads them."""
-    from rollout_fleet.adapters.vllm.convert import chosen_logprobs
+    from rollout_fleet.adapters.vllm.host.convert import chosen_logprobs
     from vllm.inputs.engine import tokens_input
 
     final = None

@@ -192,7 +192,7 @@ def start_fleet(run_dir: Path, model: Path, nice: int | None, args, running: lis
 
 
 def fleet_engine_config(model: Path, args):
-    from rollout_fleet.adapters.vllm import VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host import VllmEngineConfig
 
     return VllmEngineConfig.from_mapping({"model": str(model), **engine_options(args)})
 
@@ -218,7 +218,7 @@ def vllm_server_flags(model: Path, args) -> list[str]:
 
 def start_vllm(run_dir: Path, model: Path, args, running: list):
     """vLLM's own server, put in ``running`` as soon as it is started."""
-    from rollout_fleet.adapters.vllm.config import precision_env
+    from rollout_fleet.adapters.vllm.host.config import precision_env
 
     port = free_port()
     log = run_dir / "vllm-server.log"

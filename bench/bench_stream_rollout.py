@@ -55,7 +55,7 @@ async def stream_way(engine, prompts, new_tokens, tag):
 
 async def bench(args) -> list[str]:
     from rollout_fleet.adapters.tiny_model import build_tiny_model
-    from rollout_fleet.adapters.vllm import VllmEngine, VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host import VllmEngine, VllmEngineConfig
 
     model = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-stream-")) / "model", seed=0)
     engine = VllmEngine(VllmEngineConfig(model=str(model)))

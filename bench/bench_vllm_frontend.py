@@ -94,9 +94,9 @@ class BareVllm:
             kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
         if "weight_transfer_config" in kwargs:
             kwargs["weight_transfer_config"] = WeightTransferConfig(**kwargs["weight_transfer_config"])
-        from rollout_fleet.adapters.vllm.runtime import serving_usage_context
+        from rollout_fleet.adapters.vllm.host.runtime import serving_usage_context
 
-        from rollout_fleet.adapters.vllm.process import ipc_environment, scoped_environment
+        from rollout_fleet.adapters.vllm.host.process import ipc_environment, scoped_environment
 
         # built as the fleet's worker builds its engine (the same batch limits), its socket
         # files in a folder of its own (removed at close)
@@ -195,7 +195,7 @@ class ArrivalClock:
 class Fleet:
     def __init__(self, run_dir: Path, config) -> None:
         from rollout_fleet.adapters.dynamo import DynamoFrontend
-        from rollout_fleet.adapters.vllm import VllmEngine
+        from rollout_fleet.adapters.vllm.host import VllmEngine
         from rollout_fleet.adapters.shared import free_port
 
         self.run_dir, self.config = run_dir, config
@@ -336,7 +336,7 @@ async def warm(runner, way: str, shapes) -> None:
 
 async def bench(run_dir: Path, shapes, rounds: int, layout: str) -> list[str]:
     from rollout_fleet.adapters.tiny_model import build_tiny_model
-    from rollout_fleet.adapters.vllm import VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host import VllmEngineConfig
 
     config = VllmEngineConfig(model=str(build_tiny_model(run_dir / "model", seed=0)))
     tally = Tally(shapes)

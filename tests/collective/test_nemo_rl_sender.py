@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 from rollout_fleet.adapters.memory.control import LocalWorkerControl
-from rollout_fleet.adapters.vllm.refit import native_init_info, native_update_info
+from rollout_fleet.adapters.vllm.host.refit import native_init_info, native_update_info
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo, RefitProtocol
 from rollout_fleet.core.refit_service import RefitCoordinator
 from tests.collective.harness import free_port, run_ranks

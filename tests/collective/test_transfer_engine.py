@@ -13,9 +13,9 @@ import torch
 
 from rollout_fleet.adapters.collective import TorchWeightSender, init_group, join_receiver
 from rollout_fleet.adapters.collective.trainer import refit_info_of
-from rollout_fleet.adapters.vllm.transfer_engine import PackedInitInfo
+from rollout_fleet.adapters.vllm.messages import PackedInitInfo
 from rollout_fleet.core.errors import RolloutFleetError
-from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
+from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitRollback
 from tests.collective.harness import free_port
 from tests.support.transfer_engine import transfer_engine_over
 
@@ -59,7 +59,7 @@ def refit(engine, rollback, state, *, die_after=None, sender_spec=SPEC):
     joining.start()
     join = GroupJoin(host="127.0.0.1", port=port, world_size=2, train_world_size=1, first_rank=1,
                      ranks_per_worker=1, sender_spec=SPEC, timeout_s=10.0, backend="gloo")
-    engine.init_transfer_engine(PackedInitInfo(join=join.to_wire(), rollback=rollback))
+    engine.init_transfer_engine(PackedInitInfo(join, RefitRollback.parse(rollback, "rollback")))
     joining.join(10)
     info = refit_info_of(state)
 

@@ -57,7 +57,7 @@ def sharded_reference(sharded_models):
 
 @pytest.fixture(scope="module")
 def tp2_sharded_engine(sharded_models):
-    from rollout_fleet.adapters.vllm import VllmEngine, VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host import VllmEngine, VllmEngineConfig
     from rollout_fleet.core.refit import RefitProtocol
     from rollout_fleet.ports.contracts.engine import EngineUnderTest
 

@@ -131,6 +131,6 @@ def _peak_rss(process, every_s=0.02):
 
 
 def _metas(model_dir):
-    from rollout_fleet.adapters.vllm.weights import checkpoint_metas
+    from rollout_fleet.adapters.vllm.host.weights import checkpoint_metas
 
     return checkpoint_metas(model_dir, "float32").values()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rollout_fleet.adapters.vllm.transfer_engine import PackedTransferEngine, compose_transfer_engine
+from rollout_fleet.adapters.vllm.inside.transfer_engine import PackedTransferEngine, compose_transfer_engine
 from rollout_fleet.core.refit import GroupJoin
 from rollout_fleet.ports.collective import WeightReceiver
 

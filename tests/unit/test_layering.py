@@ -34,11 +34,23 @@ def test_core_importing_ports_or_torch_is_caught(tmp_path):
 def test_adapters_may_not_import_wiring_or_each_other(tmp_path):
     root = write_tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
                                  "adapters/http/m.py": "import httpx\nfrom rollout_fleet.wiring import cli\n"
-                                                       "from rollout_fleet.adapters.vllm import engine\n"
+                                                       "from rollout_fleet.adapters.vllm.host import engine\n"
                                                        "from rollout_fleet.adapters.http import other\n"})
     found = violations(root)
     assert len(found) == 2
     assert "never import the wiring" in found[0] and "may not import adapter 'vllm'" in found[1]
+
+
+def test_the_vllm_host_and_inside_share_only_their_messages(tmp_path):
+    root = write_tree(tmp_path, {"core/x.py": "", "ports/p.py": "",
+                                 "adapters/vllm/host/a.py": "from rollout_fleet.adapters.vllm.inside import x\n"
+                                                            "from rollout_fleet.adapters.vllm import messages\n",
+                                 "adapters/vllm/inside/b.py": "from rollout_fleet.adapters.vllm.host.c import y\n"
+                                                              "from rollout_fleet.adapters.vllm.messages import z\n"})
+    found = violations(root)
+    assert len(found) == 2, found
+    assert found[0].startswith("adapters/vllm/host/a.py:1:") and "never imports what runs inside" in found[0]
+    assert found[1].startswith("adapters/vllm/inside/b.py:1:") and "never imports the host" in found[1]
 
 
 def test_importing_core_loads_nothing_heavy():

@@ -227,7 +227,7 @@ def test_what_vllm_is_given_on_a_cpu_fleet_under_a_gpu_cluster(tiny):
     """The engine arguments themselves (what vLLM's AsyncEngineArgs get), not only the table:
     the project's packed transfer engine, never vLLM's NCCL one, and the KV cache a CPU
     fleet's, never NeMo-RL's share of GPU memory taken as a share of host memory."""
-    from rollout_fleet.adapters.vllm.config import CPU_KV_CACHE_BYTES, TRANSFER_BACKENDS
+    from rollout_fleet.adapters.vllm.host.config import CPU_KV_CACHE_BYTES, TRANSFER_BACKENDS
 
     config = generation_config(tiny, gpu_memory_utilization=0.6)
     config["rollout_fleet"] = {"device": "cpu"}

@@ -1,5 +1,5 @@
 """Which checkpoint tensors a tensor-parallel engine rank takes as pre-cut slices
-(adapters/vllm/tp_slices.py), on plain torch modules shaped as vLLM's Llama holds them
+(adapters/vllm/inside/tp_slices.py), on plain torch modules shaped as vLLM's Llama holds them
 (fused qkv_proj and gate_up_proj, vocabulary-parallel embedding and lm_head): HF names map onto
 the fused parameters, a fused checkpoint tensor, an unknown name, a layer that is not split
 the plan's way, and the vocabulary-parallel tensors are taken whole; the rest are cut as vLLM's
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_fleet.adapters.vllm.tp_slices import cut_slice, mark_sliced, slice_targets, vllm_target
+from rollout_fleet.adapters.vllm.inside.tp_slices import cut_slice, mark_sliced, slice_targets, vllm_target
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import RefitInfo, TensorMeta
 from rollout_fleet.core.sharded_refit import EngineLayout, tensor_slice
@@ -139,7 +139,7 @@ def test_marking_tells_each_sliced_parameter_its_tensors_come_cut():
 
 
 def test_the_sharded_protocol_is_a_cpu_refit_protocol_and_a_wrong_name_is_refused():
-    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
     from rollout_fleet.core.refit import RefitProtocol
     from rollout_fleet.wiring.config import parse_config
 

@@ -4,7 +4,7 @@ KV-event publisher's socket follows the choice."""
 
 import os
 
-from rollout_fleet.adapters.vllm.process import ipc_environment
+from rollout_fleet.adapters.vllm.host.process import ipc_environment
 
 
 def test_an_engine_gets_a_new_folder_of_its_own(monkeypatch, tmp_path):
@@ -34,7 +34,7 @@ def test_another_engines_folder_left_in_the_environment_is_not_a_choice(monkeypa
 
 def test_the_kv_event_socket_lies_in_the_chosen_folder_else_the_temp_folder(monkeypatch,
                                                                               tmp_path):
-    from rollout_fleet.adapters.vllm.config import VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
 
     config = VllmEngineConfig(model="m", kv_events_port=4321)
     worker_folder = tmp_path / "rollout-fleet-worker-x"

@@ -9,7 +9,7 @@ import types
 import pytest
 import vllm.logprobs as vllm_logprobs
 
-from rollout_fleet.adapters.vllm.convert import chosen_logprobs, piece_of, to_sampling_params, to_served
+from rollout_fleet.adapters.vllm.host.convert import chosen_logprobs, piece_of, to_sampling_params, to_served
 from rollout_fleet.core.rollout import SamplingSpec
 
 

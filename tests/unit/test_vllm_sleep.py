@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-from rollout_fleet.adapters.vllm.engine import VllmEngine
-from rollout_fleet.adapters.vllm.sleep import sleep_refusal, sleep_takes_mode
+from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
+from rollout_fleet.adapters.vllm.host.engine import VllmEngine
+from rollout_fleet.adapters.vllm.host.sleep import sleep_refusal, sleep_takes_mode
 from rollout_fleet.core.errors import EngineAsleep, EngineRejected, InvalidValue
 
 

@@ -15,11 +15,11 @@ import types
 import pytest
 import torch
 
-from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
-from rollout_fleet.adapters.vllm.convert import piece_of, to_served
-from rollout_fleet.adapters.vllm.engine import VllmEngine
-from rollout_fleet.adapters.vllm.features import detect_features
-from rollout_fleet.adapters.vllm.transfer_engine import (
+from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig, precision_env
+from rollout_fleet.adapters.vllm.host.convert import piece_of, to_served
+from rollout_fleet.adapters.vllm.host.engine import VllmEngine
+from rollout_fleet.adapters.vllm.host.features import detect_features
+from rollout_fleet.adapters.vllm.inside.transfer_engine import (
     InPlaceReload, LayerwiseReload, compose_transfer_engine, reload_strategy,
 )
 from rollout_fleet.core.device import Device

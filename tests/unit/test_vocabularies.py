@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from rollout_fleet.adapters.vllm.colocated_engine import ColocatedTransferEngine
-from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-from rollout_fleet.adapters.vllm.transfer_engine import PackedInitInfo
+from rollout_fleet.adapters.vllm.inside.colocated_engine import ColocatedTransferEngine
+from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
+from rollout_fleet.adapters.vllm.messages import PackedInitInfo
 from rollout_fleet.core.colocated_refit import ColocatedStep
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitProtocol, RefitRollback
@@ -76,9 +76,13 @@ def test_the_sender_spec_in_a_join_crosses_the_wire_as_its_spelling():
 
 
 def test_the_transfer_engines_rollback_is_read_from_its_spelling():
-    assert PackedInitInfo(join=JOIN.to_wire(), rollback="last_good").rollback is RefitRollback.LAST_GOOD
+    wire = {"join": JOIN.to_wire(), "rollback": "last_good"}
+    assert PackedInitInfo.from_wire(wire).rollback is RefitRollback.LAST_GOOD
+    assert PackedInitInfo.from_wire(PackedInitInfo.from_wire(wire).to_wire()).group_join == JOIN
     with pytest.raises(InvalidValue, match="rollback=sometimes: must be one of none, last_good"):
-        PackedInitInfo(join=JOIN.to_wire(), rollback="sometimes")
+        PackedInitInfo.from_wire({**wire, "rollback": "sometimes"})
+    with pytest.raises(ValueError, match="invalid init_info for rollout_fleet_packed: keys"):
+        PackedInitInfo.from_wire({**wire, "joins": {}})
 
 
 def test_an_unknown_colocated_step_is_refused_by_name():

@@ -75,7 +75,7 @@ def candidate_prompts(tokenizer) -> list[list[int]]:
 def vllm_engine(tiny_models, decode, candidate_prompts):
     """The session's engine, started on its own loop (``EngineUnderTest``), stopped at the end."""
     _require_vllm()
-    from rollout_fleet.adapters.vllm import VllmEngine, VllmEngineConfig
+    from rollout_fleet.adapters.vllm.host import VllmEngine, VllmEngineConfig
     from rollout_fleet.ports.contracts.engine import EngineUnderTest
 
     config = VllmEngineConfig(model=str(tiny_models[MODEL_SEED]))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rollout_fleet.adapters.vllm import VllmEngineConfig, engine_from_config
+from rollout_fleet.adapters.vllm.host import VllmEngineConfig, engine_from_config
 from rollout_fleet.core.errors import EngineError, InvalidValue
 from rollout_fleet.core.refit import RefitInfo
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec
@@ -107,7 +107,7 @@ def test_the_requests_for_vllms_own_nccl_engine_are_accepted_by_its_parsers():
     transfer itself needs CUDA and does not run on this machine."""
     from types import SimpleNamespace
 
-    from rollout_fleet.adapters.vllm.refit import native_init_info, native_update_info
+    from rollout_fleet.adapters.vllm.host.refit import native_init_info, native_update_info
     from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
@@ -174,7 +174,7 @@ def test_bad_config_is_refused_by_field(config, field):
 
 
 def test_cpu_cores_reach_vllm_only_while_its_engine_starts(monkeypatch):
-    from rollout_fleet.adapters.vllm.process import pinned_to_cpus
+    from rollout_fleet.adapters.vllm.host.process import pinned_to_cpus
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     with pinned_to_cpus(VllmEngineConfig(model="/m", cpu_cores=[2, 3])):

@@ -152,7 +152,7 @@ def _config(settings: DemoSettings, device: str):
 
 def load_kind(engine_stats: dict[str, Any]) -> str:
     """How the engine loaded an in-place refit: its first load recorded, replayed after
-    (``adapters/vllm/load_replay.py``), or why not."""
+    (``adapters/vllm/inside/load_replay.py``), or why not."""
     if engine_stats.get("replayed"):
         return "replayed"
     refusal = engine_stats.get("replay_refusal")

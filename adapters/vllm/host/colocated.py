@@ -20,12 +20,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollout_fleet.adapters.vllm.colocated_engine import COLOCATED_KEY
-from rollout_fleet.adapters.vllm.process import refit_priority
-from rollout_fleet.adapters.vllm.refit import (
+from rollout_fleet.adapters.vllm.messages import RELEASE_BUFFERS_RPC, REFIT_STATS_RPC, colocated_update
+from rollout_fleet.adapters.vllm.host.process import refit_priority
+from rollout_fleet.adapters.vllm.host.refit import (
     VllmRefit, check_complete, first_line, paused_for_refit,
 )
-from rollout_fleet.adapters.vllm.runtime import VllmRuntime
+from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.colocated_refit import (
     CUDA_TRANSPORT,
@@ -118,7 +118,7 @@ class VllmColocated(ColocatedTarget):
         version = await self.refit.commit_new_weights(self._mode, version)
         self._stack = None
         try:
-            ranks = await self.runtime.engine.collective_rpc("rollout_fleet_refit_stats")
+            ranks = await self.runtime.engine.collective_rpc(REFIT_STATS_RPC)
             self._stats = {**ranks[0],
                                      "host_seconds": time.perf_counter() - self._started}
         finally:
@@ -142,14 +142,14 @@ class VllmColocated(ColocatedTarget):
     async def release_colocated(self) -> None:
         engine = self.runtime.engine
         if engine is not None:  # a closed engine keeps nothing open
-            await engine.collective_rpc("rollout_fleet_release_buffers")
+            await engine.collective_rpc(RELEASE_BUFFERS_RPC)
 
     async def _request(self, step: ColocatedStep, body: Any) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         try:  # the step by its spelling: the request crosses into vLLM's worker processes
             await self.runtime.require_engine().update_weights(
-                WeightTransferUpdateRequest(update_info={COLOCATED_KEY: {step.value: body}}))
+                WeightTransferUpdateRequest(update_info=colocated_update(step.value, body)))
         except Exception as error:
             self._rank_failed = True
             raise RefitError(f"colocated {step.value} failed inside vLLM:"

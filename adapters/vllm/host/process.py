@@ -17,8 +17,8 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
-from rollout_fleet.adapters.vllm.config import VllmEngineConfig
-from rollout_fleet.adapters.vllm.ipc_folder import (
+from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
+from rollout_fleet.adapters.vllm.host.ipc_folder import (
     ENGINE_FOLDER_PREFIX, RPC_BASE_PATH, chosen_ipc_folder,
 )
 from rollout_fleet.core.device import Device

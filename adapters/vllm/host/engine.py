@@ -26,14 +26,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
-from rollout_fleet.adapters.vllm.colocated import VllmColocated
-from rollout_fleet.adapters.vllm.config import KV_EVENTS_TOPIC, VllmEngineConfig
-from rollout_fleet.adapters.vllm.convert import (
+from rollout_fleet.adapters.vllm.host.colocated import VllmColocated
+from rollout_fleet.adapters.vllm.host.config import KV_EVENTS_TOPIC, VllmEngineConfig
+from rollout_fleet.adapters.vllm.host.convert import (
     check_vocabulary, piece_of, served_rollout, to_sampling_params, to_served,
 )
-from rollout_fleet.adapters.vllm.refit import VllmRefit
-from rollout_fleet.adapters.vllm.runtime import VllmRuntime
-from rollout_fleet.adapters.vllm.sleep import VllmSleep
+from rollout_fleet.adapters.vllm.host.refit import VllmRefit
+from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
+from rollout_fleet.adapters.vllm.host.sleep import VllmSleep
 from rollout_fleet.core.errors import EngineDead, EngineError, EngineRejected
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout

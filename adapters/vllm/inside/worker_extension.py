@@ -6,8 +6,9 @@ prefix: vLLM refuses an extension whose attribute clashes with the worker's own.
 
 from __future__ import annotations
 
-import dataclasses
 import os
+
+from rollout_fleet.adapters.vllm.messages import RefitStats
 
 
 class RolloutFleetWorkerExtension:
@@ -15,7 +16,7 @@ class RolloutFleetWorkerExtension:
         """How this rank's last refit ended (the project's weight-transfer engine keeps it);
         vLLM's own engines keep none: a failed refit there leaves the weights torn."""
         stats = getattr(self.weight_transfer_engine, "stats", None)
-        return dataclasses.asdict(stats) if stats is not None else {"torn": True}
+        return (stats if stats is not None else RefitStats.unknown()).to_wire()
 
     def rollout_fleet_release_buffers(self) -> int:
         """Close the trainer's buffers this rank keeps open across colocated refits; how many."""

@@ -42,7 +42,6 @@ with vLLM under ``BACKEND_NAME`` and sets ``join_receiver``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import types
@@ -50,7 +49,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout_fleet.adapters.vllm.transfer_support import (
+from rollout_fleet.adapters.vllm.inside.transfer_support import (
     Progress,
     counting,
     cuda_memory_end,
@@ -58,42 +57,12 @@ from rollout_fleet.adapters.vllm.transfer_support import (
     host_trimmer,
     synchronize,
 )
+from rollout_fleet.adapters.vllm.messages import BACKEND_NAME, PackedInitInfo, PackedUpdateInfo, RefitStats
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import GroupJoin, RefitInfo, RefitRollback
 from rollout_fleet.ports.collective import WeightReceiver
 
 log = logging.getLogger(__name__)
-
-BACKEND_NAME = "rollout_fleet_packed"
-
-
-@dataclasses.dataclass
-class PackedInitInfo:
-    """``init_weight_transfer_engine``'s dict for this backend: a ``GroupJoin`` plus the rollback."""
-
-    join: dict[str, Any]
-    rollback: RefitRollback = RefitRollback.NONE  # its spelling on the way in, parsed here
-    # The join, parsed once here (a bad one is refused before joining) and handed on typed.
-    group_join: GroupJoin = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.rollback = RefitRollback.parse(self.rollback, "rollback")
-        self.group_join = GroupJoin.from_wire(self.join)
-
-
-@dataclasses.dataclass
-class PackedUpdateInfo:
-    """``update_weights``'s dict for this backend: the refit info, as ``RefitInfo.to_wire``."""
-
-    refit_info: dict[str, Any]
-    # Received but not loaded: a tied model's alias (``lm_head.weight``), which vLLM's loader
-    # skips when it reads a checkpoint; loaded here, it would overwrite the embedding it shares.
-    skip: list[str] = dataclasses.field(default_factory=list)
-    info: RefitInfo = dataclasses.field(init=False, repr=False)  # parsed once, here
-
-    def __post_init__(self) -> None:
-        self.info = RefitInfo.from_wire(self.refit_info)
-
 
 class LayerwiseReload:
     """vLLM's in-place reload: layers are rebuilt and re-processed as their tensors arrive."""
@@ -138,23 +107,6 @@ class InPlaceReload:
         pass
 
 
-@dataclasses.dataclass
-class RefitStats:
-    """What the last update did (read by the host through a worker extension)."""
-
-    tensors: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    waiting_s: float = 0.0  # of which waiting for the next tensor to arrive (the wire)
-    rolled_back: bool = False
-    torn: bool = False
-    # On CUDA: torch's allocated bytes on this rank's GPU before the receive, at its peak
-    # during it, and after (what a refit costs in GPU memory); -1 elsewhere.
-    cuda_before: int = -1
-    cuda_peak: int = -1
-    cuda_after: int = -1
-
-
 class PackedTransferEngine:
     """A weight-transfer engine with vLLM's interface (init / start / update / finish)."""
 
@@ -183,16 +135,10 @@ class PackedTransferEngine:
 
     # -- vLLM's interface ---------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> PackedInitInfo:
-        try:
-            return PackedInitInfo(**init_dict)
-        except TypeError as error:
-            raise ValueError(f"invalid init_info for {BACKEND_NAME}: {error}") from error
+        return PackedInitInfo.from_wire(init_dict)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> PackedUpdateInfo:
-        try:
-            return PackedUpdateInfo(**update_dict)
-        except TypeError as error:
-            raise ValueError(f"invalid update_info for {BACKEND_NAME}: {error}") from error
+        return PackedUpdateInfo.from_wire(update_dict)
 
     def init_transfer_engine(self, init_info: PackedInitInfo) -> None:
         """Join the refit group (blocks until every rank came, bounded by the join's timeout)."""

@@ -12,8 +12,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_fleet.adapters.vllm.process import refit_priority
-from rollout_fleet.adapters.vllm.runtime import VllmRuntime
+from rollout_fleet.adapters.vllm.host.process import refit_priority
+from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
+from rollout_fleet.adapters.vllm.messages import REFIT_STATS_RPC, PackedInitInfo, PackedUpdateInfo
 from rollout_fleet.core.errors import EngineError, InvalidValue, RefitError, WeightMismatch
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
@@ -113,7 +114,7 @@ class VllmRefit(RefitTarget):
             self.runtime.sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
             version = await self.commit_new_weights(mode, version)
         reset = time.perf_counter()
-        ranks = await self.runtime.engine.collective_rpc("rollout_fleet_refit_stats")
+        ranks = await self.runtime.engine.collective_rpc(REFIT_STATS_RPC)
         log.info("weights v%d: %d tensors, %.0f MiB received and loaded in %.3f s (per rank: %s),"
                  " cache reset %.3f s", version, len(info.tensors), info.total_bytes / 2**20,
                  loaded - started, ", ".join(
@@ -136,19 +137,19 @@ class VllmRefit(RefitTarget):
 
     def _init_info(self, join: GroupJoin) -> dict[str, Any]:
         if self.config.refit_protocol in PROJECT_PROTOCOLS:
-            return {"join": join.to_wire(), "rollback": self.config.rollback.value}
+            return PackedInitInfo(join, self.config.rollback).to_wire()
         return native_init_info(join)
 
     def _update_info(self, info: RefitInfo) -> dict[str, Any]:
         if self.config.refit_protocol in PROJECT_PROTOCOLS:
             sent = {t.name for t in info.tensors}
-            return {"refit_info": info.to_wire(), "skip": sorted(sent & set(self.runtime.ignored))}
+            return PackedUpdateInfo(info, tuple(sorted(sent & set(self.runtime.ignored)))).to_wire()
         return native_update_info(info)
 
     async def note_failed_refit(self) -> None:
         """Ask every engine rank how its failed refit ended: rolled back, or torn."""
         try:
-            stats = await self.runtime.engine.collective_rpc("rollout_fleet_refit_stats")
+            stats = await self.runtime.engine.collective_rpc(REFIT_STATS_RPC)
         except Exception as error:  # the engine is in trouble; refuse rollouts to be safe
             self.runtime.torn = f"its refit state is unknown: {first_line(error)}"
             return

@@ -18,14 +18,15 @@ from typing import Any
 
 import attrs
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
-from rollout_fleet.adapters.vllm.config import VllmEngineConfig, precision_env
-from rollout_fleet.adapters.vllm.convert import engine_dtype, read_facts
-from rollout_fleet.adapters.vllm.features import VllmFeatures, detect_features
-from rollout_fleet.adapters.vllm.process import (
+from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig, precision_env
+from rollout_fleet.adapters.vllm.host.convert import engine_dtype, read_facts
+from rollout_fleet.adapters.vllm.host.features import VllmFeatures, detect_features
+from rollout_fleet.adapters.vllm.host.process import (
     child_pids, freeze_startup_objects, in_thread, ipc_environment, pinned_to_cpus,
     scoped_environment, set_worker_priority, track_segments, unfreeze_and_collect,
 )
-from rollout_fleet.adapters.vllm.weights import checkpoint_metas, tied_metas
+from rollout_fleet.adapters.vllm.host.weights import checkpoint_metas, tied_metas
+from rollout_fleet.adapters.vllm.messages import PRECISION_RPC
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import EngineError
 from rollout_fleet.core.refit import TensorMeta
@@ -125,7 +126,7 @@ class VllmRuntime:
     async def _report_precision(self, worker_id: int | str) -> None:
         """Log, and print to the worker's output, what the engine serves in: the parameters'
         dtype and the float32 matmul precision of each engine rank."""
-        ranks = await self.engine.collective_rpc("rollout_fleet_precision")
+        ranks = await self.engine.collective_rpc(PRECISION_RPC)
         served = engine_dtype(self.engine)
         checkpoint = self.config.checkpoint_dtype()
         line = (f"worker {worker_id} serves dtype={served}"

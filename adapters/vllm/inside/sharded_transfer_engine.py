@@ -20,21 +20,21 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from rollout_fleet.adapters.vllm.tp_slices import (
+from rollout_fleet.adapters.vllm.inside.tp_slices import (
     SliceTargets,
     cut_slice,
     mark_sliced,
     slice_targets,
     vllm_accepts,
 )
-from rollout_fleet.adapters.vllm.transfer_engine import PackedTransferEngine, PackedUpdateInfo, RefitStats
+from rollout_fleet.adapters.vllm.inside.transfer_engine import PackedTransferEngine
+from rollout_fleet.adapters.vllm.messages import PackedUpdateInfo, RefitStats
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import GroupJoin, RefitInfo
 from rollout_fleet.core.sharded_refit import EngineLayout
 
 log = logging.getLogger(__name__)
 
-SHARDED_BACKEND_NAME = "rollout_fleet_sharded"
 
 
 @dataclasses.dataclass

@@ -43,21 +43,21 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rollout_fleet.adapters.vllm.load_replay import (
+from rollout_fleet.adapters.vllm.inside.load_replay import (
     LoadReplay,
     RecordedCopy,
     RecordedFill,
     recorder_for,
     replay_of,
 )
-from rollout_fleet.adapters.vllm.transfer_engine import InPlaceReload, PackedTransferEngine, RefitStats
-from rollout_fleet.adapters.vllm.transfer_support import synchronize
+from rollout_fleet.adapters.vllm.inside.transfer_engine import InPlaceReload, PackedTransferEngine
+from rollout_fleet.adapters.vllm.messages import COLOCATED_KEY, RefitStats
+from rollout_fleet.adapters.vllm.inside.transfer_support import synchronize
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedStep
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import Bucket, BucketEntry, RefitInfo, RefitRollback
 from rollout_fleet.core.wire_memo import LastParsed
 
-COLOCATED_KEY = "colocated"
 LAYERWISE_REFUSAL = ("vLLM's layerwise reload loads each layer into fresh tensors, then into the"
                      " parameters: not recorded")
 log = logging.getLogger(__name__)

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from rollout_fleet.adapters.vllm.ipc_folder import kv_events_socket
-from rollout_fleet.adapters.vllm.sharded_transfer_engine import SHARDED_BACKEND_NAME
-from rollout_fleet.adapters.vllm.transfer_engine import BACKEND_NAME
+from rollout_fleet.adapters.vllm.host.ipc_folder import kv_events_socket
+from rollout_fleet.adapters.vllm.messages import BACKEND_NAME, SHARDED_BACKEND_NAME, WORKER_EXTENSION
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import GROUP_PROTOCOLS, RefitProtocol, RefitRollback
@@ -20,7 +19,6 @@ from rollout_fleet.core.validate import a_bool
 TRANSFER_BACKENDS = {RefitProtocol.PACKED: BACKEND_NAME, RefitProtocol.SHARDED: SHARDED_BACKEND_NAME,
                      RefitProtocol.VLLM: "nccl"}
 
-WORKER_EXTENSION = "rollout_fleet.adapters.vllm.worker_extension.RolloutFleetWorkerExtension"
 CPU_BATCHED_TOKENS = 2048  # vLLM's own default budget of tokens per step
 CPU_KV_CACHE_BYTES = 64 * 2**20  # room for 256 blocks of the tiny model; a laptop-sized cache
 CPU_WORKER_NICE = 10  # see VllmEngineConfig.cpu_worker_nice
@@ -108,7 +106,7 @@ class VllmEngineConfig:
     kv_events_port: int | None = attrs.field(
         default=None, validator=_optional_positive_int("kv_events_port"))  # None: no KV events
     # vLLM's sleep mode (GPUs only): what lets a colocated worker give its memory back
-    # (adapters/vllm/sleep.py); a colocated GPU fleet sets it.
+    # (adapters/vllm/host/sleep.py); a colocated GPU fleet sets it.
     enable_sleep_mode: bool = attrs.field(default=False, validator=a_bool("enable_sleep_mode"))
     extra_engine_args: Mapping[str, Any] = attrs.field(factory=dict)
 
