@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs (.venv, idempotent), then runs every tier.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x). Two pytest-xdist workers
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x); a run that names no test
+# path runs the type checker first (scripts/typecheck.sh), then every test. Two pytest-xdist workers
 # (TEST_WORKERS): whatever starts vLLM engines or Ray clusters runs one test at a time on one of
 # them (tests/conftest.py), every other module beside it; `-n 0` runs everything in one process.
 set -euo pipefail
@@ -8,7 +9,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=$("$root/scripts/venv.sh" | tail -n 1)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-if [ "$#" -eq 0 ]; then set -- tests; fi
+# A whole run (no test path named) type-checks the product first; a failed check fails the run.
+partial=0
+for arg in "$@"; do case "$arg" in tests|tests/*|./tests*) partial=1 ;; esac; done
+if [ "$partial" = 0 ]; then
+  echo "type check (scripts/typecheck.sh):"
+  PYTHON="$python" "$root/scripts/typecheck.sh"
+  set -- "$@" tests
+fi
 # Inside a private network namespace (loopback only): Ray's daemons bind every interface.
 exec unshare -n -- sh -c 'ip link set lo up && exec "$@"' sh \
   "$python" -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 -ra \
