@@ -35,6 +35,7 @@ WHEELS=(
   watchfiles==1.3.0 xgrammar==0.2.1 zstandard==0.25.0
   httpx2==2.16.2 httpcore2==2.16.2  # imported by the newer openai / starlette releases above
   # the project's own needs and the tier's test runner
+  redis==6.4.0  # imported by Dynamo's own vLLM worker (python -m dynamo.vllm) at its start
   attrs==26.1.0 psutil pytest pluggy iniconfig pytest-timeout
 )
 PLATFORMS=(manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64
