@@ -27,7 +27,7 @@ HTTP. Per rep, interleaved, after one warm-up (medians printed):
               one's recorded copies (``adapters/vllm/inside/load_replay.py``; printed: "its load:
               replayed", or why not)
   NeMo-RL:    NeMo-RL's own colocated protocol into the same engine: its sender restated
-              (tests/support/nemo_rl_ipc_sender.py: ZeroMQ, two buffers of this size, fresh
+              (support/nemo_rl_ipc_sender.py: ZeroMQ, two buffers of this size, fresh
               each refit, 512-byte offsets) and the worker's receiver (core/ipc_stream.py over
               adapters/ipc_zmq), as ``update_weights_via_ipc_zmq`` runs them
   packed:     (CPU) the packed refit over gloo between the same two processes, received and
@@ -53,7 +53,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.support
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # support
 from bench_gpu_pack import import_package  # noqa: E402
 from bench_gpu_refit import MODELS, LlamaLike, _free_port  # noqa: E402
 
@@ -279,7 +279,7 @@ def trainer(args, connection):
 def _nemo_rl_refit(connection, state, mib, device) -> float:
     """One refit through NeMo-RL's stream: the trainer rank binds, the engine connects and
     loads every buffer; seconds from the bind to the final answer."""
-    from tests.support.nemo_rl_ipc_sender import TrainerRank
+    from support.nemo_rl_ipc_sender import TrainerRank
 
     address = f"ipc://{tempfile.gettempdir()}/bench-colocated-{os.getpid()}.sock"
     started = time.perf_counter()

@@ -4,7 +4,7 @@
         [--input-len 16] [--max-model-len 512]
 
 One run, one GPU, one model: a Llama-3.2-1B-shaped bf16 Llama with random weights, built here
-(tests/support/gpu_models.py). Both ways get the very same engine arguments: the keyword arguments the
+(support/gpu_models.py). Both ways get the very same engine arguments: the keyword arguments the
 fleet's worker gives vLLM (``VllmEngineConfig.engine_kwargs`` of the fleet config below) and
 the same share of GPU memory, so both engines are up at once and the rounds interleave:
 
@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import thread_name  # noqa: E402
 from sweep_records import Shape  # noqa: E402
-from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
+from support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
 SERVED = "llama-1b"
 CACHE_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")

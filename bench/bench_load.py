@@ -21,7 +21,7 @@ The KV router's event sockets bind 0.0.0.0, so when it is asked for the whole be
 itself inside a private network namespace (unshare -n, loopback only).
 
 ``--nodes 3`` runs the same load against a fleet across nodes (as root): the 3-node layout of
-tests/support/node_layout.py (network namespaces joined by a bridge, `ray start` on each, 10.77.0.x),
+support/node_layout.py (network namespaces joined by a bridge, `ray start` on each, 10.77.0.x),
 the workers spread over nodes 2 and 3, etcd, the frontend and every client on the head; the
 bench re-runs itself on the head and prints the same table.
 
@@ -48,9 +48,9 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the node layout is the test support's
+sys.path.insert(0, str(ROOT))  # support.node_layout
 
-from tests.support.node_layout import WORKER_RESOURCE, NodeLayout  # noqa: E402
+from support.node_layout import WORKER_RESOURCE, NodeLayout  # noqa: E402
 
 MAX_NEW_TOKENS = 16
 MAX_MODEL_LEN = 128

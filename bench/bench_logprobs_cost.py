@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_gpu_fleet as gpu_fleet  # noqa: E402
 from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import load_between, load_line, snapshot  # noqa: E402
-from tests.support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
+from support.gpu_models import LLAMA_1B, SMALL, build_llama, random_prompts  # noqa: E402
 
 WAYS = {"none": None, "dicts": False, "flat": True}  # way -> flat_logprobs (None: no logprobs)
 

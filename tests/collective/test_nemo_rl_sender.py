@@ -1,5 +1,5 @@
 """NeMo-RL's trainer refits workers of the "vllm" protocol unchanged: its rendezvous, warm-up and
-packed byte stream (re-implemented in tests/support/nemo_rl_sender.py from reading NeMo-RL)
+packed byte stream (re-implemented in support/nemo_rl_sender.py from reading NeMo-RL)
 against what the fleet's workers hand vLLM's own NCCL weight-transfer engine (the init and
 update info the driver plans), with gloo in NCCL's place on the CPU. Two trainer ranks, two
 workers of two engine ranks each, a tied-embedding model's state dict, buffers small enough
@@ -13,7 +13,7 @@ from rollout_fleet.adapters.vllm.host.refit import native_init_info, native_upda
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo, RefitProtocol
 from rollout_fleet.core.refit_service import RefitCoordinator
 from tests.collective.harness import free_port, run_ranks
-from tests.support.nemo_rl_sender import digest, trainer_rank, trainer_state_dict
+from support.nemo_rl_sender import digest, trainer_rank, trainer_state_dict
 from tests.support.vllm_receiver import worker
 
 TRAINER_RANKS, WORKERS, ENGINE_RANKS, SEED = 2, 2, 2, 3

@@ -345,7 +345,7 @@ def test_vllms_benchmark_client_with_n_4_gets_every_group_through_the_door(door,
     """``vllm bench serve`` as shipped (streamed completions, its neutral sampling fields and
     ``ignore_eos``) with ``--extra-body '{"n": 4}'``: every request answered, each one's usage
     counting the tokens of its four choices (a streamed group: one event per choice)."""
-    from tests.support.vllm_bench_client import bench_serve_outcome, first_errors
+    from support.vllm_bench_client import bench_serve_outcome, first_errors
 
     prompts, output_len, n = 6, 8, 4
     outcome = bench_serve_outcome(tmp_path, [

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.gpu_fidelity import agreement, reference_decode
-from tests.support.gpu_models import SMALL, build_llama, random_prompts
+from support.gpu_models import SMALL, build_llama, random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """One GPU: NeMo-RL's colocated refit through CUDA IPC. This process is the trainer rank: the
-restated NeMo-RL sender (tests/support/nemo_rl_ipc_sender.py) packs the weights, already on the
+restated NeMo-RL sender (support/nemo_rl_ipc_sender.py) packs the weights, already on the
 GPU, into two ping-pong GPU buffers and sends torch's ``reduce_tensor`` handles, as NeMo-RL's
 does; the worker (one vLLM engine on the same GPU, started by the NeMo-RL drop-in) connects at
 NeMo-RL's address of that GPU (``ipc:///tmp/<GPU UUID>.sock``) and loads each buffer through
@@ -19,8 +19,8 @@ import pytest
 
 from tests.refit.test_refit_fleet import greedy, info_of
 from tests.support.gpu_fidelity import agreement, reference_decode
-from tests.support.gpu_models import EOS, PAD, SMALL, build_llama, random_prompts
-from tests.support.nemo_rl_ipc_sender import TrainerRank
+from support.gpu_models import EOS, PAD, SMALL, build_llama, random_prompts
+from support.nemo_rl_ipc_sender import TrainerRank
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS, REFITS = 32, 8, 32, 10
 BUFFER_BYTES = 1 << 20  # two 512 KiB buffers: many groups, the 1 MiB embeddings each alone

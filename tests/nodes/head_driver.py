@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.driver.conftest import mixed_batch  # noqa: E402
-from tests.support.node_layout import listeners_of_processes  # noqa: E402
+from support.node_layout import listeners_of_processes  # noqa: E402
 from tests.support.trust import secret_leaks  # noqa: E402
 
 PROMPTS, PROMPT_SEED = 64, 11

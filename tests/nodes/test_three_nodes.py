@@ -1,5 +1,5 @@
 """A fleet across 3 nodes of a real Ray cluster, on one machine: 3 network namespaces joined by
-a bridge (tests/support/node_layout.py), `ray start` on each, etcd and the frontend on the head's
+a bridge (support/node_layout.py), `ray start` on each, etcd and the frontend on the head's
 address, one memory-engine worker on each of the other two nodes. The driver runs on the head
 (tests/nodes/head_driver.py); rollouts, a gloo refit and a cache flush all cross the bridge.
 Last, node 3 is lost (every process in its namespace killed while its worker holds rollouts)
@@ -17,7 +17,7 @@ import pytest
 
 from tests.driver.conftest import engine_answers, mixed_batch
 from tests.nodes.head_driver import PROMPT_SEED, PROMPTS
-from tests.support.node_layout import WORKER_RESOURCE, NodeLayout
+from support.node_layout import WORKER_RESOURCE, NodeLayout
 
 pytestmark = pytest.mark.ray
 HERE = Path(__file__).parent

@@ -1,5 +1,5 @@
 """NeMo-RL's colocated refit through the drop-in, on the CPU: the restated NeMo-RL sender
-(tests/support/nemo_rl_ipc_sender.py: ZeroMQ request/reply, two ping-pong buffers, 512-byte
+(support/nemo_rl_ipc_sender.py: ZeroMQ request/reply, two ping-pong buffers, 512-byte
 aligned offsets, the final message; shared-memory handles where NeMo-RL sends CUDA IPC ones)
 streams a model into a one-worker vLLM fleet built by ``DynamoGeneration`` (placed by Ray, its
 futures Ray's, as in NeMo-RL), in NeMo-RL's order:
@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from rollout_fleet.core.errors import ControlRefused
 from tests.refit.conftest import EOS, STEPS
 from tests.refit.test_refit_fleet import assert_serves, info_of
-from tests.support.nemo_rl_ipc_sender import TrainerRank
+from support.nemo_rl_ipc_sender import TrainerRank
 
 BUFFER_BYTES = 2 * (64 << 10)  # two 64 KiB buffers: many groups, the embeddings each alone
 TIMEOUT_S = 120

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.support.nemo_rl_sender import GLOO_PREFIX, TIMEOUT, digest
+from support.nemo_rl_sender import GLOO_PREFIX, TIMEOUT, digest
 
 
 class GlooCommunicator:

@@ -26,7 +26,7 @@ def test_vllm_bench_serve_repeats_its_prompts_under_one_seed_and_not_under_each_
     from transformers import AutoTokenizer
     from vllm.benchmarks.datasets import RandomDataset
 
-    from tests.support.gpu_models import LLAMA_1B, build_llama
+    from support.gpu_models import LLAMA_1B, build_llama
 
     shape = {**LLAMA_1B, "num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 8,
              "num_attention_heads": 1, "num_key_value_heads": 1}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from tests.support.gpu_fidelity import Reference, agreement, reference_decode
-from tests.support.gpu_models import SMALL, build_llama, random_prompts
+from support.gpu_models import SMALL, build_llama, random_prompts
 
 
 def test_a_built_model_decodes_and_agrees_with_itself(tmp_path):
@@ -44,7 +44,7 @@ def test_vllms_server_takes_a_text_prompt_of_the_1b_models_longest_words_at_its_
     from transformers import AutoTokenizer
     from vllm.tokenizers.hf import get_cached_tokenizer
 
-    from tests.support.gpu_models import LLAMA_1B, build_llama
+    from support.gpu_models import LLAMA_1B, build_llama
 
     shape = {**LLAMA_1B, "num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 8,
              "num_attention_heads": 1, "num_key_value_heads": 1}

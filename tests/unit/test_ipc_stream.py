@@ -17,7 +17,7 @@ from rollout_fleet.core.colocated_refit import (CUDA_TRANSPORT, SEGMENT_PREFIX, 
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.ipc_stream import StreamedRefit, StreamGroup
 from rollout_fleet.core.refit import RefitInfo, TensorMeta
-from tests.support.nemo_rl_ipc_sender import complete_message
+from support.nemo_rl_ipc_sender import complete_message
 
 INFO = RefitInfo((TensorMeta("a", (3,), "float32"), TensorMeta("b", (200,), "bfloat16"),
                   TensorMeta("c", (2, 2), "float32")))

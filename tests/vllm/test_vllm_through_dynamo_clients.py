@@ -152,7 +152,7 @@ def test_vllms_own_benchmark_client_gets_every_answer(vllm_fleet, tiny_models, t
                                                       backend, endpoint):
     """``vllm bench serve`` streams every request and sends vLLM's sampling fields (its neutral
     ``repetition_penalty``, ``ignore_eos``): each must be answered in full."""
-    from tests.support.vllm_bench_client import bench_serve_outcome, first_errors
+    from support.vllm_bench_client import bench_serve_outcome, first_errors
 
     outcome = bench_serve_outcome(tmp_path, [
         "--backend", backend, "--base-url", vllm_fleet.url(), "--endpoint", endpoint,

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from rollout_fleet.adapters.shared.segments import Segment, new_segment_name
-from tests.support.nemo_rl_sender import pickled_as_if_from
+from support.nemo_rl_sender import pickled_as_if_from
 
 ALIGNMENT = 512
 NEMO_RL_MODULE = "nemo_rl.models.policy.utils"
