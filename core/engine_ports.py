@@ -11,7 +11,7 @@ from typing import Any
 
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, Bucket, GroupJoin, RefitInfo, TensorMeta
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
+from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 
 
 class RefitTarget(ABC):

@@ -14,10 +14,11 @@ text).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rollout_fleet.core.control import WorkerControl
+from rollout_fleet.core.control_fanout import call_everywhere
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit_service import ControlCall, gather_workers, run_control_call
 from rollout_fleet.core.rollout import (
     FinishReason,
     RolloutRequest,
@@ -77,10 +78,8 @@ async def abort_everywhere(controls: Sequence[WorkerControl], request_id: str,
     early abort and ends the rollout as soon as it arrives)."""
     if not isinstance(request_id, str) or not request_id:
         raise InvalidValue("request_id", request_id, "must be a non-empty string")
-    answers: Mapping[str, Mapping] = await gather_workers(ABORT_CONTROL, {
-        c.worker_id: run_control_call(ControlCall(c, ABORT_CONTROL, {"request_id": request_id}),
-                                      timeout_s)
-        for c in controls})
+    answers: Mapping[str, Mapping[str, Any]] = await call_everywhere(
+        controls, ABORT_CONTROL, {"request_id": request_id}, timeout_s)
     return [worker for worker, answer in answers.items() if answer.get("was_in_flight")]
 
 

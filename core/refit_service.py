@@ -21,11 +21,16 @@ import asyncio
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
-import attrs
 from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.control import WorkerControl
+from rollout_fleet.core.control_fanout import (
+    ControlCall,
+    call_everywhere,
+    gather_workers,
+    run_control_call,
+)
 from rollout_fleet.core.engine_ports import RefitTarget
-from rollout_fleet.core.errors import InvalidValue, RefitError, WorkerFailures
+from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import (
     CollectiveSenderSpec,
     GroupJoin,
@@ -34,29 +39,6 @@ from rollout_fleet.core.refit import (
     next_version,
     refit_mode,
 )
-
-
-@attrs.frozen
-class ControlCall:
-    """One control request to one worker, not yet sent (a driver may run it where it likes)."""
-
-    control: WorkerControl
-    name: str
-    body: Mapping[str, Any]
-
-    @property
-    def worker_id(self) -> str:
-        return self.control.worker_id
-
-
-async def run_control_call(call: ControlCall, timeout_s: float) -> Mapping[str, Any]:
-    """Send one control call, bounded by ``timeout_s``."""
-    try:
-        return await asyncio.wait_for(call.control.call(call.name, call.body, timeout_s=timeout_s),
-                                      timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
-        raise RefitError(f"{call.name} on worker {call.worker_id} timed out after "
-                         f"{timeout_s:g} s") from None
 
 
 class RefitCoordinator:
@@ -207,9 +189,7 @@ class RefitCoordinator:
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
 
     async def _everywhere(self, step: str, body: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-        return await gather_workers(step, {
-            c.worker_id: run_control_call(ControlCall(c, step, body), self.control_timeout_s)
-            for c in self._controls})
+        return await call_everywhere(self._controls, step, body, self.control_timeout_s)
 
 
 def worker_deadline_s(deadline_s: float) -> float:
@@ -243,16 +223,6 @@ class RefitDeadline:
                 f" the weights it had ({call.worker_id}: {exc})") from None
         self._unfinished.discard(call.worker_id)
         return answer
-
-
-async def gather_workers(step: str, calls: Mapping[str, Awaitable[Any]]) -> dict[str, Any]:
-    """Await every worker's call; raise WorkerFailures naming each one that failed."""
-    names = list(calls)
-    results = await asyncio.gather(*calls.values(), return_exceptions=True)
-    failures = {n: r for n, r in zip(names, results) if isinstance(r, BaseException)}
-    if failures:
-        raise WorkerFailures(step, failures)
-    return dict(zip(names, results))
 
 
 class WorkerRefit:

@@ -15,7 +15,7 @@ from rollout_fleet.core.engine import (
     streams_without_logprobs,
 )
 from rollout_fleet.core.engine_ports import RefitTarget, Sleeper
-from rollout_fleet.core.sleep import SleepState
+from rollout_fleet.core.sleep_state import SleepState
 
 __all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "EngineFacts", "EnginePort",
            "KvEventSource", "RefitTarget", "RolloutPiece", "Sleeper", "SleepState",

@@ -14,7 +14,7 @@ import argparse
 from typing import Any
 
 from rollout_fleet.core.errors import WorkerFailures
-from rollout_fleet.core.sleep import SLEEP_LEVELS, SLEEP_MODES, WAKE_TAGS, SleepState
+from rollout_fleet.core.sleep_state import SLEEP_LEVELS, SLEEP_MODES, WAKE_TAGS, SleepState
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
+from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
 from rollout_fleet.core.validate import a_bool, check_known_keys, is_int
 
 # A colocated engine above this share of its GPU leaves its trainer rank little room.

@@ -34,7 +34,7 @@ from rollout_fleet.core.refit import (
     refit_mode,
 )
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
+from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.core.validate import is_int
 from rollout_fleet.ports.collective import WeightReceiver
 from rollout_fleet.ports.colocated import ColocatedByPart

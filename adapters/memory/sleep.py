@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout_fleet.core.errors import RefitError
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState, SleepTracker
+from rollout_fleet.core.sleep import SleepTracker
+from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.engine import Sleeper
 
 if TYPE_CHECKING:

@@ -9,7 +9,8 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from rollout_fleet.core.sleep import WAKE_TAGS, SleepCoordinator, SleepState, wake_tags
+from rollout_fleet.core.sleep import SleepCoordinator
+from rollout_fleet.core.sleep_state import WAKE_TAGS, SleepState, wake_tags
 
 log = logging.getLogger(__name__)
 

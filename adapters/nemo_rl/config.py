@@ -11,7 +11,7 @@ from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.core.rollout import GREEDY, SamplingSpec
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
+from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_LEVEL, DEFAULT_SLEEP_MODE, sleep_level, sleep_mode
 from rollout_fleet.core.stop_strings import merge_stop_strings
 from rollout_fleet.core.validate import finite_at_least, int_at_least, non_empty_str, positive_int
 

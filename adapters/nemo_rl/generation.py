@@ -28,7 +28,7 @@ from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.refit_service import RefitCoordinator
 from rollout_fleet.core.rollout import GREEDY, RolloutRequest, RolloutResult
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
-from rollout_fleet.core.sleep import SleepState
+from rollout_fleet.core.sleep_state import SleepState
 from rollout_fleet.core.staleness import StalenessGate
 from rollout_fleet.ports.completions import CompletionsTransport
 from rollout_fleet.ports.control import WorkerControl

@@ -37,7 +37,7 @@ from rollout_fleet.adapters.vllm.host.sleep import VllmSleep
 from rollout_fleet.core.errors import EngineDead, EngineError, EngineRejected
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
+from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.colocated import ColocatedByPart
 from rollout_fleet.ports.engine import (
     SAMPLING_OPTIONS,

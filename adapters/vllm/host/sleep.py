@@ -21,7 +21,7 @@ from typing import Any
 
 from rollout_fleet.core.errors import EngineRejected
 from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
-from rollout_fleet.core.sleep import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
+from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.engine import Sleeper
 
 
