@@ -1,10 +1,18 @@
-"""The fleet vs vLLM's own OpenAI server over a sweep of shapes, `vllm bench serve` as shipped.
+"""The fleet vs what a user would deploy instead (the anchors) over a sweep of shapes, `vllm
+bench serve` as shipped.
 
-Both servers serve the same model on the same engine arguments, as bench/bench_standard_clients.py
-starts them (its helpers are reused here):
+Every server serves the same model on the same engine arguments, as
+bench/bench_standard_clients.py starts them (its helpers are reused here):
 
-  fleet:  one vLLM worker (``python -m rollout_fleet.wiring.worker``) behind ``dynamo.frontend``
-  vllm:   ``python -m vllm.entrypoints.openai.api_server``
+  fleet:        one vLLM worker (``python -m rollout_fleet.wiring.worker``) behind ``dynamo.frontend``
+  vllm:         ``python -m vllm.entrypoints.openai.api_server`` (one API process)
+  vllm-kK:      ``vllm serve --api-server-count K`` (K API processes behind one port; K = 2, 4, 8)
+  dynamo-vllm:  Dynamo's own vLLM worker (``python -m dynamo.vllm``) behind ``dynamo.frontend``
+
+``--anchors vllm,vllm-k4,dynamo-vllm`` names the anchors, all in the same rounds (default
+``vllm``); each shape's ratio is the fleet's over the best anchor's (highest median output
+tokens/s), and the table names that anchor's arrangement and lists every anchor's tokens/s.
+Each server's launch command is printed when it starts (and kept at the top of its log).
 
 Arrangements (``--arrangement``, comma-separated, run in that order):
 
@@ -69,8 +77,9 @@ import bench_standard_clients as servers  # noqa: E402
 from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import leaders_of, load_between, load_line, snapshot  # noqa: E402
 from support.vllm_bench_client import ResidentClient  # noqa: E402
-from sweep_records import (ENGINES_FILE, FLEET, VLLM, Budget, Shape, append_round,  # noqa: E402
-                           check_positions, engine_facts, failure_record, write_report)
+from sweep_records import (ANCHORS, DYNAMO_VLLM, ENGINES_FILE, FLEET, VLLM,  # noqa: E402
+                           VLLM_API_SERVERS, Budget, Shape, append_round, check_positions,
+                           engine_facts, failure_record, write_report)
 
 WARM_UP = dict(input_len=64, output_len=16, prompts=16, concurrency=16)
 
@@ -87,26 +96,28 @@ def started_server(way: str, run_dir: Path, model: Path, args, running: list):
     """(url, its processes, log) of one server, once it lists the model; each process goes
     into ``running`` as soon as it is started, so the caller stops it whatever happens."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if way == FLEET:
-        url, worker, frontend, log = servers.start_fleet(run_dir / "fleet", model, None, args,
-                                                         running)
+    if way in (FLEET, DYNAMO_VLLM):
+        start = servers.start_fleet if way == FLEET else servers.start_dynamo_vllm
+        folder = run_dir / "fleet" if way == FLEET else run_dir
+        url, worker, frontend, log = (start(folder, model, None, args, running) if way == FLEET
+                                      else start(folder, model, args, running))
         servers.wait_for_model(url, [worker], log)
         return url, [worker, frontend], log
-    url, server, log = servers.start_vllm(run_dir, model, args, running)
+    url, server, log = servers.start_vllm(run_dir, model, args, running, VLLM_API_SERVERS[way])
     servers.wait_for_model(url, [server], log)
     return url, [server], log
 
 
 def started_together(run_dir: Path, model: Path, args, facts: Path, running: list,
                      label: str = "together") -> dict[str, Server]:
-    """Both servers started at the same time, each with a compile cache of its own; each
+    """Every way's server started at the same time, each with a compile cache of its own; each
     one's KV cache facts and start seconds kept under ``facts``. Every process started goes
     into ``running`` at once, so the caller stops it even when a start failed or the bench was
     stopped meanwhile (the pool is not waited for then: the stop ends the starts)."""
-    pool = concurrent.futures.ThreadPoolExecutor(2)
+    pool = concurrent.futures.ThreadPoolExecutor(len(args.ways))
     try:
         starts = {way: pool.submit(timed_start, way, run_dir / f"{label}-{way}", model,
-                                   own_cache(args, way), running) for way in (FLEET, VLLM)}
+                                   own_cache(args, way), running) for way in args.ways}
         concurrent.futures.wait(starts.values())
     finally:
         pool.shutdown(wait=False)
@@ -201,7 +212,7 @@ class Sweep:
         running: list = []
         try:
             started = {}
-            for way in (FLEET, VLLM):  # one after the other: their memory profiles never overlap
+            for way in self.args.ways:  # one after the other: memory profiles never overlap
                 began = time.monotonic()
                 url, processes, log = started_server(way, self.run_dir / f"resident-{way}",
                                                      self.model, self.args, running)
@@ -230,16 +241,18 @@ class Sweep:
         return started
 
     def interleaved(self, started: dict[str, Server], arrangement: str) -> None:
-        """Every shape that fits, ``--rounds`` rounds, the servers' order alternating."""
+        """Every shape that fits, ``--rounds`` rounds, the servers' order reversed every other
+        round."""
+        ways = self.args.ways
         for shape in self.shapes:
-            if not self.admit(shape, 2 * self.args.rounds):
+            if not self.admit(shape, len(ways) * self.args.rounds):
                 continue
             began = time.monotonic()
             with self.failure_kept(arrangement, shape):
                 for index in range(self.args.rounds):
-                    for way in (FLEET, VLLM) if index % 2 == 0 else (VLLM, FLEET):
+                    for way in ways if index % 2 == 0 else ways[::-1]:
                         measure(started[way], way, shape, index, arrangement, self)
-                self.budget.record(self.work(shape, 2 * self.args.rounds),
+                self.budget.record(self.work(shape, len(ways) * self.args.rounds),
                                    time.monotonic() - began)
 
     @contextlib.contextmanager
@@ -254,10 +267,10 @@ class Sweep:
             print(f"{arrangement} {shape}: failed, no ratio: {failure}", flush=True)
 
     def alone(self) -> None:
-        """The fleet alone on the shapes that fit (with room left for vLLM's server to repeat
-        them), then vLLM's server alone on those."""
+        """The fleet alone on the shapes that fit (with room left for each anchor to repeat
+        them), then each anchor alone on those."""
         ran: list[Shape] = []
-        for way in (FLEET, VLLM):
+        for way in self.args.ways:
             began, running = time.monotonic(), []
             try:
                 url, processes, log = started_server(way, self.run_dir / f"alone-{way}",
@@ -266,7 +279,7 @@ class Sweep:
                 warm(url, way, self)
                 for shape in self.shapes if way == FLEET else ran:
                     # the fleet's share and vLLM's repeat of it, after this way so far
-                    if way == FLEET and not self.admit(shape, 2 * self.args.rounds,
+                    if way == FLEET and not self.admit(shape, len(self.args.ways) * self.args.rounds,
                                                        extra_s=time.monotonic() - began):
                         continue
                     shape_began = time.monotonic()
@@ -336,6 +349,11 @@ def parse_args(argv):
     parser.add_argument("--arrangement", default="resident",
                         type=lambda text: [part for part in text.split(",") if part],
                         help="resident, together, alone, or several in order (resident,alone)")
+    parser.add_argument("--anchors", default="vllm",
+                        type=lambda text: [part for part in text.split(",") if part],
+                        help=f"what the fleet is held against, several in the same rounds: {', '.join(ANCHORS)}"
+                             " (vllm-kK: vLLM's server with K API processes; dynamo-vllm: Dynamo's own"
+                             " vLLM worker behind Dynamo's frontend); each shape's ratio is to the best")
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--gpu", action="store_true", help="one GPU, a 1B-class bf16 Llama")
     parser.add_argument("--gpu-memory-share", type=float, default=0.35, help="--gpu: each server's")
@@ -357,6 +375,10 @@ def parse_args(argv):
     if unknown:
         parser.error(f"--arrangement {sorted(unknown)}: the arrangements are resident, together"
                      " and alone")
+    unknown = set(args.anchors) - set(ANCHORS)
+    if unknown or not args.anchors:
+        parser.error(f"--anchors {sorted(unknown)}: the anchors are {', '.join(ANCHORS)}")
+    args.ways = [FLEET, *dict.fromkeys(args.anchors)]
     if "together" in args.arrangement and args.gpu and args.kv_cache_gib is None:
         parser.error("--arrangement together needs --kv-cache-gib: two engines profiling memory"
                      " at once on one GPU would each count the other's")

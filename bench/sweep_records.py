@@ -13,6 +13,12 @@ from pathlib import Path
 ROUNDS_FILE = "rounds.jsonl"
 ENGINES_FILE = "engines.json"
 FLEET, VLLM = "fleet", "vllm"
+# What a user would deploy instead of the fleet, each a way of its own in the rounds: vLLM's
+# server with K API processes (``vllm`` is one), and Dynamo's own vLLM worker behind Dynamo's
+# frontend. Each shape's anchor is the best of those measured (its median output tokens/s).
+VLLM_API_SERVERS = {VLLM: 1, "vllm-k2": 2, "vllm-k4": 4, "vllm-k8": 8}
+DYNAMO_VLLM = "dynamo-vllm"
+ANCHORS = (*VLLM_API_SERVERS, DYNAMO_VLLM)
 
 
 @dataclass(frozen=True, order=True)
@@ -129,47 +135,59 @@ def medians(rounds: list[dict]) -> dict[tuple[str, Shape, str], dict]:
             for key, group in grouped.items()}
 
 
-def round_ratios(rounds: list[dict], arrangement: str, shape: Shape) -> list[float]:
-    """Fleet / vllm output tokens/s of each round both ways ran (a round of one call), sorted:
-    the spread the medians hide."""
+def round_ratios(rounds: list[dict], arrangement: str, shape: Shape, anchor: str) -> list[float]:
+    """Fleet / ``anchor`` output tokens/s of each round both ways ran (a round of one call),
+    sorted: the spread the medians hide."""
     pairs: dict[tuple, dict[str, float]] = {}
     for record in rounds:
         if ("round" in record and record["arrangement"] == arrangement
                 and Shape.parse(record["shape"]) == shape and "failed" not in record):
             pair = pairs.setdefault((record.get("call"), record["round"]), {})
             pair[record["way"]] = record["output_throughput"]
-    return sorted(pair[FLEET] / pair[VLLM] for pair in pairs.values() if len(pair) == 2)
+    return sorted(pair[FLEET] / pair[anchor] for pair in pairs.values()
+                  if FLEET in pair and anchor in pair)
 
 
 def ratio_rows(rounds: list[dict]) -> list[dict]:
-    """One row per (arrangement, shape) measured on both ways, and failed by neither: fleet /
-    vllm of the medians, and of each round."""
+    """One row per (arrangement, shape) measured on the fleet and at least one anchor, and
+    failed by none: fleet / the best anchor (the highest median output tokens/s) of the
+    medians, and of each round; every anchor's medians beside it."""
     table, failed = medians(rounds), failures(rounds)
     rows = []
     for arrangement, shape in sorted({(a, s) for a, s, _ in table} - set(failed)):
-        fleet, vllm = table.get((arrangement, shape, FLEET)), table.get((arrangement, shape, VLLM))
-        if fleet is None or vllm is None:
+        fleet = table.get((arrangement, shape, FLEET))
+        anchors = {way: table[(arrangement, shape, way)] for way in ANCHORS
+                   if (arrangement, shape, way) in table}
+        if fleet is None or not anchors:
             continue
-        rows.append({"arrangement": arrangement, "shape": shape, "fleet": fleet, "vllm": vllm,
-                     "tokens_ratio": fleet["tokens_s"] / vllm["tokens_s"],
-                     "ttft_ratio": fleet["ttft_ms"] / vllm["ttft_ms"],
-                     "round_ratios": round_ratios(rounds, arrangement, shape)})
+        best = max(anchors, key=lambda way: anchors[way]["tokens_s"])
+        rows.append({"arrangement": arrangement, "shape": shape, "fleet": fleet,
+                     "anchor": best, "vllm": anchors[best], "anchors": anchors,
+                     "tokens_ratio": fleet["tokens_s"] / anchors[best]["tokens_s"],
+                     "ttft_ratio": fleet["ttft_ms"] / anchors[best]["ttft_ms"],
+                     "round_ratios": round_ratios(rounds, arrangement, shape, best)})
     return rows
 
 
 def markdown(rounds: list[dict], engines: dict[str, dict]) -> str:
-    lines = ["| arrangement | input | output | concurrency | fleet / vLLM output tokens/s |"
-             " fleet / vLLM median TTFT | fleet tokens/s | vLLM tokens/s | fleet TTFT ms |"
-             " vLLM TTFT ms | fleet TPOT ms | vLLM TPOT ms | rounds |"
-             " fleet / vLLM tokens/s of each round, lowest-highest |",
-             "| --- " * 14 + "|"]
-    for row in ratio_rows(rounds):
+    rows = ratio_rows(rounds)
+    measured = [way for way in ANCHORS if any(way in row["anchors"] for row in rows)]
+    lines = ["| arrangement | input | output | concurrency | best anchor |"
+             " fleet / anchor output tokens/s | fleet / anchor median TTFT | fleet tokens/s |"
+             " anchor tokens/s | fleet TTFT ms | anchor TTFT ms | fleet TPOT ms | anchor TPOT ms |"
+             " rounds | fleet / anchor tokens/s of each round, lowest-highest |"
+             + "".join(f" {way} tokens/s |" for way in measured),
+             "| --- " * (15 + len(measured)) + "|"]
+    for row in rows:
         s, f, v = row["shape"], row["fleet"], row["vllm"]
+        others = "".join(f" {row['anchors'][way]['tokens_s']:,.0f} |" if way in row["anchors"]
+                         else " - |" for way in measured)
         lines.append(f"| {row['arrangement']} | {s.input_len} | {s.output_len} | {s.concurrency} |"
+                     f" {anchor_arrangement(row['anchor'])} |"
                      f" **{row['tokens_ratio']:.3f}** | **{row['ttft_ratio']:.2f}x** |"
                      f" {f['tokens_s']:,.0f} | {v['tokens_s']:,.0f} | {f['ttft_ms']:,.0f} |"
                      f" {v['ttft_ms']:,.0f} | {f['tpot_ms']:.1f} | {v['tpot_ms']:.1f} |"
-                     f" {min(f['rounds'], v['rounds'])} | {_spread(row['round_ratios'])} |")
+                     f" {min(f['rounds'], v['rounds'])} | {_spread(row['round_ratios'])} |{others}")
     failed = failures(rounds)
     if failed:
         lines += ["", "Failed, no ratio (a server failed some of the shape's requests):", ""]
@@ -182,6 +200,14 @@ def markdown(rounds: list[dict], engines: dict[str, dict]) -> str:
                  ("kv_cache_gib", "kv_cache_tokens", "max_concurrency", "max_model_len", "start_s")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def anchor_arrangement(way: str) -> str:
+    """An anchor's arrangement in words: what a user would run instead of the fleet."""
+    if way == DYNAMO_VLLM:
+        return "Dynamo's vLLM worker + Dynamo's frontend"
+    count = VLLM_API_SERVERS[way]
+    return f"vLLM's server, {count} API process{'es' if count > 1 else ''}"
 
 
 def _spread(ratios: list[float]) -> str:
@@ -205,7 +231,7 @@ def plot(rounds: list[dict], path: Path) -> str:
         return "no plot: matplotlib is not installed"
     rows = ratio_rows(rounds)
     if not rows:
-        return "no plot: no shape was measured on both servers"
+        return "no plot: no shape was measured on the fleet and an anchor"
     arrangements = sorted({row["arrangement"] for row in rows})
     figure, axes = plt.subplots(len(arrangements), 1, squeeze=False,
                                 figsize=(max(6, len(rows) * 0.6), 3.5 * len(arrangements)))
@@ -213,9 +239,9 @@ def plot(rounds: list[dict], path: Path) -> str:
         mine = [row for row in rows if row["arrangement"] == arrangement]
         where = range(len(mine))
         axis.bar([x - 0.2 for x in where], [r["tokens_ratio"] for r in mine], 0.4,
-                 label="output tokens/s, fleet / vLLM")
+                 label="output tokens/s, fleet / best anchor")
         axis.bar([x + 0.2 for x in where], [r["ttft_ratio"] for r in mine], 0.4,
-                 label="median TTFT, fleet / vLLM")
+                 label="median TTFT, fleet / best anchor")
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set_xticks(list(where), [str(r["shape"]) for r in mine], rotation=60, fontsize=7)
         axis.set_title(f"{arrangement} (input x output x concurrency)")

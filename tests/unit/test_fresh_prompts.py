@@ -52,7 +52,8 @@ def test_the_sweep_sends_both_servers_one_prompt_set_per_round_and_every_round_i
         sent.append((url, str(Shape(level.input_len, level.output_len, level.concurrency)),
                      level.prompt_seed)) or OUTCOME))
     args = argparse.Namespace(out=tmp_path, budget_s=None, started=0.0, fresh_client=True,
-                              rounds=2, num_prompts=8, prompts_per_level=1)
+                              rounds=2, num_prompts=8, prompts_per_level=1,
+                              ways=[sweep.FLEET, sweep.VLLM])
     runner = sweep.Sweep(args, tmp_path, tmp_path / "model", [Shape(64, 8, 8), Shape(64, 8, 16)])
     for way in (sweep.FLEET, sweep.VLLM):
         sweep.warm(way, way, runner)

@@ -26,7 +26,8 @@ def test_a_failed_shape_is_recorded_and_the_next_shapes_still_run(tmp_path, monk
 
     monkeypatch.setattr(sweep, "measure", measure)
     args = argparse.Namespace(out=tmp_path, budget_s=None, started=0.0, fresh_client=True,
-                              rounds=2, num_prompts=8, prompts_per_level=1)
+                              rounds=2, num_prompts=8, prompts_per_level=1,
+                              ways=[sweep.FLEET, sweep.VLLM])
     runner = sweep.Sweep(args, tmp_path, tmp_path / "model", shapes)
     runner.interleaved({sweep.FLEET: None, sweep.VLLM: None}, "together")
     assert measured == [("4096x1024x64", "fleet", 0), ("128x128x64", "fleet", 0),

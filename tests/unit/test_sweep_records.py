@@ -53,7 +53,27 @@ def test_ratios_are_fleet_over_vllm_of_the_medians_and_one_sided_shapes_are_left
               run("fleet", "4096x128x64", 1, 1)]
     (row,) = ratio_rows(rounds)
     assert (row["shape"], row["tokens_ratio"], row["ttft_ratio"]) == (Shape(128, 128, 64), 0.5, 2.0)
-    assert "**0.500** | **2.00x**" in markdown(rounds, {"fleet": {"kv_cache_gib": None}})
+    assert "| vLLM's server, 1 API process | **0.500** | **2.00x**" in markdown(
+        rounds, {"fleet": {"kv_cache_gib": None}})
+
+
+def test_each_shapes_ratio_is_to_its_best_anchor_and_every_anchor_is_listed():
+    def run(way, shape, tokens_s, ttft_ms):
+        return {"arrangement": "together", "shape": shape, "way": way, "output_throughput": tokens_s,
+                "median_ttft_ms": ttft_ms, "median_tpot_ms": 1.0}
+
+    rounds = [run("fleet", "128x128x64", 120, 10), run("vllm", "128x128x64", 60, 30),
+              run("vllm-k4", "128x128x64", 100, 20), run("dynamo-vllm", "128x128x64", 80, 5),
+              run("fleet", "4096x128x64", 90, 10), run("dynamo-vllm", "4096x128x64", 100, 10)]
+    rows = {str(row["shape"]): row for row in ratio_rows(rounds)}
+    assert (rows["128x128x64"]["anchor"], rows["128x128x64"]["tokens_ratio"],
+            rows["128x128x64"]["ttft_ratio"]) == ("vllm-k4", 1.2, 0.5)
+    assert (rows["4096x128x64"]["anchor"], rows["4096x128x64"]["tokens_ratio"]) == ("dynamo-vllm", 0.9)
+    table = markdown(rounds, {})
+    assert "| vLLM's server, 4 API processes | **1.200** | **0.50x** |" in table
+    assert "| Dynamo's vLLM worker + Dynamo's frontend | **0.900** |" in table
+    assert table.splitlines()[0].endswith("| vllm tokens/s | vllm-k4 tokens/s | dynamo-vllm tokens/s |")
+    assert "| 60 | 100 | 80 |" in table and "| - | - | 100 |" in table
 
 
 def test_a_reused_model_folder_too_short_for_the_runs_context_is_refused_by_name(tmp_path):
