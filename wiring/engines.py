@@ -15,6 +15,8 @@ import attrs
 from rollout_fleet.adapters.memory.config import MemoryEngineConfig
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.refit import GroupJoin
+from rollout_fleet.ports.collective import WeightReceiver
 from rollout_fleet.ports.engine_kind import (
     ENGINE_KINDS_GROUP, BuiltEngine, EngineKind, FleetFacts,
 )
@@ -115,15 +117,23 @@ class MemoryKind(EngineKind[MemoryEngineConfig]):
 
     def build(self, settings: MemoryEngineConfig, *, run_dir: Path,
               model_path: str | None) -> BuiltEngine:
-        from rollout_fleet.adapters.collective import join_receiver
         from rollout_fleet.adapters.memory.model_folder import write_model_folder
         from rollout_fleet.adapters.memory.testing_controls import testing_controls
 
-        engine = settings.engine(join_receiver=join_receiver)
+        engine = settings.engine(join_receiver=join_receiver_at_first_refit)
         if model_path is None:
             model_path = str(write_model_folder(run_dir / "model-memory",
                                                 context_length=engine.context_length))
         return BuiltEngine(engine, model_path, testing_controls(engine, settings.test_controls))
+
+
+def join_receiver_at_first_refit(join: GroupJoin, engine_rank: int = 0) -> WeightReceiver:
+    """The collective adapter's receiver, imported when a memory engine first joins a refit
+    group: it imports torch, most of an idle memory-engine worker's memory (about 145 MiB of
+    its own of 320 MiB), which a worker that is never refit does not need."""
+    from rollout_fleet.adapters.collective import join_receiver
+
+    return join_receiver(join, engine_rank)
 
 
 @attrs.frozen
