@@ -13,7 +13,7 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -32,8 +32,9 @@ from rollout_fleet.wiring.engines import EngineChoice
 
 
 # Every --router-mode Dynamo 1.6.1's frontend accepts ("direct" is refused: see FleetConfig).
-ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "direct", "least-loaded",
-                "device-aware-weighted")
+RouterMode = Literal["round-robin", "random", "power-of-two", "kv", "direct", "least-loaded",
+                     "device-aware-weighted"]
+ROUTER_MODES: tuple[str, ...] = get_args(RouterMode)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # A step of a healthy GPU engine takes well under a second; a loaded CPU one, seconds.
 HANG_TIMEOUT_GPU_S = 30.0
@@ -56,38 +57,39 @@ class RetrySection(_Strict):
     policy's own; the bounds are repeated here only so that a bad value is named by its
     config path before the policy is built."""
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # RetryPolicy needs finite
-    max_attempts: int = Field(_POLICY.max_attempts, ge=1)
-    base_delay_s: float = Field(_POLICY.base_delay_s, ge=0)
-    backoff: float = Field(_POLICY.backoff, ge=1)
-    max_delay_s: float = Field(_POLICY.max_delay_s, ge=0)
-    jitter: float = Field(_POLICY.jitter, ge=0, le=1)
+    max_attempts: int = Field(default=_POLICY.max_attempts, ge=1)
+    base_delay_s: float = Field(default=_POLICY.base_delay_s, ge=0)
+    backoff: float = Field(default=_POLICY.backoff, ge=1)
+    max_delay_s: float = Field(default=_POLICY.max_delay_s, ge=0)
+    jitter: float = Field(default=_POLICY.jitter, ge=0, le=1)
 
     def policy(self) -> RetryPolicy:
         return RetryPolicy(**self.model_dump())
 
 
 class TimeoutSection(_Strict):
-    start_s: float = Field(300.0, gt=0, description="until every worker is registered")
-    connect_s: float = Field(10.0, gt=0)
-    request_s: float = Field(600.0, gt=0, description="one rollout attempt, at most")
+    start_s: float = Field(default=300.0, gt=0, description="until every worker is registered")
+    connect_s: float = Field(default=10.0, gt=0)
+    request_s: float = Field(default=600.0, gt=0, description="one rollout attempt, at most")
     attempt_fixed_s: float = Field(
-        DEFAULT_ATTEMPT_FIXED_S, gt=0, description="one rollout attempt may take this plus "
+        default=DEFAULT_ATTEMPT_FIXED_S, gt=0, description="one rollout attempt may take this plus "
         "attempt_per_token_s per token of its budget (never above request_s); past it the "
         "driver sends it again (a worker that hangs unseen costs that, not request_s)")
-    attempt_per_token_s: float = Field(DEFAULT_ATTEMPT_PER_TOKEN_S, ge=0)
+    attempt_per_token_s: float = Field(default=DEFAULT_ATTEMPT_PER_TOKEN_S, ge=0)
     hang_timeout_s: float | None = Field(
-        None, gt=0, description="a worker whose engine completes no step for this long while "
-        "it has rollouts in flight declares itself hung and leaves the fleet; None: "
+        default=None, gt=0, description="a worker whose engine completes no step for this long "
+        "while it has rollouts in flight declares itself hung and leaves the fleet; None: "
         f"{HANG_TIMEOUT_GPU_S:g} s on GPUs, {HANG_TIMEOUT_CPU_S:g} s on CPUs")
-    refit_s: float = Field(600.0, gt=0, description="each refit step on every worker")
-    shutdown_s: float = Field(15.0, gt=0)
+    refit_s: float = Field(default=600.0, gt=0, description="each refit step on every worker")
+    shutdown_s: float = Field(default=15.0, gt=0)
 
 
 class RefitSection(_Strict):
-    buffer_bytes: int = Field(1 << 30, ge=1)
-    num_buffers: int = Field(2, ge=1)
+    buffer_bytes: int = Field(default=1 << 30, ge=1)
+    num_buffers: int = Field(default=2, ge=1)
     backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "
+        default="auto",
+        description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "
         "gloo on GPUs: a trainer that shares the workers' GPU (NCCL refuses two ranks on one GPU)")
 
     def spec(self, protocol: RefitProtocol = RefitProtocol.PACKED) -> CollectiveSenderSpec:
@@ -97,49 +99,56 @@ class RefitSection(_Strict):
 
 class FleetConfig(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
-    model: str = Field("tiny", description='a model folder, a Hugging Face model id found in the '
-                       'local Hugging Face cache (offline), or "tiny" (built into the run folder)')
+    model: str = Field(
+        default="tiny", description='a model folder, a Hugging Face model id found in the local '
+        'Hugging Face cache (offline), or "tiny" (built into the run folder)')
     served_model_name: str = "tiny"
     engine: dict[str, Any] = Field(default_factory=lambda: {"kind": "vllm"},
                                    description="engine kind and its options, given to each worker")
-    num_workers: int = Field(2, ge=1, le=4096)
-    ranks_per_worker: int = Field(1, ge=1, description="tensor x pipeline parallel ranks")
+    num_workers: int = Field(default=2, ge=1, le=4096)
+    ranks_per_worker: int = Field(default=1, ge=1, description="tensor x pipeline parallel ranks")
     device: Device = Device.CPU
-    cpus_per_worker: float = Field(1.0, gt=0)
+    cpus_per_worker: float = Field(default=1.0, gt=0)
     placement: PlacementKind = Field(
-        PlacementKind.RAY, description="ray: a placement group (one node or a cluster); local: child "
+        default=PlacementKind.RAY,
+        description="ray: a placement group (one node or a cluster); local: child "
         "processes on this machine")
     env: dict[str, str] = Field(default_factory=dict,
                                 description="extra DYN_* settings for the frontend and every worker")
     discovery: Literal["file", "etcd"] = "file"
-    router: Literal[ROUTER_MODES] = Field(
-        "round-robin", description="how the frontend picks a worker (Dynamo's --router-mode): "
+    router: RouterMode = Field(
+        default="round-robin",
+        description="how the frontend picks a worker (Dynamo's --router-mode): "
         "round-robin, random, power-of-two (the less busy of two random workers), least-loaded "
         "(the fewest active requests), device-aware-weighted (by device kind), kv (by cached "
         "prefix: vLLM workers publish KV events)")
-    etcd_endpoint: str | None = Field(None, description="an etcd to use; None starts one on loopback")
-    ray_address: str | None = Field(None, description="join this Ray cluster; None starts a local one")
+    etcd_endpoint: str | None = Field(
+        default=None, description="an etcd to use; None starts one on loopback")
+    ray_address: str | None = Field(
+        default=None, description="join this Ray cluster; None starts a local one")
     bind_host: str = Field(
-        "127.0.0.1", description="this (the driver's) node's address: the frontend, etcd and the "
+        default="127.0.0.1",
+        description="this (the driver's) node's address: the frontend, etcd and the "
         "trainer's end of the refit group listen there; with ray_address and an address on the "
         "cluster network, each worker binds its own node's cluster address")
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict, description="more Ray resources each worker reserves (custom "
         "resources pin workers to the nodes that offer them)")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="how Ray spreads the workers' bundles over nodes")
-    frontend_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-    run_dir: str | None = Field(None, description="logs, discovery, model copies; None: a temp folder")
-    max_in_flight: int = Field(DEFAULT_MAX_IN_FLIGHT, ge=1,
+        default="PACK", description="how Ray spreads the workers' bundles over nodes")
+    frontend_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+    run_dir: str | None = Field(
+        default=None, description="logs, discovery, model copies; None: a temp folder")
+    max_in_flight: int = Field(default=DEFAULT_MAX_IN_FLIGHT, ge=1,
                                description="rollouts in flight from one driver")
-    max_new_tokens: int = Field(64, ge=1)
-    max_model_len: int = Field(512, ge=2)
+    max_new_tokens: int = Field(default=64, ge=1)
+    max_model_len: int = Field(default=512, ge=2)
     stop_strings: list[str] = Field(default_factory=list, max_length=32)
     context_limit_policy: Literal["reject", "empty"] = "reject"
     replace_lost_workers: bool = Field(
-        False, strict=True, description="start a replacement for each worker that is lost; it "
-        "joins the refit group at the trainer's next init_collective and serves once the next "
-        "update has loaded the current weights on it")
+        default=False, strict=True, description="start a replacement for each worker that is "
+        "lost; it joins the refit group at the trainer's next init_collective and serves once "
+        "the next update has loaded the current weights on it")
     retry: RetrySection = RetrySection()
     timeouts: TimeoutSection = TimeoutSection()
     refit: RefitSection = RefitSection()

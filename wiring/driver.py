@@ -53,23 +53,25 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
         raise InvalidValue("workers", ids, "worker ids must be unique")
     clients = LoopClients(http or HttpSettings(max_in_flight=generation.max_in_flight))
 
-    def reach(worker: WorkerEndpoint) -> JoinedWorker:
-        return JoinedWorker(
-            HttpWorkerControl(worker.worker_id, worker.system_url, secret=control_secret,
-                              clients=clients),
-            HttpWorkerMetrics(worker.worker_id, worker.system_url, clients=clients))
+    def control(worker: WorkerEndpoint) -> HttpWorkerControl:
+        return HttpWorkerControl(worker.worker_id, worker.system_url, secret=control_secret,
+                                 clients=clients)
 
-    def joined(known: Collection[str]) -> list[JoinedWorker]:
-        return [reach(w) for w in joined_workers() if w.worker_id not in known]
+    def metrics(worker: WorkerEndpoint) -> HttpWorkerMetrics:
+        return HttpWorkerMetrics(worker.worker_id, worker.system_url, clients=clients)
 
-    reached = [reach(w) for w in workers]
+    def joined_since(listing: Callable[[], Sequence[WorkerEndpoint]],
+                     ) -> Callable[[Collection[str]], list[JoinedWorker]]:
+        return lambda known: [JoinedWorker(control(w), metrics(w))
+                              for w in listing() if w.worker_id not in known]
+
     return FleetGeneration(
         generation,
         frontend_url=check_base_url("frontend_url", frontend_url),
         transport=HttpCompletionsTransport(frontend_url, clients=clients),
-        controls=[w.control for w in reached], metrics=[w.metrics for w in reached],
+        controls=[control(w) for w in workers], metrics=[metrics(w) for w in workers],
         owned=owned, clock=clock, lost_workers=lost_workers,
-        joined_workers=None if joined_workers is None else joined)
+        joined_workers=None if joined_workers is None else joined_since(joined_workers))
 
 
 @attrs.frozen

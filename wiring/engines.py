@@ -31,13 +31,20 @@ def registered_kinds() -> dict[str, EntryPoint]:
     return {point.name: point for point in entry_points(group=ENGINE_KINDS_GROUP)}
 
 
-@functools.cache
-def engine_kind(name: Any) -> EngineKind:
-    """The kind registered as ``name``; InvalidValue (``engine.kind``) names the ones there are."""
+def registered_kind_name(name: Any) -> str:
+    """``name`` when a kind is registered by it; InvalidValue (``engine.kind``) names the ones
+    there are."""
     points = registered_kinds()
     if not isinstance(name, str) or name not in points:
         raise InvalidValue("engine.kind", name, f"must be one of {', '.join(sorted(points))} "
                            f"(the kinds registered in the entry-point group {ENGINE_KINDS_GROUP})")
+    return name
+
+
+@functools.cache
+def engine_kind(name: str) -> EngineKind:
+    """The kind registered as ``name`` (one ``registered_kind_name`` let through)."""
+    points = registered_kinds()
     target = points[name].load()
     kind = target() if isinstance(target, type) else target
     if not isinstance(kind, EngineKind):
@@ -63,7 +70,7 @@ class EngineChoice:
         """``table`` (with ``kind``) parsed by its kind; InvalidValue names ``engine.<option>``
         (or ``model``) and the value. ``fleet``: the fleet's facts where the config is loaded,
         None in a worker (its table is the one the fleet wrote for it)."""
-        name = table.get("kind")
+        name = registered_kind_name(table.get("kind"))
         kind = engine_kind(name)
         options = without_kind(table)
         try:

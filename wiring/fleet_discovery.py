@@ -33,6 +33,9 @@ def discovery_env(config: FleetConfig, etcd: LoopbackEtcd | None) -> dict[str, s
     if config.discovery == "file":
         return {}
     endpoint = config.etcd_endpoint if etcd is None else etcd.endpoint
+    if endpoint is None:
+        raise ValueError("etcd discovery without an etcd_endpoint needs the fleet's own etcd "
+                         "(own_etcd)")
     return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": endpoint}
 
 

@@ -20,7 +20,7 @@ def fleet_generation(fleet: "Fleet", *, frontend_url: str | None = None,
     from rollout_fleet.wiring.driver import build_generation
 
     c = fleet.config
-    settings = {
+    settings: dict[str, Any] = {
         "model": c.served_model_name, "max_model_len": c.max_model_len,
         "max_new_tokens": c.max_new_tokens, "stop_strings": tuple(c.stop_strings),
         "context_limit_policy": c.context_limit_policy, "max_in_flight": c.max_in_flight,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from rollout_fleet.adapters.memory import MemoryCollective, MemoryEngine, MemoryWeightSender, TinyBigramModel
 from rollout_fleet.adapters.memory.engine import VOCAB, decode
@@ -47,7 +48,7 @@ async def run_memory_demo(num_workers: int = 2, prompts: int = 8, group: int = 4
 
     coordinator = driver.refits
     spec = CollectiveSenderSpec(buffer_bytes=1 << 20, num_buffers=2)
-    figures = {}
+    figures: dict[str, Any] = {}
     results, seconds = await batch("before")
     figures["before"] = _summary(results, seconds)
     print(f"rollouts before refit: {figures['before']}")

@@ -13,8 +13,7 @@ from __future__ import annotations
 def register() -> None:
     """Idempotent: a process may load plugins more than once."""
     _set_tf32()
-    from rollout_fleet.adapters.vllm.inside.sharded_transfer_engine import SHARDED_BACKEND_NAME
-    from rollout_fleet.adapters.vllm.inside.transfer_engine import BACKEND_NAME
+    from rollout_fleet.adapters.vllm.messages import BACKEND_NAME, SHARDED_BACKEND_NAME
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     for name, cls in ((BACKEND_NAME, "RolloutFleetTransferEngine"),

@@ -102,7 +102,9 @@ def colocated_controls(engine: Any) -> dict[str, Control]:
     from rollout_fleet.core.colocated_service import WorkerColocatedRefit
     from rollout_fleet.ports.colocated import ColocatedTarget
 
-    return WorkerColocatedRefit(engine).controls() if isinstance(engine, ColocatedTarget) else {}
+    if not isinstance(engine, ColocatedTarget):
+        return {}
+    return dict(WorkerColocatedRefit(engine).controls())  # its handlers take any mapping
 
 
 def sleep_controls(engine: Any) -> dict[str, Control]:
@@ -111,7 +113,7 @@ def sleep_controls(engine: Any) -> dict[str, Control]:
     from rollout_fleet.core.sleep import WorkerSleep
     from rollout_fleet.ports.engine import Sleeper
 
-    return WorkerSleep(engine).controls() if isinstance(engine, Sleeper) else {}
+    return dict(WorkerSleep(engine).controls()) if isinstance(engine, Sleeper) else {}
 
 
 def worker_env(config: WorkerConfig | Mapping[str, Any]) -> dict[str, str]:

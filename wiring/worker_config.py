@@ -78,7 +78,7 @@ class WorkerConfig:
     chat: Mapping[str, str] = attrs.field(factory=dict, validator=_env)
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "WorkerConfig":
+    def from_mapping(cls, data: "WorkerConfig | Mapping[str, Any]") -> "WorkerConfig":
         if isinstance(data, WorkerConfig):
             return data
         if not isinstance(data, Mapping):
