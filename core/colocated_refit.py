@@ -66,6 +66,10 @@ class ColocatedStep(Vocabulary):
     ABORT = "abort"  # the refit gave up (the reason): recover the weights
 
 
+def _colocated_protocol(value: Any) -> RefitProtocol:
+    return RefitProtocol.parse(value, "protocol", (RefitProtocol.COLOCATED,))
+
+
 @attrs.frozen
 class ColocatedManifest:
     """What ``colocated_start`` carries: the tensors in wire order and the buffers' geometry."""
@@ -76,7 +80,7 @@ class ColocatedManifest:
     transport: str = attrs.field(validator=one_of("transport", TRANSPORTS))
     protocol: RefitProtocol = attrs.field(
         default=RefitProtocol.COLOCATED,
-        converter=RefitProtocol.converter("protocol", (RefitProtocol.COLOCATED,)))
+        converter=_colocated_protocol)
 
     @functools.cached_property
     def plan(self) -> tuple[Bucket, ...]:
@@ -148,11 +152,13 @@ class BufferHandle:
     def from_wire(cls, data: Any) -> "BufferHandle":
         if not isinstance(data, Mapping):
             raise InvalidValue("handle", data, "must be an object")
-        unknown = sorted(set(data) - {"transport", "slot", "nbytes", "name", "cuda"})
+        keys = [field.name for field in attrs.fields(cls)]
+        unknown = sorted(set(data) - set(keys))
         if unknown:
             raise InvalidValue("handle", unknown, "unknown keys")
-        return cls(data.get("transport"), data.get("slot"), data.get("nbytes"),
-                   data.get("name"), data.get("cuda"))
+        # each field checked as the handle is built: a missing one is refused as None
+        fields: dict[str, Any] = {key: data.get(key) for key in keys}
+        return cls(**fields)
 
 
 def bucket_entries_wire(bucket: Bucket) -> list[list[Any]]:
@@ -206,9 +212,10 @@ class ColocatedSession:
         self.plan = self.manifest.plan
 
     @classmethod
-    def begin(cls, session_id: str, manifest: ColocatedManifest, current_version: int,
-              wanted_version: int | None = None) -> "ColocatedSession":
-        """A session, once the version it would set is known to go up."""
+    def begin(cls, session_id: Any, manifest: ColocatedManifest, current_version: int,
+              wanted_version: Any = None) -> "ColocatedSession":
+        """A session, once the version it would set is known to go up (``session_id`` and
+        ``wanted_version`` as a control body carries them: checked here)."""
         next_version(current_version, wanted_version)
         return cls(session_id, manifest, wanted_version)
 

@@ -47,7 +47,8 @@ class RolloutPiece:
 
     @classmethod
     def whole(cls, served: ServedRollout) -> "RolloutPiece":
-        return cls(served.token_ids, served.logprobs, served.finish_reason, served.top_logprobs,
+        logprobs = () if served.logprobs is None else served.logprobs  # none asked for: empty
+        return cls(served.token_ids, logprobs, served.finish_reason, served.top_logprobs,
                    weight_versions=served.weight_versions)
 
 

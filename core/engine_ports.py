@@ -90,6 +90,11 @@ class ColocatedTarget(ABC):
         implements both): the manifest is checked against them before anything loads."""
 
     @abstractmethod
+    def weight_version(self) -> int:
+        """The version the weights serve at (the refit port's, where the engine implements
+        both): a colocated refit must set a higher one."""
+
+    @abstractmethod
     def colocated_transports(self) -> tuple[str, ...]:
         """The handle kinds this engine opens (``shm`` on the CPU, ``cuda`` on a GPU)."""
 

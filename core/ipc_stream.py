@@ -74,7 +74,8 @@ class StreamedRefit:
         """Where each tensor of ``group`` lies in its buffer, or ``InvalidValue`` naming why
         the group does not match the refit info."""
         metas = {t.name: t for t in self.info.tensors}
-        entries, offset = [], 0
+        entries: list[BucketEntry] = []
+        offset = 0
         for name in group.names:
             meta = metas.get(name) if isinstance(name, str) else None
             if meta is None:

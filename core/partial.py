@@ -83,7 +83,8 @@ async def abort_everywhere(controls: Sequence[WorkerControl], request_id: str,
     return [worker for worker, answer in answers.items() if answer.get("was_in_flight")]
 
 
-def _joined_experts(first, second):
+def _joined_experts(first: Any, second: Any) -> Any:
+    """MoE engines' per-token expert choices of both parts (passed through as they came)."""
     if first is None or second is None:
         return second if first is None else first
     return list(first) + list(second)

@@ -81,10 +81,10 @@ def next_version(current: int, wanted: Any = None, field: str = "weight_version"
 def dtype_name(dtype: Any) -> str:
     """``torch.float32`` / ``"torch.float32"`` / ``"float32"`` -> ``"float32"``; refuses unknown names."""
     try:
-        name = str(dtype).removeprefix("torch.")
+        name: str | None = str(dtype).removeprefix("torch.")
     except (ValueError, RecursionError):  # a huge int or deeply nested value is no dtype
         name = None
-    if name not in DTYPE_BYTES:
+    if name is None or name not in DTYPE_BYTES:
         raise InvalidValue("dtype", dtype, f"must be one of {', '.join(sorted(DTYPE_BYTES))}")
     return name
 
@@ -186,12 +186,16 @@ class RefitInfo:
                                    f"the engine's parameter has dtype {known.dtype}")
 
 
+def _sender_protocol(value: Any) -> RefitProtocol:
+    return RefitProtocol.parse(value, "protocol")
+
+
 @attrs.frozen
 class CollectiveSenderSpec:
     """The packed-buffer geometry both ends of a refit must share."""
 
     protocol: RefitProtocol = attrs.field(default=RefitProtocol.PACKED,
-                                          converter=RefitProtocol.converter("protocol"))
+                                          converter=_sender_protocol)
     buffer_bytes: int = attrs.field(default=1 << 30, validator=positive_int("buffer_bytes"))
     num_buffers: int = attrs.field(default=2, validator=positive_int("num_buffers"))
 

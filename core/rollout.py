@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -34,98 +34,122 @@ _INT_ONLY = frozenset({int})
 _FLOAT_ONLY = frozenset({float})
 
 
-def token_ids_tuple(field: str):
-    """attrs converter+validator: a tuple of non-negative ints (bools refused)."""
-
-    def convert(value: Any) -> tuple[int, ...]:
-        # Fast path (the driver's hot path): a list/tuple of plain non-negative ints, checked
-        # in C loops; anything else takes the element-by-element path that names the culprit.
-        if type(value) in _PLAIN_SEQUENCES and (
-                not value or (set(map(type, value)) <= _INT_ONLY and min(value) >= 0)):
-            return tuple(value)
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            try:
-                value = list(value)
-            except TypeError:
-                raise InvalidValue(field, value, "must be a sequence of token IDs") from None
-        for index, token in enumerate(value):
-            check_int_at_least(f"{field}[{index}]", token, 0, "token IDs are non-negative ints")
+def as_token_ids(value: Any, field: str) -> tuple[int, ...]:
+    """``value`` as a tuple of non-negative ints (bools refused); InvalidValue naming ``field``
+    (and the element) otherwise."""
+    # Fast path (the driver's hot path): a list/tuple of plain non-negative ints, checked
+    # in C loops; anything else takes the element-by-element path that names the culprit.
+    if type(value) in _PLAIN_SEQUENCES and (
+            not value or (set(map(type, value)) <= _INT_ONLY and min(value) >= 0)):
         return tuple(value)
-
-    return convert
-
-
-def logprobs_tuple(field: str):
-    """attrs converter: a tuple of finite floats <= 0."""
-
-    def convert(value: Any) -> tuple[float, ...]:
-        if type(value) in _PLAIN_SEQUENCES and (not value or (
-                set(map(type, value)) <= _FLOAT_ONLY and max(value) <= 0.0
-                and all(map(math.isfinite, value)))):
-            return tuple(value)  # fast path, as for token IDs
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         try:
-            items = list(value)
+            value = list(value)
         except TypeError:
-            raise InvalidValue(field, value, "must be a sequence of floats") from None
-        out = []
-        for index, lp in enumerate(items):
-            if not is_real(lp):
-                raise InvalidValue(f"{field}[{index}]", lp, "logprobs are floats")
-            if not is_finite_number(lp) or lp > 0.0:
-                raise InvalidValue(f"{field}[{index}]", lp, "logprobs are finite and <= 0")
-            out.append(float(lp))
-        return tuple(out)
-
-    return convert
+            raise InvalidValue(field, value, "must be a sequence of token IDs") from None
+    for index, token in enumerate(value):
+        check_int_at_least(f"{field}[{index}]", token, 0, "token IDs are non-negative ints")
+    return tuple(value)
 
 
-def optional_logprobs(field: str):
-    """attrs converter: None (none were asked for) or ``logprobs_tuple``."""
-    convert = logprobs_tuple(field)
-    return lambda value: None if value is None else convert(value)
+def as_logprobs(value: Any, field: str) -> tuple[float, ...]:
+    """``value`` as a tuple of finite floats <= 0."""
+    if type(value) in _PLAIN_SEQUENCES and (not value or (
+            set(map(type, value)) <= _FLOAT_ONLY and max(value) <= 0.0
+            and all(map(math.isfinite, value)))):
+        return tuple(value)  # fast path, as for token IDs
+    try:
+        items = list(value)
+    except TypeError:
+        raise InvalidValue(field, value, "must be a sequence of floats") from None
+    out = []
+    for index, lp in enumerate(items):
+        if not is_real(lp):
+            raise InvalidValue(f"{field}[{index}]", lp, "logprobs are floats")
+        if not is_finite_number(lp) or lp > 0.0:
+            raise InvalidValue(f"{field}[{index}]", lp, "logprobs are finite and <= 0")
+        out.append(float(lp))
+    return tuple(out)
 
 
 VersionRuns = tuple[tuple[int, int], ...]
 
 
-def version_runs(field: str):
-    """attrs converter: run-length weight versions ``((version, n_tokens), ...)``.
+def as_version_runs(value: Any, field: str) -> VersionRuns:
+    """``value`` as run-length weight versions ``((version, n_tokens), ...)``.
 
     Each version is an int >= 0 and each count an int >= 1; adjacent runs of one version are
     merged, so two answers that tag the same tokens alike compare equal.
     """
+    # Fast path (every answer on the driver's hot path, twice): none or one run of plain ints.
+    if type(value) in _PLAIN_SEQUENCES and len(value) <= 1:
+        if not value:
+            return ()
+        run = value[0]
+        if type(run) in _PLAIN_SEQUENCES and len(run) == 2 and type(run[0]) is int \
+                and type(run[1]) is int and run[0] >= 0 and run[1] >= 1:
+            return ((run[0], run[1]),)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidValue(field, value, "must be a list of [version, n_tokens] pairs")
+    runs: list[tuple[int, int]] = []
+    for index, run in enumerate(value):
+        if isinstance(run, (str, bytes)) or not isinstance(run, Sequence) or len(run) != 2:
+            raise InvalidValue(f"{field}[{index}]", run, "must be a [version, n_tokens] pair")
+        version, count = run
+        check_int_at_least(f"{field}[{index}][0]", version, 0, "a weight version is an int >= 0")
+        check_int_at_least(f"{field}[{index}][1]", count, 1, "a token count is an int >= 1")
+        if runs and runs[-1][0] == version:
+            runs[-1] = (version, runs[-1][1] + count)
+        else:
+            runs.append((version, count))
+    return tuple(runs)
 
-    def convert(value: Any) -> VersionRuns:
-        # Fast path (every answer on the driver's hot path, twice): none or one run of plain ints.
-        if type(value) in _PLAIN_SEQUENCES and len(value) <= 1:
-            if not value:
-                return ()
-            run = value[0]
-            if type(run) in _PLAIN_SEQUENCES and len(run) == 2 and type(run[0]) is int \
-                    and type(run[1]) is int and run[0] >= 0 and run[1] >= 1:
-                return ((run[0], run[1]),)
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise InvalidValue(field, value, "must be a list of [version, n_tokens] pairs")
-        runs: list[tuple[int, int]] = []
-        for index, run in enumerate(value):
-            if isinstance(run, (str, bytes)) or not isinstance(run, Sequence) or len(run) != 2:
-                raise InvalidValue(f"{field}[{index}]", run, "must be a [version, n_tokens] pair")
-            version, count = run
-            check_int_at_least(f"{field}[{index}][0]", version, 0, "a weight version is an int >= 0")
-            check_int_at_least(f"{field}[{index}][1]", count, 1, "a token count is an int >= 1")
-            if runs and runs[-1][0] == version:
-                runs[-1] = (version, runs[-1][1] + count)
-            else:
-                runs.append((version, count))
-        return tuple(runs)
 
-    return convert
+def token_ids_tuple(field: str) -> Callable[[Any], tuple[int, ...]]:
+    """A converter: ``as_token_ids`` naming ``field``."""
+    return lambda value: as_token_ids(value, field)
+
+
+def logprobs_tuple(field: str) -> Callable[[Any], tuple[float, ...]]:
+    """A converter: ``as_logprobs`` naming ``field``."""
+    return lambda value: as_logprobs(value, field)
+
+
+def version_runs(field: str) -> Callable[[Any], VersionRuns]:
+    """A converter: ``as_version_runs`` naming ``field``."""
+    return lambda value: as_version_runs(value, field)
+
+
+# The attrs fields' converters, one named function each (a type checker reads their types).
+def _token_ids(value: Any) -> tuple[int, ...]:
+    return as_token_ids(value, "token_ids")
+
+
+def _prompt_token_ids(value: Any) -> tuple[int, ...]:
+    return as_token_ids(value, "prompt_token_ids")
+
+
+def _stop_token_ids(value: Any) -> tuple[int, ...]:
+    return as_token_ids(value, "stop_token_ids")
+
+
+def _optional_logprobs(value: Any) -> tuple[float, ...] | None:
+    """None (none were asked for) or the logprobs."""
+    return None if value is None else as_logprobs(value, "logprobs")
+
+
+def weight_version_runs(value: Any) -> VersionRuns:
+    return as_version_runs(value, "weight_versions")
+
+
+def _finish_reason(value: Any) -> FinishReason:
+    return FinishReason.parse(value)
 
 
 def join_version_runs(first: Sequence[tuple[int, int]], second: Sequence[tuple[int, int]]
                       ) -> VersionRuns:
     """The runs of two consecutive pieces of one generation, as one list."""
-    return version_runs("weight_versions")([*first, *second])
+    return weight_version_runs([*first, *second])
 
 
 def _whole_rollout_runs(rollout: Any) -> VersionRuns:
@@ -204,12 +228,12 @@ class RolloutRequest:
     """One prompt to complete. ``max_new_tokens`` is the budget already fitted to the context."""
 
     request_id: str = attrs.field(validator=non_empty_str("request_id"))
-    prompt_token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("prompt_token_ids"))
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_prompt_token_ids)
     max_new_tokens: int = attrs.field(validator=int_at_least("max_new_tokens", 0))
     sampling: SamplingSpec = GREEDY
     stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     # End at any of these tokens (kept as the last token), as at an end-of-sequence token.
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=token_ids_tuple("stop_token_ids"))
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
     # A group: n samples of this prompt in one request (one prefill, one worker); sample i
     # draws with ``sample_sampling(sampling, i)``.
     n: int = 1
@@ -249,9 +273,9 @@ class ServedRollout:
     """An engine's answer to one rollout: generated tokens, one logprob each (None when none
     were asked for), why it ended."""
 
-    token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("token_ids"))
-    logprobs: tuple[float, ...] | None = attrs.field(converter=optional_logprobs("logprobs"))
-    finish_reason: FinishReason = attrs.field(converter=FinishReason.parse)
+    token_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
+    logprobs: tuple[float, ...] | None = attrs.field(converter=_optional_logprobs)
+    finish_reason: FinishReason = attrs.field(converter=_finish_reason)
     usage: Usage
     routed_experts: Any = None  # MoE engines: per-token expert choices, passed through as-is
     weight_version: int | None = None  # the weights at completion, when the engine counts them
@@ -262,7 +286,7 @@ class ServedRollout:
     # run when a refit swapped the weights while this rollout was in flight.
     weight_versions: VersionRuns = attrs.field(
         default=attrs.Factory(_whole_rollout_runs, takes_self=True),
-        converter=version_runs("weight_versions"))
+        converter=weight_version_runs)
 
     def __attrs_post_init__(self) -> None:
         _check_generation(self.token_ids, self.logprobs)
@@ -287,7 +311,7 @@ class ServedRollout:
         are not run twice on the driver's hot path; the checks across fields (one logprob per
         token, runs that tag every token once) still are, and the runs are merged as usual."""
         served = object.__new__(cls)
-        runs = None if weight_versions is None else version_runs("weight_versions")(weight_versions)
+        runs = None if weight_versions is None else weight_version_runs(weight_versions)
         for name, value in (("token_ids", token_ids), ("logprobs", logprobs),
                             ("finish_reason", finish_reason),
                             ("usage", Usage(prompt_tokens, len(token_ids))),
@@ -307,15 +331,15 @@ class RolloutResult:
     none)."""
 
     request_id: str
-    token_ids: tuple[int, ...] = attrs.field(converter=token_ids_tuple("token_ids"))
-    logprobs: tuple[float, ...] | None = attrs.field(converter=optional_logprobs("logprobs"))
-    finish_reason: FinishReason = attrs.field(converter=FinishReason.parse)
+    token_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
+    logprobs: tuple[float, ...] | None = attrs.field(converter=_optional_logprobs)
+    finish_reason: FinishReason = attrs.field(converter=_finish_reason)
     routed_experts: Any = None
     weight_version: int | None = None
     attempts: int = 1
     weight_versions: VersionRuns = attrs.field(
         default=attrs.Factory(_whole_rollout_runs, takes_self=True),
-        converter=version_runs("weight_versions"))
+        converter=weight_version_runs)
 
     def __attrs_post_init__(self) -> None:
         _check_generation(self.token_ids, self.logprobs)

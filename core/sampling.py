@@ -64,8 +64,7 @@ def _fraction(name: str, value: Any) -> float:
 
 
 def _count(name: str, value: Any) -> int:
-    check_int_at_least(name, value, 0)
-    return value
+    return check_int_at_least(name, value, 0)
 
 
 def _flag(name: str, value: Any) -> bool:

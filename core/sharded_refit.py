@@ -17,17 +17,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import DTYPE_BYTES, RefitInfo, TensorMeta, plan_buckets
-from rollout_fleet.core.validate import is_int
+from rollout_fleet.core.validate import check_int_at_least, is_int
 
 __all__ = ["EngineLayout", "TrainerLayout", "plan_sharded_refit", "tensor_slice"]
 VOCAB_PADDING = 64  # vLLM pads a vocabulary-parallel embedding's rows to a multiple of this
 ALIGN = 256
+Range = tuple[int, int]  # [start, stop) along one dimension
+Slices = tuple[tuple["TensorSlice", ...], ...]  # per tensor-parallel rank, per tensor
+
+
+def _names(names: Sequence[str]) -> tuple[str, ...]:
+    return tuple(names)
 
 
 def chunk_rows(rows: int, ranks: int) -> tuple[int, ...]:
@@ -54,8 +61,7 @@ class TrainerLayout:
             for meta in info.tensors))
 
     def check(self, info: RefitInfo) -> None:
-        if not is_int(self.train_world_size) or self.train_world_size < 1:
-            raise InvalidValue("train_world_size", self.train_world_size, "must be an int >= 1")
+        check_int_at_least("train_world_size", self.train_world_size, 1)
         if len(self.rows) != len(info.tensors):
             raise InvalidValue("trainer layout", len(self.rows),
                                f"gives rows for that many tensors; the refit has {len(info.tensors)}")
@@ -76,8 +82,8 @@ class TrainerLayout:
     def from_wire(cls, data: Any) -> "TrainerLayout":
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise InvalidValue("trainer layout", data, "must be {'train_world_size', 'rows'}")
-        return cls(data.get("train_world_size"),
-                   tuple(None if r is None else tuple(r) for r in data["rows"]))
+        world = check_int_at_least("train_world_size", data.get("train_world_size"), 1)
+        return cls(world, tuple(None if r is None else tuple(r) for r in data["rows"]))
 
 
 @attrs.frozen
@@ -90,17 +96,14 @@ class EngineLayout:
     tensor_parallel_size: int
     num_heads: int | None = None
     num_kv_heads: int | None = None
-    whole: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    whole: tuple[str, ...] = attrs.field(default=(), converter=_names)
 
     def check(self) -> None:
         for field in ("num_workers", "tensor_parallel_size"):
-            value = getattr(self, field)
-            if not is_int(value) or value < 1:
-                raise InvalidValue(field, value, "must be an int >= 1")
+            check_int_at_least(field, getattr(self, field), 1)
         for field in ("num_heads", "num_kv_heads"):
-            value = getattr(self, field)
-            if value is not None and (not is_int(value) or value < 1):
-                raise InvalidValue(field, value, "must be None or an int >= 1")
+            if getattr(self, field) is not None:
+                check_int_at_least(field, getattr(self, field), 1, "must be None or an int >= 1")
 
     @property
     def engine_ranks(self) -> int:
@@ -125,19 +128,19 @@ class TensorSlice:
 
     kind: str
     dim: int
-    ranges: tuple[tuple[int, int], ...]
+    ranges: tuple[Range, ...]
     shape: tuple[int, ...]
     nbytes: int
 
 
-def _split(size: int, parts: int, index: int) -> tuple[int, int] | None:
+def _split(size: int, parts: int, index: int) -> Range | None:
     if size % parts:
         return None
     per = size // parts
     return (index * per, (index + 1) * per)
 
 
-def _kv_range(rows: int, heads: int, tp: int, rank: int, base: int) -> tuple[int, int] | None:
+def _kv_range(rows: int, heads: int, tp: int, rank: int, base: int) -> Range | None:
     """K or V rows for one rank: split by heads, or the rank's one head replicated (E > heads)."""
     if rows % heads or not (heads % tp == 0 or tp % heads == 0):
         return None
@@ -147,7 +150,8 @@ def _kv_range(rows: int, heads: int, tp: int, rank: int, base: int) -> tuple[int
     return (base + shard * per, base + (shard + 1) * per)
 
 
-def _column_ranges(module: str, meta: TensorMeta, layout: EngineLayout, rank: int):
+def _column_ranges(module: str, meta: TensorMeta, layout: EngineLayout, rank: int
+                   ) -> tuple[Range, ...] | None:
     """Dim-0 ranges of a column-parallel (or fused) tensor for one tensor-parallel rank."""
     rows, tp = meta.shape[0], layout.tensor_parallel_size
     heads, kv = layout.num_heads, layout.num_kv_heads
@@ -158,7 +162,7 @@ def _column_ranges(module: str, meta: TensorMeta, layout: EngineLayout, rank: in
         q = _split(heads * head_dim, tp, rank)
         k = _kv_range(kv * head_dim, kv, tp, rank, heads * head_dim)
         v = _kv_range(kv * head_dim, kv, tp, rank, (heads + kv) * head_dim)
-        return None if None in (q, k, v) else (q, k, v)
+        return None if q is None or k is None or v is None else (q, k, v)
     if module in ("k_proj", "v_proj"):
         part = _kv_range(rows, kv, tp, rank, 0) if kv is not None else None
         return None if part is None else (part,)
@@ -167,7 +171,7 @@ def _column_ranges(module: str, meta: TensorMeta, layout: EngineLayout, rank: in
             return None
         half = rows // 2
         gate, up = _split(half, tp, rank), _split(half, tp, rank)
-        return None if None in (gate, up) else (gate, (half + up[0], half + up[1]))
+        return None if gate is None or up is None else (gate, (half + up[0], half + up[1]))
     part = _split(rows, tp, rank)  # q_proj, gate_proj, up_proj
     return None if part is None else (part,)
 
@@ -177,13 +181,10 @@ ROW = ("o_proj", "down_proj")
 VOCAB = ("embed_tokens", "lm_head")
 
 
-def _cut(meta: TensorMeta, kind: str, dim: int, ranges: Sequence[tuple[int, int]]) -> TensorSlice:
+def _cut(meta: TensorMeta, kind: str, dim: int, ranges: Sequence[Range]) -> TensorSlice:
     length = sum(b - a for a, b in ranges)
     shape = tuple(length if d == dim else s for d, s in enumerate(meta.shape))
-    count = 1
-    for s in shape:
-        count *= s
-    return TensorSlice(kind, dim, tuple(ranges), shape, count * DTYPE_BYTES[meta.dtype])
+    return TensorSlice(kind, dim, tuple(ranges), shape, math.prod(shape) * DTYPE_BYTES[meta.dtype])
 
 
 def tensor_slice(meta: TensorMeta, layout: EngineLayout, tp_rank: int) -> TensorSlice:
@@ -247,7 +248,7 @@ class ShardedPlan:
     engine: EngineLayout
     buffer_bytes: int
     buckets: tuple[tuple[int, ...], ...]  # tensor indices per bucket, in order
-    slices: tuple[tuple[TensorSlice, ...], ...]  # per tensor-parallel rank j, per tensor
+    slices: Slices  # per tensor-parallel rank j, per tensor
     offsets: tuple[tuple[int, ...], ...]  # per engine rank, per tensor: offset in its bucket block
     block_bytes: tuple[int, ...]  # per engine rank: its largest bucket
     pieces: tuple[Piece, ...]  # the one issue order every rank follows
@@ -302,8 +303,10 @@ def _buckets(info: RefitInfo, buffer_bytes: int) -> tuple[tuple[int, ...], ...]:
                  for bucket in plan_buckets(info.tensors, buffer_bytes))
 
 
-def _block_layout(slices, buckets, engine: EngineLayout, count: int):
-    offsets, block_bytes = [], []
+def _block_layout(slices: Slices, buckets: tuple[tuple[int, ...], ...], engine: EngineLayout,
+                  count: int) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+    offsets: list[tuple[int, ...]] = []
+    block_bytes: list[int] = []
     for g in range(engine.engine_ranks):
         mine, largest = [0] * count, 0
         for bucket in buckets:
@@ -317,7 +320,8 @@ def _block_layout(slices, buckets, engine: EngineLayout, count: int):
     return tuple(offsets), block_bytes
 
 
-def _owners(info: RefitInfo, trainer: TrainerLayout, slices, engine: EngineLayout):
+def _owners(info: RefitInfo, trainer: TrainerLayout, slices: Slices, engine: EngineLayout
+            ) -> tuple[int | None, ...]:
     """A sender for each replicated tensor: the largest first, each to the least loaded rank
     (counting what the sharded tensors already make each rank send)."""
     load = [0] * trainer.train_world_size
@@ -340,13 +344,10 @@ def _owners(info: RefitInfo, trainer: TrainerLayout, slices, engine: EngineLayou
 
 def _row_bytes(meta: TensorMeta, cut: TensorSlice) -> int:
     """Bytes of one dim-0 row of the slice."""
-    count = 1
-    for s in cut.shape[1:]:
-        count *= s
-    return count * DTYPE_BYTES[meta.dtype]
+    return math.prod(cut.shape[1:]) * DTYPE_BYTES[meta.dtype]
 
 
-def _shares(cut: TensorSlice, meta: TensorMeta, rows: Sequence[int]):
+def _shares(cut: TensorSlice, meta: TensorMeta, rows: Sequence[int]) -> Iterator[tuple[int, int]]:
     """(sender, bytes) of one slice from dim-0 shards held as ``rows``."""
     starts = [sum(rows[:r]) for r in range(len(rows))]
     for r, (start, count) in enumerate(zip(starts, rows)):
@@ -356,14 +357,16 @@ def _shares(cut: TensorSlice, meta: TensorMeta, rows: Sequence[int]):
                 yield r, overlap * _row_bytes(meta, cut)
 
 
-def _row_spans(cut: TensorSlice, meta: TensorMeta) -> tuple[tuple[int, int], ...]:
+def _row_spans(cut: TensorSlice, meta: TensorMeta) -> tuple[Range, ...]:
     """The dim-0 rows of the full tensor the slice takes, in the slice's order."""
     if cut.dim == 0:
         return cut.ranges
     return ((0, meta.shape[0]),)
 
 
-def _pieces(info, trainer, owners, slices, offsets, buckets, engine):
+def _pieces(info: RefitInfo, trainer: TrainerLayout, owners: tuple[int | None, ...],
+            slices: Slices, offsets: tuple[tuple[int, ...], ...],
+            buckets: tuple[tuple[int, ...], ...], engine: EngineLayout) -> Iterator[Piece]:
     tp = engine.tensor_parallel_size
     for b, bucket in enumerate(buckets):
         for t in bucket:
@@ -373,15 +376,17 @@ def _pieces(info, trainer, owners, slices, offsets, buckets, engine):
                                           offsets[g][t])
 
 
-def _tensor_pieces(bucket, t, g, meta, rows, owner, cut: TensorSlice, base: int):
+def _tensor_pieces(bucket: int, t: int, g: int, meta: TensorMeta, rows: tuple[int, ...] | None,
+                   owner: int | None, cut: TensorSlice, base: int) -> Iterator[Piece]:
+    """Tensor ``t``'s pieces for engine rank ``g``: from its rows' holders, or its ``owner``."""
+    replica_sender = owner if owner is not None else 0
     if not meta.shape:
         if cut.nbytes:
-            yield Piece(bucket, t, owner if owner is not None else 0, g, 0, 1, None, None, base,
-                        cut.nbytes)
+            yield Piece(bucket, t, replica_sender, g, 0, 1, None, None, base, cut.nbytes)
         return
     row_bytes = _row_bytes(meta, cut)
-    cols = cut.ranges[0] if cut.dim == 1 else (None, None)
-    holders = ([(owner, 0, meta.shape[0])] if rows is None else
+    cols: Range | tuple[None, None] = cut.ranges[0] if cut.dim == 1 else (None, None)
+    holders = ([(replica_sender, 0, meta.shape[0])] if rows is None else
                [(r, sum(rows[:r]), sum(rows[:r]) + n) for r, n in enumerate(rows) if n])
     at = 0  # rows of the slice so far
     for lo, hi in _row_spans(cut, meta):

@@ -24,12 +24,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.validate import check_int_at_least
+
+T = TypeVar("T")
 
 
 class StalenessTimeout(RolloutFleetError):
@@ -51,7 +55,7 @@ class StalenessGate:
         self._in_flight: collections.Counter[int] = collections.Counter()  # version -> rollouts
         self._refit_pending = False  # waiting for old rollouts, or loading: one at a time
         self._lock = threading.Lock()
-        self._waiters: list[Callable[[], None]] = []  # each wakes one waiter to check again
+        self._waiters: list[Callable[[], object]] = []  # each wakes one waiter to check again
         self.max_lag_seen = 0  # the largest lag this gate let happen (for reports)
 
     @property
@@ -144,26 +148,32 @@ class StalenessGate:
                 or self.current_version + 1 - oldest <= self.max_staleness)
 
     # -- waiting --------------------------------------------------------------------------------
-    async def _await(self, attempt):
+    def _attempt(self, attempt: Callable[[], T | None], wake: Callable[[], object]) -> T | None:
+        """``attempt`` under the lock: its outcome, or None (it cannot go on yet) with ``wake``
+        left to be called at the next change of state."""
+        with self._lock:
+            outcome = attempt()
+            if outcome is None:
+                self._waiters.append(wake)
+            return outcome
+
+    async def _await(self, attempt: Callable[[], T | None]) -> T:
         loop = asyncio.get_running_loop()
         while True:
-            woken = loop.create_future()
-            with self._lock:
-                outcome = attempt()
-                if outcome is not None:
-                    return outcome
-                self._waiters.append(lambda: loop.call_soon_threadsafe(_settle, woken))
+            woken: asyncio.Future[None] = loop.create_future()
+            outcome = self._attempt(attempt, functools.partial(loop.call_soon_threadsafe,
+                                                               _settle, woken))
+            if outcome is not None:
+                return outcome
             await woken
 
-    def _block(self, attempt, timeout_s: float | None):
+    def _block(self, attempt: Callable[[], T | None], timeout_s: float | None) -> T:
         deadline = None if timeout_s is None else self._clock.monotonic() + timeout_s
         while True:
             woken = threading.Event()
-            with self._lock:
-                outcome = attempt()
-                if outcome is not None:
-                    return outcome
-                self._waiters.append(woken.set)
+            outcome = self._attempt(attempt, woken.set)
+            if outcome is not None:
+                return outcome
             left = None if deadline is None else deadline - self._clock.monotonic()
             if left is not None and (left <= 0 or not woken.wait(left)):
                 raise StalenessTimeout(
@@ -182,7 +192,7 @@ class StalenessGate:
                 pass
 
 
-def _settle(future: asyncio.Future) -> None:
+def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, TypeGuard, TypeVar
 
 from rollout_fleet.core.errors import InvalidValue
 
 V = TypeVar("V", bound="Vocabulary")
+# An attrs validator: called with the instance, the attribute and the value; raises to refuse.
+Validator = Callable[[Any, Any, Any], None]
 
 
 def is_finite_number(value: Any) -> bool:
@@ -25,12 +27,12 @@ def is_finite_number(value: Any) -> bool:
         return False
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An int that is not a bool (``True`` is an int to Python, never a count to us)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_real(value: Any) -> bool:
+def is_real(value: Any) -> TypeGuard[int | float]:
     """A non-bool int or float (finite or not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -53,17 +55,17 @@ def check_int_in(field: str, value: Any, low: int, high: int, rule: str | None =
     return value
 
 
-def int_at_least(field: str, low: int):
+def int_at_least(field: str, low: int) -> Validator:
     def check(_inst: Any, _attr: Any, value: Any) -> None:
         check_int_at_least(field, value, low)
     return check
 
 
-def positive_int(field: str):
+def positive_int(field: str) -> Validator:
     return int_at_least(field, 1)
 
 
-def finite_at_least(field: str, low: float = 0.0, *, strictly: bool = False):
+def finite_at_least(field: str, low: float = 0.0, *, strictly: bool = False) -> Validator:
     """A finite number >= ``low`` (or > ``low`` when ``strictly``)."""
     relation = ">" if strictly else ">="
 
@@ -73,14 +75,14 @@ def finite_at_least(field: str, low: float = 0.0, *, strictly: bool = False):
     return check
 
 
-def non_empty_str(field: str):
+def non_empty_str(field: str) -> Validator:
     def check(_inst: Any, _attr: Any, value: Any) -> None:
         if not isinstance(value, str) or not value:
             raise InvalidValue(field, value, "must be a non-empty string")
     return check
 
 
-def one_of(field: str, allowed: Sequence[Any]):
+def one_of(field: str, allowed: Sequence[Any]) -> Validator:
     """A value among ``allowed``."""
     def check(_inst: Any, _attr: Any, value: Any) -> None:
         if value not in allowed:
@@ -95,7 +97,7 @@ def check_bool(field: str, value: Any) -> bool:
     return value
 
 
-def a_bool(field: str):
+def a_bool(field: str) -> Validator:
     """attrs validator: a bool, refused by ``field``'s name otherwise."""
     def check(_instance: Any, _attribute: Any, value: Any) -> None:
         check_bool(field, value)
@@ -119,8 +121,11 @@ class Vocabulary(str, enum.Enum):
     spell, so each still reads, writes, hashes and compares as that string; ``str(member)`` and
     f-strings give the spelling too (a plain ``str`` mixin gives ``Class.MEMBER`` there)."""
 
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
     @classmethod
     def parse(cls: type[V], value: Any, field: str, allowed: Iterable[V] | None = None) -> V:
@@ -136,7 +141,8 @@ class Vocabulary(str, enum.Enum):
         return member
 
     @classmethod
-    def converter(cls: type[V], field: str, allowed: Iterable[V] | None = None):
+    def converter(cls: type[V], field: str, allowed: Iterable[V] | None = None
+                  ) -> Callable[[Any], V]:
         """An attrs converter that parses the field's value (``allowed``: as for ``parse``)."""
         members = tuple(cls if allowed is None else allowed)
 

@@ -30,11 +30,15 @@ Settings = TypeVar("Settings")
 Control = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
+def _device(value: Any) -> Device:
+    return Device.parse(value, "device")
+
+
 @attrs.frozen
 class FleetFacts:
     """What an engine kind may read of the fleet that serves it."""
 
-    device: Device = attrs.field(default=Device.CPU, converter=Device.converter("device"))
+    device: Device = attrs.field(default=Device.CPU, converter=_device)
     max_model_len: int = 512
     num_workers: int = 1
     kv_routing: bool = False  # the frontend routes by KV-cache events
@@ -64,14 +68,18 @@ class EngineKind(ABC, Generic[Settings]):
     def parse(self, options: Mapping[str, Any], fleet: FleetFacts | None) -> Settings:
         """This kind's settings from the engine table; raise ``InvalidValue`` naming the bad
         option, before any process starts. Default: the table itself, as a dict."""
-        return dict(options)  # type: ignore[return-value]
+        return dict(options)  # type: ignore[return-value]  # a kind that parses nothing: its Settings is this dict
 
     def options(self, settings: Settings) -> dict[str, Any]:
         """The settings as the engine table a worker is sent (JSON values; ``parse`` reads it
         back). Default: a dict, or an attrs class's fields."""
-        if attrs.has(type(settings)):
-            return attrs.asdict(settings, recurse=False)
-        return dict(settings)  # type: ignore[call-overload]
+        kind = type(settings)
+        if attrs.has(kind):
+            return {field.name: getattr(settings, field.name) for field in attrs.fields(kind)}
+        if isinstance(settings, Mapping):
+            return dict(settings)
+        raise TypeError(f"{kind.__name__} settings are neither a mapping nor an attrs class:"
+                        " the engine kind must override options()")
 
     def refit_ranks(self, settings: Settings) -> int:
         """How many ranks one engine holds in the refit group (tensor x pipeline parallel)."""

@@ -34,6 +34,9 @@ class MemoryColocated(ColocatedTarget):
     def weight_metas(self) -> Mapping[str, TensorMeta]:
         return self.engine.weight_metas()
 
+    def weight_version(self) -> int:
+        return self.engine.weight_version()
+
     def colocated_transports(self) -> tuple[str, ...]:
         return (SHM_TRANSPORT,)
 

@@ -8,7 +8,7 @@ can share a process, like gloo groups built without the default group, runs here
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -27,17 +27,24 @@ class CollectiveUnderTest:
     same: Callable[[Any, Any], bool]  # bit-exact equality of two tensors
 
 
-def _run_ranks(sender, receivers, info, tensors, receiver_info=None):
-    received: list[Any] = [None] * len(receivers)
+Received = list[tuple[str, Any]]  # one receiver's (name, tensor) in arrival order
+
+
+def _run_ranks(sender: WeightSender, receivers: Sequence[WeightReceiver], info: RefitInfo,
+               tensors: Mapping[str, Any], receiver_info: RefitInfo | None = None
+               ) -> tuple[list[Received | None], list[BaseException | None]]:
+    """Every rank in a thread of its own: what each receiver got, and each rank's error
+    (the receivers', then the sender's)."""
+    received: list[Received | None] = [None] * len(receivers)
     errors: list[BaseException | None] = [None] * (len(receivers) + 1)
 
-    def receive(i):
+    def receive(i: int) -> None:
         try:
             received[i] = list(receivers[i].receive(receiver_info or info))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             errors[i] = exc
 
-    def send():
+    def send() -> None:
         try:
             sender.send(info, tensors.items())
         except BaseException as exc:  # noqa: BLE001
@@ -55,8 +62,8 @@ def _run_ranks(sender, receivers, info, tensors, receiver_info=None):
 
 class CollectiveContract:
     @pytest.mark.parametrize("buffer_bytes, num_buffers", [(1 << 10, 1), (4 << 10, 2), (1 << 20, 3)])
-    def test_every_tensor_arrives_bit_exact_in_order(self, collective_under_test,
-                                                     buffer_bytes, num_buffers):
+    def test_every_tensor_arrives_bit_exact_in_order(self, collective_under_test: CollectiveUnderTest,
+                                                     buffer_bytes: int, num_buffers: int) -> None:
         cut = collective_under_test
         spec = CollectiveSenderSpec(buffer_bytes=buffer_bytes, num_buffers=num_buffers)
         sender, receivers = cut.make_group(spec, [spec, spec])
@@ -67,11 +74,13 @@ class CollectiveContract:
             _close(sender, receivers)
         assert errors == [None] * 3
         for got in received:
+            assert got is not None
             assert [name for name, _ in got] == [t.name for t in info.tensors]
             for name, tensor in got:
                 assert cut.same(tensor, tensors[name]), f"{name} differs"
 
-    def test_a_geometry_mismatch_is_a_clear_error_not_a_hang(self, collective_under_test):
+    def test_a_geometry_mismatch_is_a_clear_error_not_a_hang(
+            self, collective_under_test: CollectiveUnderTest) -> None:
         cut = collective_under_test
         spec = CollectiveSenderSpec(buffer_bytes=4096, num_buffers=2)
         other = CollectiveSenderSpec(buffer_bytes=8192, num_buffers=2)
@@ -83,7 +92,8 @@ class CollectiveContract:
             _close(sender, receivers)
         assert isinstance(errors[0], RolloutFleetError), errors
 
-    def test_a_refit_info_mismatch_is_a_clear_error(self, collective_under_test):
+    def test_a_refit_info_mismatch_is_a_clear_error(
+            self, collective_under_test: CollectiveUnderTest) -> None:
         cut = collective_under_test
         spec = CollectiveSenderSpec(buffer_bytes=4096, num_buffers=2)
         sender, receivers = cut.make_group(spec, [spec])
@@ -96,7 +106,7 @@ class CollectiveContract:
         assert isinstance(errors[0], RolloutFleetError), errors
 
 
-def _close(sender, receivers):
+def _close(sender: WeightSender, receivers: Sequence[WeightReceiver]) -> None:
     sender.close()
     for receiver in receivers:
         receiver.close()

@@ -21,9 +21,12 @@ from typing import Any
 
 import attrs
 import pytest
+from rollout_fleet.core.colocated_refit import ColocatedSession
 from rollout_fleet.core.colocated_service import WorkerColocatedRefit
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.colocated import ColocatedTarget
+from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.contracts.refit_target import WeightSets
 
 IDLE_TIMEOUT_S = 3.0  # the suite's session expiry: a dead trainer is given up within it
 # faults a ColocatedTrainer injects (its own side of the protocol, never the engine's):
@@ -32,7 +35,13 @@ DIE_AFTER_BUCKET = "die_after_bucket"  # the trainer process exits after bucket 
 UNLINK_BEFORE_BUCKET = "unlink_before_bucket"  # bucket 1's buffer is gone before the call
 
 
-_SERVICES: "weakref.WeakKeyDictionary[Any, WorkerColocatedRefit]" = weakref.WeakKeyDictionary()
+_SERVICES: weakref.WeakKeyDictionary[Any, WorkerColocatedRefit] = weakref.WeakKeyDictionary()
+GREEDY_TOKENS = 12  # each prompt's greedy answer, compared before a refit and after
+Caller = Callable[[str, Mapping[str, Any]], Mapping[str, Any]]  # a control's name, body -> answer
+
+
+def _greedy(eut: EngineUnderTest) -> list[tuple[int, ...]]:
+    return eut.greedy_answers(GREEDY_TOKENS)
 
 
 class TrainerDied(RolloutFleetError):
@@ -53,101 +62,125 @@ class ColocatedTrainer:
 
 
 class ColocatedContract:
-    def _colocated_service(self, eut) -> WorkerColocatedRefit:
-        assert isinstance(eut.engine, ColocatedTarget), "the engine does not implement ColocatedTarget"
-        service = _SERVICES.get(eut.engine)
+    def _colocated_service(self, eut: EngineUnderTest) -> WorkerColocatedRefit:
+        target = self._colocated_target(eut)
+        service = _SERVICES.get(target)
         if service is None:
-            service = _SERVICES[eut.engine] = WorkerColocatedRefit(eut.engine,
-                                                                 idle_timeout_s=IDLE_TIMEOUT_S)
+            service = _SERVICES[target] = WorkerColocatedRefit(target,
+                                                               idle_timeout_s=IDLE_TIMEOUT_S)
         return service
 
-    def _colocated_caller(self, eut) -> Callable[[str, Mapping[str, Any]], Mapping[str, Any]]:
+    def _colocated_caller(self, eut: EngineUnderTest) -> Caller:
         controls = self._colocated_service(eut).controls()
-        return lambda name, body: eut.loop.run(controls[name](dict(body)))
 
-    def _colocated_greedy(self, eut):
-        return [eut.serve(p, 12).token_ids for p in eut.prompts]
+        async def call(name: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
+            return await controls[name](dict(body))
+        return lambda name, body: eut.loop.run(call(name, body))
 
-    def _colocated_refit(self, eut, trainer, tensors, **kw) -> Mapping[str, Any]:
+    def _colocated_target(self, eut: EngineUnderTest) -> ColocatedTarget:
+        assert isinstance(eut.engine, ColocatedTarget), \
+            "the engine does not implement ColocatedTarget"
+        return eut.engine
+
+    def _version(self, eut: EngineUnderTest) -> int:
+        return self._colocated_target(eut).weight_version()
+
+    def _colocated_refit(self, eut: EngineUnderTest, trainer: ColocatedTrainer,
+                         tensors: Mapping[str, Any], **kw: Any) -> Mapping[str, Any]:
         return trainer.refit(self._colocated_caller(eut), tensors, **kw)
 
-    def test_a_refit_crosses_several_buckets(self, colocated_trainer):
+    def _given_up(self, eut: EngineUnderTest) -> ColocatedSession:
+        """The session a dead trainer left, once the worker gave it up (or the wait ran out)."""
+        session = self._colocated_service(eut).session
+        assert session is not None, "no colocated refit was started"
+        deadline = time.monotonic() + IDLE_TIMEOUT_S + 30
+        while session.is_open and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return session
+
+    def test_a_refit_crosses_several_buckets(self, colocated_trainer: ColocatedTrainer) -> None:
         assert colocated_trainer.buckets_per_refit >= 2
 
     def test_a_colocated_refit_changes_outputs_and_refitting_back_restores_them(
-            self, engine_under_test, weight_sets, colocated_trainer):
+            self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
+            colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, alternate) = engine_under_test, weight_sets
-        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        before, version = _greedy(eut), self._version(eut)
         answer = self._colocated_refit(eut, colocated_trainer, alternate)
         assert answer["weight_version"] == version + 1
         assert answer["buckets"] == colocated_trainer.buckets_per_refit
-        assert self._colocated_greedy(eut) != before, "a colocated refit of other weights changed nothing"
+        assert _greedy(eut) != before, "a colocated refit of other weights changed nothing"
         assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 2
-        assert self._colocated_greedy(eut) == before, "refitting the original back did not restore it"
+        assert _greedy(eut) == before, "refitting the original back did not restore it"
 
     def test_an_in_place_refit_loads_every_bucket_from_one_call(
-            self, engine_under_test, weight_sets, colocated_trainer):
+            self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
+            colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, alternate) = engine_under_test, weight_sets
-        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
-        caller, calls = self._colocated_caller(eut), []
+        before, version = _greedy(eut), self._version(eut)
+        caller = self._colocated_caller(eut)
+        calls: list[str] = []
 
-        def counted(name, body):
+        def counted(name: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
             calls.append(name)
             return caller(name, body)
         answer = colocated_trainer.refit(counted, alternate, in_place=True)
         assert answer["weight_version"] == version + 1
         assert answer["buckets"] == colocated_trainer.buckets_per_refit
         assert calls[:3] == ["colocated_start", "colocated_buckets", "colocated_finish"]
-        assert self._colocated_greedy(eut) != before, \
+        assert _greedy(eut) != before, \
             "an in-place refit of other weights changed nothing"
         colocated_trainer.refit(counted, original, in_place=True)
-        assert self._colocated_greedy(eut) == before, "refitting the original back did not restore it"
+        assert _greedy(eut) == before, "refitting the original back did not restore it"
 
     def test_the_fleet_version_is_taken_and_one_going_backwards_refused(
-            self, engine_under_test, weight_sets, colocated_trainer):
+            self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
+            colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, alternate) = engine_under_test, weight_sets
-        wanted = eut.engine.weight_version() + 3
-        assert self._colocated_refit(eut, colocated_trainer, alternate, version=wanted)["weight_version"] == wanted
+        wanted = self._version(eut) + 3
+        answer = self._colocated_refit(eut, colocated_trainer, alternate, version=wanted)
+        assert answer["weight_version"] == wanted
         with pytest.raises(RolloutFleetError, match="weight_version"):
             self._colocated_refit(eut, colocated_trainer, original, version=wanted)
-        assert eut.engine.weight_version() == wanted
+        assert self._version(eut) == wanted
         assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == wanted + 1
 
     def test_a_wrong_shape_is_refused_naming_the_tensor_and_nothing_changes(
-            self, engine_under_test, weight_sets, colocated_trainer):
+            self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
+            colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, _alternate) = engine_under_test, weight_sets
-        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        before, version = _greedy(eut), self._version(eut)
         name = sorted(original)[-1]
         with pytest.raises(RolloutFleetError, match=f"shape of '{name}'"):
-            self._colocated_refit(eut, colocated_trainer, original, fault=WRONG_SHAPE, fault_arg=name)
-        assert eut.engine.weight_version() == version
-        assert self._colocated_greedy(eut) == before
+            self._colocated_refit(eut, colocated_trainer, original, fault=WRONG_SHAPE,
+                                  fault_arg=name)
+        assert self._version(eut) == version
+        assert _greedy(eut) == before
 
     def test_a_buffer_gone_mid_refit_fails_it_and_the_old_weights_serve(
-            self, engine_under_test, weight_sets, colocated_trainer):
+            self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
+            colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, alternate) = engine_under_test, weight_sets
-        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        before, version = _greedy(eut), self._version(eut)
         with pytest.raises(RolloutFleetError, match="segment|handle"):
             self._colocated_refit(eut, colocated_trainer, alternate, fault=UNLINK_BEFORE_BUCKET)
-        assert eut.engine.weight_version() == version
-        assert self._colocated_greedy(eut) == before, "a failed colocated refit changed the answers"
+        assert self._version(eut) == version
+        assert _greedy(eut) == before, "a failed colocated refit changed the answers"
         assert self._colocated_refit(eut, colocated_trainer, alternate)["weight_version"] == version + 1
         assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 2
-        assert self._colocated_greedy(eut) == before
+        assert _greedy(eut) == before
 
     def test_a_trainer_dying_between_buckets_is_given_up_and_the_old_weights_serve(
-            self, engine_under_test, weight_sets, colocated_trainer):
+            self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
+            colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, alternate) = engine_under_test, weight_sets
-        before, version = self._colocated_greedy(eut), eut.engine.weight_version()
+        before, version = _greedy(eut), self._version(eut)
         with pytest.raises(TrainerDied):
             self._colocated_refit(eut, colocated_trainer, alternate, fault=DIE_AFTER_BUCKET)
-        service = self._colocated_service(eut)
-        deadline = time.monotonic() + IDLE_TIMEOUT_S + 30
-        while service.session.is_open and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not service.session.is_open, "the dead trainer's session was never given up"
-        assert "the trainer is gone" in service.session.failure
-        assert eut.engine.weight_version() == version
-        assert self._colocated_greedy(eut) == before
+        session = self._given_up(eut)
+        assert not session.is_open, "the dead trainer's session was never given up"
+        assert "the trainer is gone" in (session.failure or "")
+        assert self._version(eut) == version
+        assert _greedy(eut) == before
         assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 1
-        assert self._colocated_greedy(eut) == before
+        assert _greedy(eut) == before

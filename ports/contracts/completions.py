@@ -10,8 +10,10 @@ last but for the close: the fixture's engine serves nothing after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import attrs
-from collections.abc import Callable
 
 from rollout_fleet.core.retry import is_transient_status
 from rollout_fleet.core.rollout import RolloutRequest
@@ -29,12 +31,13 @@ class CompletionsUnderTest:
     refused_prompt: list[int]  # one it refuses (a token outside its vocabulary)
     kill_engine: Callable[[], None]  # makes the fleet's engine die
 
-    def post(self, body, request_id="contract") -> TransportResponse:
+    def post(self, body: Mapping[str, Any], request_id: str = "contract") -> TransportResponse:
         return self.loop.run(self.transport.post_completion(body, request_id=request_id))
 
 
 class CompletionsContract:
-    def test_a_rollout_body_gets_a_parseable_answer(self, completions_under_test):
+    def test_a_rollout_body_gets_a_parseable_answer(
+            self, completions_under_test: CompletionsUnderTest) -> None:
         cut = completions_under_test
         request = RolloutRequest("contract-ok", cut.prompt, 4)
         response = cut.post(completion_body(request, cut.model), request.request_id)
@@ -43,28 +46,31 @@ class CompletionsContract:
         served = parse_completion_answer(response.body)
         assert 1 <= len(served.token_ids) <= 4
 
-    def test_an_unknown_model_is_a_4xx_not_an_exception(self, completions_under_test):
+    def test_an_unknown_model_is_a_4xx_not_an_exception(
+            self, completions_under_test: CompletionsUnderTest) -> None:
         cut = completions_under_test
         body = completion_body(RolloutRequest("contract-404", cut.prompt, 2), "no-such-model")
         response = cut.post(body, "contract-404")
         assert 400 <= response.status < 500
 
 
-    def test_a_refused_prompt_is_a_4xx_that_is_not_retried(self, completions_under_test):
+    def test_a_refused_prompt_is_a_4xx_that_is_not_retried(
+            self, completions_under_test: CompletionsUnderTest) -> None:
         cut = completions_under_test
         body = completion_body(RolloutRequest("contract-400", cut.refused_prompt, 2), cut.model)
         response = cut.post(body, "contract-400")
         assert 400 <= response.status < 500 and not is_transient_status(response.status)
         assert b"error" in response.body
 
-    def test_zz_a_dead_engine_answers_503_which_is_retried(self, completions_under_test):
+    def test_zz_a_dead_engine_answers_503_which_is_retried(
+            self, completions_under_test: CompletionsUnderTest) -> None:
         cut = completions_under_test
         cut.kill_engine()
         body = completion_body(RolloutRequest("contract-503", cut.prompt, 2), cut.model)
         response = cut.post(body, "contract-503")
         assert response.status == 503 and is_transient_status(response.status)
 
-    def test_aclose_twice_is_harmless(self, completions_under_test):
+    def test_aclose_twice_is_harmless(self, completions_under_test: CompletionsUnderTest) -> None:
         cut = completions_under_test
         cut.loop.run(cut.transport.aclose())
         cut.loop.run(cut.transport.aclose())

@@ -32,7 +32,8 @@ class MetricsUnderTest:
 
 
 class MetricsContract:
-    def test_a_sample_names_its_worker_and_holds_counts(self, metrics_under_test):
+    def test_a_sample_names_its_worker_and_holds_counts(
+            self, metrics_under_test: MetricsUnderTest) -> None:
         load = metrics_under_test.sample()
         assert isinstance(load, WorkerLoad)
         assert load.worker_id == metrics_under_test.metrics.worker_id
@@ -42,7 +43,8 @@ class MetricsContract:
             assert value is None or (math.isfinite(value) and value >= 0), (name, value)
         assert load.kv_cache_usage is None or load.kv_cache_usage <= 1
 
-    def test_generated_tokens_grow_by_what_a_rollout_generated(self, metrics_under_test):
+    def test_generated_tokens_grow_by_what_a_rollout_generated(
+            self, metrics_under_test: MetricsUnderTest) -> None:
         cut = metrics_under_test
         before = cut.sample().generated_tokens
         generated = cut.serve_rollout()
@@ -50,6 +52,7 @@ class MetricsContract:
         assert generated >= 1 and before is not None and after is not None
         assert after - before >= generated
 
-    def test_a_worker_that_is_not_there_is_a_transport_error(self, metrics_under_test):
+    def test_a_worker_that_is_not_there_is_a_transport_error(
+            self, metrics_under_test: MetricsUnderTest) -> None:
         with pytest.raises(TransportError):
             metrics_under_test.sample(metrics_under_test.unreachable)

@@ -4,6 +4,9 @@ test class beside ``EngineContract`` when its engine offers them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.ports.contracts.engine import GREEDY, EngineUnderTest
@@ -15,21 +18,20 @@ SEEDED = SamplingSpec(greedy=False, temperature=1.0, seed=1234)
 class OpenAIExtrasContract:
     """Tests for engines that offer every optional ``serve_rollout`` keyword."""
 
-    def _serve(self, eut: EngineUnderTest, prompt, budget, sampling=GREEDY,
-               **keywords) -> ServedRollout:
-        return eut.loop.run(eut.engine.serve_rollout(
-            list(prompt), request_id=eut.next_id(), max_new_tokens=budget, sampling=sampling,
-            **keywords))
+    def _serve(self, eut: EngineUnderTest, prompt: Sequence[int], budget: int,
+               sampling: SamplingSpec = GREEDY, **keywords: Any) -> ServedRollout:
+        return eut.serve_offered(prompt, budget, sampling, **keywords)
 
-    def test_offers_every_optional_keyword(self, engine_under_test: EngineUnderTest):
+    def test_offers_every_optional_keyword(self, engine_under_test: EngineUnderTest) -> None:
         assert offered_keywords(engine_under_test.engine) == frozenset(OPTIONAL_ROLLOUT_KEYWORDS)
 
     def test_top_logprobs_rank_the_alternatives_and_leave_the_tokens_alone(
-            self, engine_under_test: EngineUnderTest):
+            self, engine_under_test: EngineUnderTest) -> None:
         for prompt in engine_under_test.prompts[:2]:
             plain = self._serve(engine_under_test, prompt, 8)
             ranked = self._serve(engine_under_test, prompt, 8, top_logprobs=3)
             assert plain.top_logprobs is None
+            assert ranked.top_logprobs is not None and ranked.logprobs is not None
             assert ranked.token_ids == plain.token_ids
             assert ranked.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
             assert len(ranked.top_logprobs) == len(ranked.token_ids)
@@ -40,7 +42,8 @@ class OpenAIExtrasContract:
                 # Greedy: the chosen token is the most likely one.
                 assert top[0][0] == token and top[0][1] == pytest.approx(logprob, abs=1e-5)
 
-    def test_stop_token_ids_end_at_the_token_and_keep_it(self, engine_under_test: EngineUnderTest):
+    def test_stop_token_ids_end_at_the_token_and_keep_it(
+            self, engine_under_test: EngineUnderTest) -> None:
         prompt = engine_under_test.prompts[0]
         free = self._serve(engine_under_test, prompt, 12)
         stop_at = free.token_ids[min(3, len(free.token_ids) - 1)]
@@ -51,7 +54,7 @@ class OpenAIExtrasContract:
 
     @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
     def test_without_logprobs_the_same_tokens_come_with_none(
-            self, engine_under_test: EngineUnderTest, sampling: SamplingSpec):
+            self, engine_under_test: EngineUnderTest, sampling: SamplingSpec) -> None:
         for prompt in engine_under_test.prompts[:2]:
             asked = self._serve(engine_under_test, prompt, 8, sampling)
             bare = self._serve(engine_under_test, prompt, 8, sampling, with_logprobs=False)
@@ -62,11 +65,11 @@ class OpenAIExtrasContract:
             assert bare.usage == asked.usage
 
     def test_a_group_without_logprobs_draws_the_same_samples(
-            self, engine_under_test: EngineUnderTest):
+            self, engine_under_test: EngineUnderTest) -> None:
         eut = engine_under_test
         prompt = list(eut.prompts[0])
 
-        def group(**keywords):
+        def group(**keywords: Any) -> tuple[ServedRollout, ...]:
             return eut.loop.run(eut.engine.serve_group(
                 prompt, request_id=eut.next_id(), n=3, max_new_tokens=8, sampling=SEEDED,
                 **keywords))

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -74,7 +75,7 @@ def _assert_listening(handle: WorkerHandle) -> None:
         f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
 
 
-def _wait(condition, timeout_s: float = 60.0) -> bool:
+def _wait(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
@@ -97,8 +98,9 @@ def _gone(pid: int) -> bool:
 
 
 class PlacementContract:
-    def test_launch_starts_each_worker_with_its_env_port_and_log(self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+    def test_launch_starts_each_worker_with_its_env_port_and_log(
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         handles = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
         assert [(h.index, h.name) for h in handles] == [(0, "w0"), (1, "w1")]
         ports = [h.ports["CONTRACT_PORT"] for h in handles]
@@ -110,10 +112,11 @@ class PlacementContract:
                 f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
         assert placement.alive() == {"w0": True, "w1": True}
 
-    def test_the_secret_reaches_the_worker_on_stdin_only(self, placement_under_test, tmp_path):
+    def test_the_secret_reaches_the_worker_on_stdin_only(
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
         import hashlib
 
-        placement: Placement = placement_under_test
+        placement = placement_under_test
         secret = os.urandom(16).hex()
         launch = WorkerLaunch(name="w0", argv=(sys.executable, "-c", _SECRET_WORKER),
                               log_path=str(tmp_path / "w0.log"), secret=secret)
@@ -128,8 +131,8 @@ class PlacementContract:
                 assert secret.encode() not in seen.read(), part
 
     def test_segments_a_worker_leaves_in_dev_shm_are_removed_and_no_others(
-            self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         handles = placement.launch([WorkerLaunch(name=name, argv=(sys.executable, "-c", _SEGMENT_WORKER),
                                                  log_path=str(tmp_path / f"{name}.log"))
                                     for name in ("w0", "w1")])
@@ -151,8 +154,8 @@ class PlacementContract:
             not_theirs.unlink(missing_ok=True)
 
     def test_a_workers_own_folder_is_private_and_removed_once_it_is_gone(
-            self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         handles = placement.launch([WorkerLaunch(name=name, argv=(sys.executable, "-c", _FOLDER_WORKER),
                                                  log_path=str(tmp_path / f"{name}.log"),
                                                  folder_env="CONTRACT_FOLDER")
@@ -170,8 +173,9 @@ class PlacementContract:
         placement.stop()
         assert not folders["w1"].exists()
 
-    def test_kill_stops_that_worker_only(self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+    def test_kill_stops_that_worker_only(
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         w0, w1 = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
         placement.kill("w0")
         assert _wait(lambda: placement.alive() == {"w0": False, "w1": True}), placement.alive()
@@ -180,8 +184,9 @@ class PlacementContract:
         assert placement.exit_status("w0") == -signal.SIGKILL
         assert placement.exit_status("w1") is None
 
-    def test_a_signal_reaches_the_workers_process_group(self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+    def test_a_signal_reaches_the_workers_process_group(
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         (w0,) = placement.launch([_launch(tmp_path, "w0")])
         placement.signal("w0", signal.SIGSTOP)
         assert _wait(lambda: _state(w0.pid) == "T"), _state(w0.pid)
@@ -190,8 +195,8 @@ class PlacementContract:
         assert placement.alive() == {"w0": True}
 
     def test_stop_ends_every_worker_even_a_paused_one_and_is_safe_to_repeat(
-            self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         handles = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
         placement.signal("w1", signal.SIGSTOP)
         placement.stop()
@@ -199,16 +204,17 @@ class PlacementContract:
             {h.name: _state(h.pid) for h in handles}
         placement.stop()
 
-    def test_each_worker_leads_a_process_group_of_its_own(self, placement_under_test, tmp_path):
+    def test_each_worker_leads_a_process_group_of_its_own(
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
         # A worker leads a process group of its own: what it starts is stopped with it.
-        placement: Placement = placement_under_test
+        placement = placement_under_test
         (w0,) = placement.launch([_launch(tmp_path, "w0")])
         assert _wait(lambda: _state(w0.pid) is not None)
         assert os.getpgid(w0.pid) == w0.pid
 
     def test_a_later_launch_adds_a_worker_beside_the_running_ones(
-            self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         (w0,) = placement.launch([_launch(tmp_path, "w0")])
         _assert_listening(w0)
         (w1,) = placement.launch([_launch(tmp_path, "w1")])
@@ -220,8 +226,9 @@ class PlacementContract:
         assert _wait(lambda: placement.alive() == {"w0": True, "w1": False}), placement.alive()
         assert _gone(w1.pid) and not _gone(w0.pid)
 
-    def test_stop_ends_the_workers_of_every_launch(self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+    def test_stop_ends_the_workers_of_every_launch(
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         first = placement.launch([_launch(tmp_path, "w0")])
         added = placement.launch([_launch(tmp_path, "w1"), _launch(tmp_path, "w2")])
         assert [(h.index, h.name) for h in added] == [(1, "w1"), (2, "w2")]
@@ -232,8 +239,8 @@ class PlacementContract:
             {h.name: _state(h.pid) for h in handles}
 
     def test_a_name_taken_by_an_earlier_launch_is_refused_and_the_placement_keeps_working(
-            self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         (w0,) = placement.launch([_launch(tmp_path, "w0")])
         with pytest.raises(RolloutFleetError, match=r"\bw0\b"):
             placement.launch([_launch(tmp_path, "w1"), _launch(tmp_path, "w0")])
@@ -245,8 +252,8 @@ class PlacementContract:
         assert placement.alive() == {"w0": True, "w1": True}
 
     def test_a_launch_in_place_of_a_lost_worker_takes_its_place_and_a_live_one_is_refused(
-            self, placement_under_test, tmp_path):
-        placement: Placement = placement_under_test
+            self, placement_under_test: Placement, tmp_path: Path) -> None:
+        placement = placement_under_test
         w0, w1 = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
         with pytest.raises(RolloutFleetError, match=r"in_place_of=w1: .* it still runs"):
             placement.launch([attrs.evolve(_launch(tmp_path, "w2"), in_place_of="w1")])

@@ -13,26 +13,30 @@ Each test leaves the engine awake and serving.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from rollout_fleet.core.errors import EngineAsleep, InvalidValue
-from rollout_fleet.ports.engine import Sleeper
+from rollout_fleet.core.rollout import GREEDY, ServedRollout
+from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.engine import Sleeper, SleepState
+
+GREEDY_TOKENS = 8  # each prompt's greedy answer, compared before a sleep and after the wake
 
 
 class SleeperContract:
-    def _sleeper(self, eut) -> Sleeper:
+    def _sleeper(self, eut: EngineUnderTest) -> Sleeper:
         assert isinstance(eut.engine, Sleeper), "the engine does not implement Sleeper"
         return eut.engine
 
-    def _greedy(self, eut):
-        return [eut.serve(p, 8).token_ids for p in eut.prompts]
-
-    def _wake(self, eut):
+    def _wake(self, eut: EngineUnderTest) -> SleepState:
         return eut.loop.run(self._sleeper(eut).wake_up())
 
-    def test_level_1_refuses_rollouts_and_the_wake_serves_as_before(self, engine_under_test):
+    def test_level_1_refuses_rollouts_and_the_wake_serves_as_before(
+            self, engine_under_test: EngineUnderTest) -> None:
         eut = engine_under_test
-        before = self._greedy(eut)
+        before = eut.greedy_answers(GREEDY_TOKENS)
         state = eut.loop.run(self._sleeper(eut).sleep(1))
         try:
             assert state.sleeping and state.level == 1 and not state.serving
@@ -44,9 +48,10 @@ class SleeperContract:
         finally:
             woke = self._wake(eut)
         assert woke.serving and not woke.sleeping and woke.level == 0
-        assert self._greedy(eut) == before
+        assert eut.greedy_answers(GREEDY_TOKENS) == before
 
-    def test_sleep_while_asleep_and_wake_while_awake_change_nothing(self, engine_under_test):
+    def test_sleep_while_asleep_and_wake_while_awake_change_nothing(
+            self, engine_under_test: EngineUnderTest) -> None:
         eut = engine_under_test
         sleeper = self._sleeper(eut)
         assert self._wake(eut) == sleeper.sleep_state()  # awake: nothing to do
@@ -60,7 +65,8 @@ class SleeperContract:
             self._wake(eut)
         assert self._wake(eut).serving
 
-    def test_a_partial_wake_serves_only_once_everything_is_back(self, engine_under_test):
+    def test_a_partial_wake_serves_only_once_everything_is_back(
+            self, engine_under_test: EngineUnderTest) -> None:
         eut = engine_under_test
         sleeper = self._sleeper(eut)
         eut.loop.run(sleeper.sleep(1))
@@ -73,7 +79,8 @@ class SleeperContract:
             state = eut.loop.run(sleeper.wake_up(["kv_cache"]))
         assert state.serving
 
-    def test_bad_levels_and_modes_are_refused_by_name(self, engine_under_test):
+    def test_bad_levels_and_modes_are_refused_by_name(
+            self, engine_under_test: EngineUnderTest) -> None:
         sleeper = self._sleeper(engine_under_test)
         for kwargs, field in (({"level": 3}, "level"), ({"level": 1, "mode": "later"}, "mode"),
                               ({"level": 2, "mode": "keep"}, "mode")):
@@ -82,14 +89,15 @@ class SleeperContract:
             assert refused.value.field == field
         assert sleeper.sleep_state().serving  # nothing changed
 
-    def test_abort_mode_ends_the_rollouts_in_flight(self, engine_under_test):
+    def test_abort_mode_ends_the_rollouts_in_flight(
+            self, engine_under_test: EngineUnderTest) -> None:
         eut = engine_under_test
         sleeper = self._sleeper(eut)
 
-        async def sleep_under_a_rollout():
+        async def sleep_under_a_rollout() -> ServedRollout:
             rollout = asyncio.ensure_future(eut.engine.serve_rollout(
                 list(eut.prompts[0]), request_id=eut.next_id(), max_new_tokens=eut.facts.context_length
-                - len(eut.prompts[0]), sampling=_greedy_spec()))
+                - len(eut.prompts[0]), sampling=GREEDY))
             await asyncio.sleep(0.05)
             await sleeper.sleep(1, mode="abort")
             return await asyncio.wait_for(rollout, 60)
@@ -99,11 +107,13 @@ class SleeperContract:
         finally:
             self._wake(eut)
         assert served.finish_reason.value in ("abort", "length", "stop")
-        assert len(served.token_ids) == len(served.logprobs)
+        assert served.logprobs is not None and len(served.token_ids) == len(served.logprobs)
 
-    def test_level_2_drops_the_weights_until_a_refit(self, engine_under_test, reload_weights):
+    def test_level_2_drops_the_weights_until_a_refit(
+            self, engine_under_test: EngineUnderTest,
+            reload_weights: Callable[[EngineUnderTest], Any]) -> None:
         eut = engine_under_test
-        before = self._greedy(eut)
+        before = eut.greedy_answers(GREEDY_TOKENS)
         sleeper = self._sleeper(eut)
         state = eut.loop.run(sleeper.sleep(2))
         assert state.level == 2 and state.weights_lost
@@ -114,10 +124,5 @@ class SleeperContract:
         assert refused.value.weights_lost and "refit" in str(refused.value)
         reload_weights(eut)
         assert sleeper.sleep_state().serving
-        assert self._greedy(eut) == before
+        assert eut.greedy_answers(GREEDY_TOKENS) == before
 
-
-def _greedy_spec():
-    from rollout_fleet.core.rollout import SamplingSpec
-
-    return SamplingSpec()

@@ -17,8 +17,7 @@ def probe_structured_outputs(eut: "EngineUnderTest") -> None:
     """Held to one choice of one letter, a generation with room for 32 tokens spells it and
     ends by itself (its end-of-sequence token), whatever the prompt."""
     for prompt in eut.prompts[:2]:
-        served = eut.loop.run(eut.engine.serve_rollout(
-            list(prompt), request_id=eut.next_id(), max_new_tokens=32, sampling=GREEDY,
-            extra_sampling={"structured_outputs": {"choice": [ONLY_CHOICE]}}))
+        served = eut.serve_offered(
+            prompt, 32, GREEDY, extra_sampling={"structured_outputs": {"choice": [ONLY_CHOICE]}})
         assert served.finish_reason is FinishReason.STOP, served
         assert 1 <= len(served.token_ids) <= 2, served  # the letter, then end-of-sequence

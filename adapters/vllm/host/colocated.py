@@ -61,6 +61,9 @@ class VllmColocated(ColocatedTarget):
     def weight_metas(self) -> Mapping[str, TensorMeta]:
         return self.refit.weight_metas()
 
+    def weight_version(self) -> int:
+        return self.refit.weight_version()
+
     def colocated_transports(self) -> tuple[str, ...]:
         return (CUDA_TRANSPORT,) if self.config.device is Device.GPU else (SHM_TRANSPORT,)
 
