@@ -40,10 +40,10 @@ from rollout_fleet.adapters.shared import PortsTaken
 from rollout_fleet.ports.placement import Placement, PlacementKind, WorkerHandle, WorkerLaunch
 from rollout_fleet.wiring.config import FleetConfig
 from rollout_fleet.wiring.control_client import call_control
-from rollout_fleet.wiring.fleet_discovery import (LostWorkerCleanup, discovery_env,
-                                                  discovery_forgetter, own_etcd)
+from rollout_fleet.wiring.fleet_discovery import LostWorkerCleanup
 from rollout_fleet.wiring.fleet_generation import fleet_generation, http_settings
 from rollout_fleet.wiring.fleet_roster import WorkerRoster
+from rollout_fleet.wiring.fleet_services import DriverServices
 from rollout_fleet.wiring.fleet_watch import WorkerWatcher
 from rollout_fleet.wiring.fleet_workers import (SYSTEM_PORT, FleetStartError, collective_backend,
                                                 exit_reason, model_folder, private_folder,
@@ -76,6 +76,15 @@ def placement_for(config: FleetConfig, groups: Sequence[Any] = ()) -> Placement:
                         groups=groups, bundles_per_worker=config.ranks_per_worker if groups else 1)
 
 
+def run_folder(run_dir: str | None) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
+    """The fleet's run folder, the owner's alone: ``run_dir``, else a temporary one (returned
+    too: the fleet removes it at shutdown)."""
+    if run_dir:
+        return private_folder(Path(run_dir).resolve()), None
+    own = tempfile.TemporaryDirectory(prefix="rollout-fleet-")
+    return private_folder(Path(own.name).resolve()), own
+
+
 @attrs.define
 class Fleet:
     config: FleetConfig
@@ -83,11 +92,10 @@ class Fleet:
     run_dir: Path
     secret: str = attrs.field(repr=False)
     model_path: str = ""
-    frontend: DynamoFrontend | None = None
-    etcd: LoopbackEtcd | None = None
-    _discovery_env: dict[str, str] = attrs.field(factory=dict)
+    _services: DriverServices = attrs.field(init=False, default=attrs.Factory(
+        lambda fleet: DriverServices(fleet.config, fleet.run_dir), takes_self=True))
     _stopped: bool = False
-    _own_run_dir: tempfile.TemporaryDirectory | None = None
+    _own_run_dir: tempfile.TemporaryDirectory[str] | None = None
     _roster: WorkerRoster = attrs.field(factory=WorkerRoster)
     _instances: dict[str, int] = attrs.field(factory=dict)  # worker -> its Dynamo instance id
     _stopping: threading.Event = attrs.field(factory=threading.Event)
@@ -101,8 +109,7 @@ class Fleet:
         check_network(config)
         for reminder in config.colocation.reminders(config.device, config.engine):
             logger.warning("%s", reminder)
-        own = None if config.run_dir else tempfile.TemporaryDirectory(prefix="rollout-fleet-")
-        run_dir = private_folder(Path(config.run_dir or own.name).resolve())
+        run_dir, own = run_folder(config.run_dir)
         fleet = cls(config, placement or placement_for(config), run_dir, secrets.token_hex(16),
                     own_run_dir=own)
         try:
@@ -114,27 +121,16 @@ class Fleet:
 
     def _start(self) -> None:
         self.model_path = model_folder(self.config, self.run_dir)
-        # Recorded before it starts, so that a start interrupted meanwhile stops it.
-        self.etcd = own_etcd(self.config, self.run_dir, take_port=self._ports.take)
-        if self.etcd is not None:
-            self.etcd.start()
-        self._discovery_env = discovery_env(self.config, self.etcd)
+        self._services.start_discovery(self._ports.take)
         self._roster.first(self.placement.launch([self._launch(i)
                                                   for i in range(self.config.num_workers)]))
-        port = self.config.frontend_port or self._ports.take(self.config.bind_host)
-        env = {"DYN_ROUTER_MODE": self.config.router, **self._discovery_env, **self.config.env}
-        self.frontend = DynamoFrontend(self.run_dir, http_port=port, extra_env=env,
-                                       host=self.config.bind_host)
-        self.frontend.start()
+        self._services.start_frontend(self._ports.take)
         deadline = time.monotonic() + self.config.timeouts.start_s
         for worker in self.workers:
             self._wait_worker_ready(worker, deadline)
-        self.frontend.wait_for_model(self.config.served_model_name,
-                                     timeout_s=max(1.0, deadline - time.monotonic()))
-        self.frontend.wait_for_instances(self._instances.values(),
-                                         timeout_s=max(1.0, deadline - time.monotonic()))
+        self._services.wait_until_routed(self._instances.values(), deadline)
         cleanup = LostWorkerCleanup(self._instances, kill=self.placement.kill,
-                                    forget=discovery_forgetter(self._discovery_env, self.run_dir))
+                                    forget=self._services.forgetter())
         replace = self.replace_lost_workers if self.config.replace_lost_workers else None
         self._watcher = WorkerWatcher(self.dead_workers, cleanup, replace, self._stopping)
         self._watcher.start()
@@ -143,7 +139,7 @@ class Fleet:
                       slot: int | None = None) -> WorkerConfig:
         """What worker ``index`` is told (``fleet_workers.worker_config``)."""
         return worker_config(self.config, index, run_dir=self.run_dir,
-                             model_path=self.model_path, discovery_env=self._discovery_env,
+                             model_path=self.model_path, discovery_env=self._services.discovery_env,
                              collective_backend=self.collective_backend,
                              joins_running=joins_running, slot=slot, take_port=self._ports.take)
 
@@ -151,7 +147,7 @@ class Fleet:
                 in_place_of: str = "") -> WorkerLaunch:
         config = self.worker_config(index, joins_running=joins_running, slot=slot)
         return worker_launch(self.config, index, config, run_dir=self.run_dir, secret=self.secret,
-                             discovery_env=self._discovery_env, in_place_of=in_place_of)
+                             discovery_env=self._services.discovery_env, in_place_of=in_place_of)
 
     def _wait_worker_ready(self, worker: WorkerHandle, deadline: float) -> None:
         self._instances[worker.name] = wait_worker_ready(
@@ -186,8 +182,17 @@ class Fleet:
 
     # -- running -------------------------------------------------------------------------------
     @property
+    def frontend(self) -> DynamoFrontend | None:
+        return self._services.frontend
+
+    @property
+    def etcd(self) -> LoopbackEtcd | None:
+        """The etcd the fleet started itself, if any."""
+        return self._services.etcd
+
+    @property
     def frontend_url(self) -> str:
-        return self.frontend.url
+        return self._services.started_frontend().url
 
     @property
     def collective_backend(self) -> str:
@@ -260,7 +265,7 @@ class Fleet:
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join(self.config.timeouts.shutdown_s)
-        for stop in (self._stop_frontend, self._stop_workers, self._stop_etcd):
+        for stop in (self._services.stop_frontend, self.placement.stop, self._services.stop_etcd):
             try:
                 stop()
             except Exception:  # noqa: BLE001 - stop the rest, then report
@@ -268,17 +273,6 @@ class Fleet:
         self._ports.release()  # nothing of the fleet binds them any more
         if self._own_run_dir is not None:
             self._own_run_dir.cleanup()
-
-    def _stop_frontend(self) -> None:
-        if self.frontend is not None:
-            self.frontend.stop(self.config.timeouts.shutdown_s)
-
-    def _stop_workers(self) -> None:
-        self.placement.stop()
-
-    def _stop_etcd(self) -> None:
-        if self.etcd is not None:
-            self.etcd.stop()
 
     def __enter__(self) -> "Fleet":
         return self
