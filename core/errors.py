@@ -13,6 +13,7 @@ class RolloutFleetError(Exception):
     """Base of the project's own errors."""
 
 
+# -- A value refused where it entered.
 class InvalidValue(RolloutFleetError, ValueError):
     """A value failed validation: names the field, the value and the rule."""
 
@@ -31,6 +32,11 @@ class TooManyStopStrings(InvalidValue):
     """More stop strings than the cap after merging."""
 
 
+class WeightMismatch(InvalidValue):
+    """Weights offered to an engine do not match its parameters."""
+
+
+# -- An answer the driver cannot read (each told apart by the retry rules).
 class WireError(RolloutFleetError):
     """An answer from the fleet could not be read as a rollout."""
 
@@ -41,14 +47,6 @@ class UnreadableBody(WireError):
 
 class ErrorInBody(WireError):
     """HTTP 200 whose body says it failed (``{"status": "error"}``)."""
-
-
-class MissingField(WireError):
-    """A field the contract requires is absent."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        super().__init__(f"answer has no field {path!r}")
 
 
 class LengthMismatch(WireError):
@@ -63,6 +61,15 @@ class SpecVersionError(AnnotationError):
     """A rollout spec carries a version this side does not speak."""
 
 
+class MissingField(WireError):
+    """A field the contract requires is absent."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"answer has no field {path!r}")
+
+
+# -- A request that got no answer, or not a 2xx one, and a rollout out of attempts.
 class TransportError(RolloutFleetError):
     """The request did not get an HTTP answer (refused, reset, timed out)."""
 
@@ -94,6 +101,7 @@ class RetriesExhausted(RolloutFleetError):
         )
 
 
+# -- An engine that could not serve.
 class EngineError(RolloutFleetError):
     """An engine could not serve a request."""
 
@@ -138,10 +146,7 @@ class EngineAsleep(EngineError):
         return EngineAsleep(self.level, worker, weights_lost=self.weights_lost)
 
 
-class WeightMismatch(InvalidValue):
-    """Weights offered to an engine do not match its parameters."""
-
-
+# -- Refits and worker controls.
 class RefitError(RolloutFleetError):
     """A refit step failed."""
 

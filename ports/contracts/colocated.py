@@ -44,6 +44,15 @@ def _greedy(eut: EngineUnderTest) -> list[tuple[int, ...]]:
     return eut.greedy_answers(GREEDY_TOKENS)
 
 
+@attrs.frozen
+class Serving:
+    """What an engine serves: each prompt's greedy answer, at its weight version. A refit
+    refused or failed leaves it as it was."""
+
+    answers: tuple[tuple[int, ...], ...]
+    version: int
+
+
 class TrainerDied(RolloutFleetError):
     """The trainer process ended in the middle of a refit."""
 
@@ -84,6 +93,9 @@ class ColocatedContract:
 
     def _version(self, eut: EngineUnderTest) -> int:
         return self._colocated_target(eut).weight_version()
+
+    def _serving(self, eut: EngineUnderTest) -> Serving:
+        return Serving(tuple(_greedy(eut)), self._version(eut))
 
     def _colocated_refit(self, eut: EngineUnderTest, trainer: ColocatedTrainer,
                          tensors: Mapping[str, Any], **kw: Any) -> Mapping[str, Any]:
@@ -149,38 +161,36 @@ class ColocatedContract:
             self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
             colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, _alternate) = engine_under_test, weight_sets
-        before, version = _greedy(eut), self._version(eut)
+        before = self._serving(eut)
         name = sorted(original)[-1]
         with pytest.raises(RolloutFleetError, match=f"shape of '{name}'"):
             self._colocated_refit(eut, colocated_trainer, original, fault=WRONG_SHAPE,
                                   fault_arg=name)
-        assert self._version(eut) == version
-        assert _greedy(eut) == before
+        assert self._serving(eut) == before, "a refused colocated refit changed what it serves"
 
     def test_a_buffer_gone_mid_refit_fails_it_and_the_old_weights_serve(
             self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
             colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, alternate) = engine_under_test, weight_sets
-        before, version = _greedy(eut), self._version(eut)
+        before = self._serving(eut)
         with pytest.raises(RolloutFleetError, match="segment|handle"):
             self._colocated_refit(eut, colocated_trainer, alternate, fault=UNLINK_BEFORE_BUCKET)
-        assert self._version(eut) == version
-        assert _greedy(eut) == before, "a failed colocated refit changed the answers"
-        assert self._colocated_refit(eut, colocated_trainer, alternate)["weight_version"] == version + 1
-        assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 2
-        assert _greedy(eut) == before
+        assert self._serving(eut) == before, "a failed colocated refit changed what it serves"
+        for tensors, version in ((alternate, before.version + 1), (original, before.version + 2)):
+            assert self._colocated_refit(eut, colocated_trainer, tensors)["weight_version"] == version
+        assert _greedy(eut) == list(before.answers)
 
     def test_a_trainer_dying_between_buckets_is_given_up_and_the_old_weights_serve(
             self, engine_under_test: EngineUnderTest, weight_sets: WeightSets,
             colocated_trainer: ColocatedTrainer) -> None:
         eut, (original, alternate) = engine_under_test, weight_sets
-        before, version = _greedy(eut), self._version(eut)
+        before = self._serving(eut)
         with pytest.raises(TrainerDied):
             self._colocated_refit(eut, colocated_trainer, alternate, fault=DIE_AFTER_BUCKET)
         session = self._given_up(eut)
         assert not session.is_open, "the dead trainer's session was never given up"
         assert "the trainer is gone" in (session.failure or "")
-        assert self._version(eut) == version
-        assert _greedy(eut) == before
-        assert self._colocated_refit(eut, colocated_trainer, original)["weight_version"] == version + 1
-        assert _greedy(eut) == before
+        assert self._serving(eut) == before, "a given-up colocated refit changed what it serves"
+        answer = self._colocated_refit(eut, colocated_trainer, original)
+        assert answer["weight_version"] == before.version + 1
+        assert _greedy(eut) == list(before.answers)
