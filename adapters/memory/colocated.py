@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rollout_fleet.adapters.memory.model import as_matrix
+from rollout_fleet.adapters.memory.model import BALLAST_PREFIX, as_matrix
 from rollout_fleet.adapters.shared.segments import Segment
 from rollout_fleet.core.colocated_refit import SHM_TRANSPORT, BufferHandle, ColocatedManifest
 from rollout_fleet.core.errors import InvalidValue, RefitError
@@ -58,7 +58,8 @@ class MemoryColocated(ColocatedTarget):
         try:
             for entry in bucket.entries:
                 name = entry.meta.name
-                state["staged"][name] = as_matrix(name, _rows(segment, entry), metas[name])
+                if not name.startswith(BALLAST_PREFIX):  # carried, not kept
+                    state["staged"][name] = as_matrix(name, _rows(segment, entry), metas[name])
                 state["bytes"] += entry.meta.nbytes
         finally:
             segment.close()

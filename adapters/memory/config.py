@@ -19,6 +19,9 @@ class MemoryEngineConfig:
     max_num_seqs: int = attrs.field(default=1024, validator=positive_int("max_num_seqs"))
     kv_block_size: int = attrs.field(default=16, validator=positive_int("kv_block_size"))
     refit_ranks: int = attrs.field(default=1, validator=positive_int("refit_ranks"))
+    # Bytes besides the model's that a refit may carry, received and dropped (model.py).
+    refit_ballast_bytes: int = attrs.field(default=0,
+                                           validator=int_at_least("refit_ballast_bytes", 0))
     # The worker also serves the engine's test controls (adapters/memory/testing_controls.py).
     test_controls: bool = attrs.field(default=False, validator=a_bool("test_controls"))
 
@@ -39,4 +42,5 @@ class MemoryEngineConfig:
         return MemoryEngine(self.seed, context_length=self.context_length,
                             token_delay_s=self.token_delay_s, max_num_seqs=self.max_num_seqs,
                             kv_block_size=self.kv_block_size, refit_ranks=self.refit_ranks,
-                            join_receiver=join_receiver)
+                            join_receiver=join_receiver,
+                            refit_ballast_bytes=self.refit_ballast_bytes)

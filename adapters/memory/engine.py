@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 from rollout_fleet.adapters.memory.colocated import MemoryColocated
 from rollout_fleet.adapters.memory.model import (
-    EOS_TOKEN_ID, HIDDEN, VOCAB, WEIGHT_NAMES, Steering, TinyBigramModel, as_matrix, decode,
-    pick_token,
+    BALLAST_PREFIX, EOS_TOKEN_ID, HIDDEN, VOCAB, WEIGHT_NAMES, Steering, TinyBigramModel,
+    as_matrix, ballast_metas, decode, pick_token,
 )
 from rollout_fleet.adapters.memory.sleep import MemorySleep
 from rollout_fleet.core.errors import EngineDead, EngineRejected, InvalidValue, RefitError
@@ -65,7 +65,8 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
 
     def __init__(self, seed: int = 0, *, context_length: int = 256, token_delay_s: float = 0.0,
                  max_num_seqs: int = 1024, kv_block_size: int = 16, refit_ranks: int = 1,
-                 join_receiver: Callable[[GroupJoin, int], WeightReceiver] | None = None) -> None:
+                 join_receiver: Callable[[GroupJoin, int], WeightReceiver] | None = None,
+                 refit_ballast_bytes: int = 0) -> None:
         self.model = TinyBigramModel.from_seed(seed)
         self.context_length = context_length
         self.token_delay_s = token_delay_s
@@ -85,6 +86,7 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         self.started_as: int | str | None = None
         self.cache_resets = 0  # how often the cache was invalidated (tests read it)
         self._refit_ranks = refit_ranks
+        self._ballast = ballast_metas(refit_ballast_bytes)  # received and dropped (model.py)
         self._join_receiver = join_receiver
         self._receivers: list[WeightReceiver] = []
         self._admitting = asyncio.Event()
@@ -206,7 +208,8 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
 
     # -- refit port ---------------------------------------------------------------------------
     def weight_metas(self) -> Mapping[str, TensorMeta]:
-        return {name: TensorMeta(name, (len(VOCAB), HIDDEN), "float32") for name in WEIGHT_NAMES}
+        return {**{name: TensorMeta(name, (len(VOCAB), HIDDEN), "float32")
+                   for name in WEIGHT_NAMES}, **self._ballast}
 
     def refit_ranks(self) -> int:
         return self._refit_ranks
@@ -237,7 +240,9 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         metas = self.weight_metas()
         info.check_against(metas)
         self.sleeper.check_refit_allowed([t.name for t in info.tensors])
-        received = await _all_ranks([lambda r=r: list(r.receive(info)) for r in self._receivers])
+        received = await _all_ranks([lambda r=r: [(name, tensor) for name, tensor in r.receive(info)
+                                                  if not name.startswith(BALLAST_PREFIX)]
+                                     for r in self._receivers])
         staged = {name: as_matrix(name, tensor, metas[name]) for name, tensor in received[0]}
         for rank, tensors in enumerate(received[1:], start=1):
             if {name: as_matrix(name, t, metas[name]) for name, t in tensors} != staged:

@@ -31,6 +31,20 @@ HIDDEN = 8
 WEIGHT_NAMES = ("embed.weight", "lm_head.weight")
 
 
+BALLAST_PREFIX = "ballast."
+BALLAST_PIECE_BYTES = 16 << 20
+
+
+def ballast_metas(nbytes: int) -> dict[str, TensorMeta]:
+    """Weights of ``nbytes`` besides the model's own (byte tensors of at most 16 MiB each) that a
+    refit may carry and the engine drops as they arrive: a refit of a real model's size to a
+    fleet of memory engines, each holding no more than its receive buffers meanwhile."""
+    sizes = [min(BALLAST_PIECE_BYTES, nbytes - start)
+             for start in range(0, nbytes, BALLAST_PIECE_BYTES)]
+    return {f"{BALLAST_PREFIX}{index}": TensorMeta(f"{BALLAST_PREFIX}{index}", (size,), "uint8")
+            for index, size in enumerate(sizes)}
+
+
 def _random_matrix(rng: random.Random, rows: int, cols: int) -> list[list[float]]:
     return [[rng.gauss(0.0, 1.0) for _ in range(cols)] for _ in range(rows)]
 
