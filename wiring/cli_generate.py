@@ -22,16 +22,16 @@ import attrs
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.core.rollout import RolloutRequest, SamplingSpec
 from rollout_fleet.core.validate import check_int_at_least, is_int
+from rollout_fleet.wiring.cli_args import add_frontend_url, documented_command
+from rollout_fleet.wiring.progress import progress_bar
 
 _LINE_KEYS = {"prompt_token_ids", "text", "id", "stop_strings", "max_new_tokens"}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    generate = commands.add_parser(
-        "generate", help="rollouts for prompts from a JSONL file",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    generate.add_argument("--url", default=None,
-                          help="the frontend URL (default: the fleet file's)")
+    generate = documented_command(commands, "generate", doc=__doc__,
+                                  summary="rollouts for prompts from a JSONL file")
+    add_frontend_url(generate)
     generate.add_argument("--prompts", required=True, help="input JSONL file, one prompt a line")
     generate.add_argument("--out", default=None, help="output JSONL file (default: stdout)")
     generate.add_argument("--fleet-file", default=None,
@@ -81,17 +81,16 @@ def run_generate(args: argparse.Namespace) -> int:
             raise InvalidValue("--" + flag.replace("_", "-"), value, "must be >= 1")
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     prompts = read_prompts(args.prompts, tokenizer)
-    settings = {
-        "model": args.model or (fleet.served_model_name if fleet else "tiny"),
-        "max_new_tokens": args.max_new_tokens or (fleet.max_new_tokens if fleet else 64),
-        "max_model_len": args.max_model_len or (fleet.max_model_len if fleet else 512),
-        "logprobs": not args.no_logprobs,
-    }
     sampling = SamplingSpec(greedy=args.greedy, seed=args.seed)
-    progress = _progress_bar(len(prompts), quiet=args.quiet)
+    progress = progress_bar(len(prompts), desc="generate", unit="rollout",  # none in CI logs
+                            shown=not args.quiet and sys.stderr.isatty())
     try:
-        results = asyncio.run(_rollouts(url, prompts, sampling, args.concurrency,
-                                        done=progress.update, **settings))
+        results = asyncio.run(_rollouts(
+            url, prompts, sampling, args.concurrency, done=progress.update,
+            model=args.model or (fleet.served_model_name if fleet else "tiny"),
+            max_new_tokens=args.max_new_tokens or (fleet.max_new_tokens if fleet else 64),
+            max_model_len=args.max_model_len or (fleet.max_model_len if fleet else 512),
+            logprobs=not args.no_logprobs))
     finally:
         progress.close()
     failed = [(i, p, r) for i, (p, r) in enumerate(zip(prompts, results))
@@ -142,7 +141,7 @@ def read_prompts(path: str, tokenizer: Any) -> list[Prompt]:
         raise InvalidValue("--prompts", path, f"cannot be read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise InvalidValue("--prompts", path, f"is not UTF-8 text: {exc.reason}") from None
-    prompts = []
+    prompts: list[Prompt] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             prompts.append(_parse_line(line, f"{path} line {number}", len(prompts), tokenizer))
@@ -185,23 +184,6 @@ def _parse_line(line: str, where: str, index: int, tokenizer: Any) -> Prompt:
         raise InvalidValue(f"{where}: id", prompt_id, "must be a non-empty string or an int")
     return Prompt(str(prompt_id), request.prompt_token_ids,
                   request.stop_strings if "stop_strings" in data else None, budget)
-
-
-class _NoProgress:
-    def update(self, _n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, *, quiet: bool):
-    """A tqdm bar on a terminal; nothing in CI logs or pipes."""
-    if quiet or not sys.stderr.isatty():
-        return _NoProgress()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="rollout", desc="generate", file=sys.stderr)
 
 
 async def _rollouts(url: str, prompts: list[Prompt], sampling: SamplingSpec, concurrency: int, *,

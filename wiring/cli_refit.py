@@ -15,16 +15,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
+from rollout_fleet.wiring.cli_args import (
+    add_frontend_url, add_required_fleet_file, documented_command,
+)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    refit = commands.add_parser(
-        "refit", help="push a safetensors checkpoint into a running fleet",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    refit.add_argument("--fleet-file", required=True,
-                       help="the fleet file written by `serve` (control URLs and secret)")
+    refit = documented_command(commands, "refit", doc=__doc__,
+                               summary="push a safetensors checkpoint into a running fleet")
+    add_required_fleet_file(refit)
     refit.add_argument("--checkpoint", required=True, help="a folder of *.safetensors files")
-    refit.add_argument("--url", default=None, help="the frontend URL (default: the fleet file's)")
+    add_frontend_url(refit)
     refit.add_argument("--host", default=None,
                        help="address the workers reach this process on for the refit group "
                             "(default: the frontend URL's host)")

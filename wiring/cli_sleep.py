@@ -15,12 +15,12 @@ from typing import Any
 
 from rollout_fleet.core.errors import WorkerFailures
 from rollout_fleet.core.sleep_state import SLEEP_LEVELS, SLEEP_MODES, WAKE_TAGS, SleepState
+from rollout_fleet.wiring.cli_args import add_required_fleet_file, documented_command
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
-    sleep = commands.add_parser("sleep", help="put a running fleet's workers to sleep",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sleep = documented_command(commands, "sleep", doc=__doc__,
+                               summary="put a running fleet's workers to sleep")
     _common(sleep)
     sleep.add_argument("--level", type=int, default=1, choices=SLEEP_LEVELS,
                        help="1: free the KV cache (default); 2: free the weights too")
@@ -28,9 +28,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                        help="the rollouts in flight: wait for them (default), abort them, or "
                             "keep them frozen until the wake")
     sleep.set_defaults(run=run_sleep)
-    wake = commands.add_parser("wake", help="wake a running fleet's workers",
-                               description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    wake = documented_command(commands, "wake", doc=__doc__,
+                              summary="wake a running fleet's workers")
     _common(wake)
     wake.add_argument("--tags", default=None,
                       help=f"comma-separated, of {', '.join(WAKE_TAGS)} (default: both)")
@@ -38,8 +37,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fleet-file", required=True,
-                        help="the fleet file written by `serve` (control URLs and secret)")
+    add_required_fleet_file(parser)
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds for each worker's answer (default 120)")
 
@@ -59,7 +57,8 @@ def _everywhere(args: argparse.Namespace, name: str, body: dict[str, Any]) -> in
 
     fleet = FleetFile.read(args.fleet_file)
     check_fleet_running(fleet)
-    answers, failures = {}, {}
+    answers: dict[str, dict[str, Any]] = {}
+    failures: dict[str, BaseException] = {}
     for worker, url in sorted(fleet.control_urls.items()):
         try:
             answers[worker] = call_control(url, name, fleet.secret, body, timeout_s=args.timeout)

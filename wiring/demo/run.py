@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.wiring.progress import progress_bar
 
 
 @attrs.frozen
@@ -246,7 +247,8 @@ def scored_rollouts(generation, prompts, settings: DemoSettings, reward):
     data = {"input_ids": torch.tensor(batch, dtype=torch.long),
             "input_lengths": torch.full((len(batch),), settings.prompt_len, dtype=torch.long)}
     scored: list[Scored | None] = [None] * len(batch)
-    bar = _progress(len(batch), settings.progress)
+    bar = progress_bar(len(batch), desc="rollouts", shown=settings.progress, leave=False,
+                       mininterval=0.5)
 
     async def collect():
         async for index, sample in generation.generate_async(data, greedy=False):
@@ -262,12 +264,6 @@ def scored_rollouts(generation, prompts, settings: DemoSettings, reward):
     asyncio.run(collect())
     bar.close()
     return scored, time.perf_counter() - started
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="rollouts", leave=False, disable=not enabled, mininterval=0.5)
 
 
 def _check_step(figures: dict[str, Any], step: int, settings: DemoSettings,
