@@ -10,7 +10,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest
-from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, Bucket, GroupJoin, RefitInfo, TensorMeta
+from rollout_fleet.core.refit import (
+    DEFAULT_REFIT_MODE,
+    Bucket,
+    GroupJoin,
+    RefitInfo,
+    RefitMode,
+    TensorMeta,
+)
 from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 
 
@@ -34,11 +41,11 @@ class RefitTarget(ABC):
         join's timeout."""
 
     @abstractmethod
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+    async def update_weights(self, info: RefitInfo, *, mode: RefitMode = DEFAULT_REFIT_MODE,
                              version: int | None = None) -> int:
         """Receive every tensor of ``info`` from the trainer and load it, reset the prefix
         cache, and return the new weight version: ``version`` when given (a worker that joined
-        late takes the fleet's version), else the previous one + 1. ``mode`` (``core.refit.REFIT_MODES``) says
+        late takes the fleet's version), else the previous one + 1. ``mode`` (``core.refit.RefitMode``) says
         what happens to rollouts in flight: drained first, kept (continuing on the new weights
         with their old KV), or kept with their KV recomputed under the new weights. A transfer that fails leaves the engine on
         consistent weights (its previous ones) or refusing rollouts until a refit succeeds,
@@ -99,7 +106,7 @@ class ColocatedTarget(ABC):
         """The handle kinds this engine opens (``shm`` on the CPU, ``cuda`` on a GPU)."""
 
     @abstractmethod
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: RefitMode,
                               keep_buffers: bool = False) -> None:
         """Refuse what this engine cannot take, naming why (the names, shapes and dtypes were
         checked against ``weight_metas`` already), or get ready to load: pause rollouts as
@@ -148,7 +155,7 @@ class ColocatedByPart(ColocatedTarget):
     def colocated_transports(self) -> tuple[str, ...]:
         return self.colocated.colocated_transports()
 
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: RefitMode,
                               keep_buffers: bool = False) -> None:
         await self.colocated.begin_colocated(manifest, mode=mode, keep_buffers=keep_buffers)
 

@@ -48,24 +48,26 @@ class RefitRollback(Vocabulary):
     LAST_GOOD = "last_good"  # restore the previous refit's weights from a copy kept for it
 
 
+class RefitMode(Vocabulary):
+    """What a refit does with the rollouts in flight (each engine maps them onto its own
+    pauses). Parsed where it enters (``refit_mode``: a trainer's call, a worker's control
+    body); typed from there on."""
+
+    DRAIN = "drain"  # new rollouts wait, those in flight finish on the old weights, then the swap
+    # rollouts in flight pause, the weights swap, they continue on the new weights with the KV
+    # cache of their earlier tokens as it was (computed by the old ones)
+    KEEP = "keep"
+    RECOMPUTE = "recompute"  # as keep, but their KV cache is recomputed under the new weights
+
+
 TRANSFER_BACKENDS = ("gloo", "nccl")
-# What a refit does with the rollouts in flight (each engine maps them onto its own pauses):
-#   drain      new rollouts wait, those in flight finish on the old weights, then the swap
-#   keep       rollouts in flight pause, the weights swap, they continue on the new weights
-#              with the KV cache of their earlier tokens as it was (computed by the old ones)
-#   recompute  as keep, but their KV cache is dropped and recomputed under the new weights
-REFIT_MODES = ("drain", "keep", "recompute")
-DEFAULT_REFIT_MODE = "drain"
+DEFAULT_REFIT_MODE = RefitMode.DRAIN
 BUFFER_ALIGN = 256  # every tensor starts on a 256-byte boundary: any dtype view is legal, GPU copies coalesce
 
 
-def refit_mode(value: Any, field: str = "mode") -> str:
+def refit_mode(value: Any, field: str = "mode") -> RefitMode:
     """A refit mode by name (``None``: the default); InvalidValue naming the field otherwise."""
-    if value is None:
-        return DEFAULT_REFIT_MODE
-    if value not in REFIT_MODES or not isinstance(value, str):
-        raise InvalidValue(field, value, f"must be one of {', '.join(REFIT_MODES)}")
-    return value
+    return DEFAULT_REFIT_MODE if value is None else RefitMode.parse(value, field)
 
 
 def next_version(current: int, wanted: Any = None, field: str = "weight_version") -> int:

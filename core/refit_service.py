@@ -32,10 +32,12 @@ from rollout_fleet.core.control_fanout import (
 from rollout_fleet.core.engine_ports import RefitTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import (
+    DEFAULT_REFIT_MODE,
     CollectiveSenderSpec,
     GroupJoin,
     RankLayout,
     RefitInfo,
+    RefitMode,
     next_version,
     refit_mode,
 )
@@ -112,25 +114,26 @@ class RefitCoordinator:
             calls.append(ControlCall(control, "init_collective", join.to_wire()))
         return calls
 
-    def update_weights_plan(self, mode: str | None = None, *, weight_version: int | None = None,
+    def update_weights_plan(self, mode: RefitMode | None = None, *,
+                            weight_version: int | None = None,
                             deadline_s: float | None = None) -> list[ControlCall]:
         """One call per worker. ``weight_version``: what every worker is set to (needed once
         workers joined: theirs started at 0). ``deadline_s``: how long each worker may take
         before it abandons the update (``worker_deadline_s``). Refused when the fleet changed
         since the group was formed: the trainer forms it again first."""
         self.check_group_current()
-        body: dict[str, Any] = {} if mode is None else {"mode": refit_mode(mode)}
+        body: dict[str, Any] = {} if mode is None else {"mode": mode}
         if weight_version is not None:
             body["weight_version"] = weight_version
         if deadline_s is not None:
             body["deadline_s"] = worker_deadline_s(deadline_s)
         return [ControlCall(control, "update_weights", body) for control in self._controls]
 
-    def ipc_stream_plan(self, info: RefitInfo, mode: str | None = None, *,
+    def ipc_stream_plan(self, info: RefitInfo, mode: RefitMode = DEFAULT_REFIT_MODE, *,
                         weight_version: int | None = None) -> list[ControlCall]:
         """One ``ipc_zmq_update`` per worker: each receives the stream of the trainer rank it
         shares a device with (core/ipc_stream.py); no group to form."""
-        body: dict[str, Any] = {"refit_info": info.to_wire(), "mode": refit_mode(mode)}
+        body: dict[str, Any] = {"refit_info": info.to_wire(), "mode": mode}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return [ControlCall(control, "ipc_zmq_update", body) for control in self._controls]
@@ -167,8 +170,9 @@ class RefitCoordinator:
     async def update_weights(self, mode: str | None = None) -> dict[str, int]:
         """Every worker receives and loads; WorkerFailures names each one that did not.
         ``mode`` (drain, keep, recompute; drain when None) says what happens to the rollouts
-        in flight (core/refit.py)."""
-        plan = self.update_weights_plan(mode, weight_version=await self.next_weight_version())
+        in flight (core/refit.py); refused before any worker is asked."""
+        plan = self.update_weights_plan(None if mode is None else refit_mode(mode),
+                                        weight_version=await self.next_weight_version())
         try:
             answers = await gather_workers("update_weights", {
                 c.worker_id: run_control_call(c, self.control_timeout_s) for c in plan})

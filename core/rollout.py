@@ -10,8 +10,7 @@ from typing import Any
 import attrs
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.validate import (
-    a_bool, check_int_at_least, check_int_in, int_at_least, is_finite_number, is_int, is_real,
-    non_empty_str,
+    check_bool, check_int_at_least, check_int_in, int_at_least, is_finite_number, is_int, is_real,
 )
 
 
@@ -125,11 +124,16 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return as_token_ids(value, "token_ids")
 
 
-def _prompt_token_ids(value: Any) -> tuple[int, ...]:
-    return as_token_ids(value, "prompt_token_ids")
+def checked_prompt(value: Any, field: str = "prompt_token_ids") -> tuple[int, ...]:
+    """A prompt as it enters, from a caller or the wire: a non-empty tuple of token IDs. Past
+    that point it is typed, and nothing checks it again."""
+    prompt = as_token_ids(value, field)
+    if not prompt:
+        raise InvalidValue(field, [], "a prompt needs at least one token")
+    return prompt
 
 
-def _stop_token_ids(value: Any) -> tuple[int, ...]:
+def as_stop_token_ids(value: Any) -> tuple[int, ...]:
     return as_token_ids(value, "stop_token_ids")
 
 
@@ -167,7 +171,7 @@ def _check_version_runs(token_ids: tuple[int, ...], runs: VersionRuns) -> None:
                            f"{len(token_ids)} generated)")
 
 
-def _stop_strings(value: Any) -> tuple[str, ...]:
+def as_stop_strings(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise InvalidValue("stop_strings", value, "must be a list of strings")
     for index, stop in enumerate(value):
@@ -213,45 +217,65 @@ def sample_sampling(sampling: SamplingSpec, index: int) -> SamplingSpec:
     return attrs.evolve(sampling, seed=sampling.seed + index)
 
 
-def _check_group(request: "RolloutRequest") -> None:
-    check_int_in("n", request.n, 1, MAX_GROUP_SIZE,
+def _check_group(n: Any, sampling: SamplingSpec) -> None:
+    check_int_in("n", n, 1, MAX_GROUP_SIZE,
                  f"the samples of one prompt are an int in [1, {MAX_GROUP_SIZE}]")
-    seed = request.sampling.seed
-    if request.n > 1 and not request.sampling.greedy and seed is not None \
-            and seed + request.n - 1 > 2**63 - 1:
-        raise InvalidValue("seed", seed, f"a group of {request.n} samples takes seeds up to"
-                                         f" seed + {request.n - 1}, which must stay below 2**63")
+    seed = sampling.seed
+    if n > 1 and not sampling.greedy and seed is not None and seed + n - 1 > 2**63 - 1:
+        raise InvalidValue("seed", seed, f"a group of {n} samples takes seeds up to"
+                                         f" seed + {n - 1}, which must stay below 2**63")
+
+
+def check_rollout_fields(request_id: Any, max_new_tokens: Any, sampling: Any, n: Any,
+                         ignore_eos: Any, logprobs: Any) -> None:
+    """Every field of a rollout but its prompt and stop sequences (their converters check
+    those): a request's, and the spec a worker reads from the wire (``core.wire.RolloutSpec``)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidValue("request_id", request_id, "must be a non-empty string")
+    check_int_at_least("max_new_tokens", max_new_tokens, 0)
+    check_bool("ignore_eos", ignore_eos)
+    check_bool("logprobs", logprobs)
+    if not isinstance(sampling, SamplingSpec):
+        raise InvalidValue("sampling", sampling, "must be a SamplingSpec")
+    if type(n) is not int or n != 1:
+        _check_group(n, sampling)
 
 
 @attrs.frozen
 class RolloutRequest:
     """One prompt to complete. ``max_new_tokens`` is the budget already fitted to the context."""
 
-    request_id: str = attrs.field(validator=non_empty_str("request_id"))
-    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_prompt_token_ids)
-    max_new_tokens: int = attrs.field(validator=int_at_least("max_new_tokens", 0))
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=checked_prompt)
+    max_new_tokens: int
     sampling: SamplingSpec = GREEDY
-    stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    stop_strings: tuple[str, ...] = attrs.field(default=(), converter=as_stop_strings)
     # End at any of these tokens (kept as the last token), as at an end-of-sequence token.
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=as_stop_token_ids)
     # A group: n samples of this prompt in one request (one prefill, one worker); sample i
     # draws with ``sample_sampling(sampling, i)``.
     n: int = 1
     # Generate the whole budget: an end-of-sequence token does not end the rollout (fixed
     # lengths, as benchmarks ask); stop strings and stop_token_ids still do.
-    ignore_eos: bool = attrs.field(default=False, validator=a_bool("ignore_eos"))
+    ignore_eos: bool = False
     # The chosen token's logprob per generated token. False for a trainer that recomputes them
     # itself: the engine computes none (they cost vLLM's engine a share of its throughput) and
     # the result's ``logprobs`` is None.
-    logprobs: bool = attrs.field(default=True, validator=a_bool("logprobs"))
+    logprobs: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise InvalidValue("prompt_token_ids", [], "a prompt needs at least one token")
-        if not isinstance(self.sampling, SamplingSpec):
-            raise InvalidValue("sampling", self.sampling, "must be a SamplingSpec")
-        if type(self.n) is not int or self.n != 1:
-            _check_group(self)
+        check_rollout_fields(self.request_id, self.max_new_tokens, self.sampling, self.n,
+                             self.ignore_eos, self.logprobs)
+
+    @classmethod
+    def from_checked(cls, prompt_token_ids: tuple[int, ...], **fields: Any) -> "RolloutRequest":
+        """A request of parts checked where they entered: a prompt (``checked_prompt``) and
+        every other field (a worker's ``RolloutSpec``), taken as they are."""
+        request = object.__new__(cls)
+        object.__setattr__(request, "prompt_token_ids", prompt_token_ids)
+        for name, value in fields.items():
+            object.__setattr__(request, name, value)
+        return request
 
 
 @attrs.frozen

@@ -33,6 +33,9 @@ from rollout_fleet.core.rollout import (
     SamplingSpec,
     ServedRollout,
     Usage,
+    as_stop_strings,
+    as_stop_token_ids,
+    check_rollout_fields,
 )
 
 # An annotation "rollout:<json spec>" in nvext.annotations marks a rollout request.
@@ -50,29 +53,28 @@ _COMPACT_JSON = json.JSONEncoder(separators=(",", ":")).encode
 
 @attrs.frozen
 class RolloutSpec:
-    """Everything about a rollout except its prompt, which travels as the token-ID prompt."""
+    """Everything about a rollout except its prompt, which travels as the token-ID prompt:
+    what a worker reads from the annotation, checked once, as it is built, as a request's own
+    fields are (``core.rollout.check_rollout_fields``)."""
 
     request_id: str
     max_new_tokens: int
     sampling: SamplingSpec
-    stop_strings: tuple[str, ...]
-    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = attrs.field(converter=as_stop_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=as_stop_token_ids)
     n: int = 1  # samples of the prompt (a group)
     ignore_eos: bool = False
     logprobs: bool = True
 
+    def __attrs_post_init__(self) -> None:
+        check_rollout_fields(self.request_id, self.max_new_tokens, self.sampling, self.n,
+                             self.ignore_eos, self.logprobs)
+
     def to_request(self, prompt_token_ids: Sequence[int]) -> RolloutRequest:
-        return RolloutRequest(
-            request_id=self.request_id,
-            prompt_token_ids=prompt_token_ids,
-            max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling,
-            stop_strings=self.stop_strings,
-            stop_token_ids=self.stop_token_ids,
-            n=self.n,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-        )
+        """This rollout's request, for a prompt checked where it arrived
+        (``core.rollout.checked_prompt``): nothing is checked again."""
+        return RolloutRequest.from_checked(tuple(prompt_token_ids),
+                                           **attrs.asdict(self, recurse=False))
 
 
 def encode_rollout_annotation(request: RolloutRequest) -> str:
@@ -137,12 +139,11 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
             seed=spec.get("seed"),
         )
         stop_strings = _required(spec, "stop_strings")
-        checked = RolloutRequest(  # validates every field with a dummy prompt
+        return RolloutSpec(
             request_id=_required(spec, "request_id"),
-            prompt_token_ids=(0,),
             max_new_tokens=_required(spec, "max_new_tokens"),
             sampling=sampling,
-            stop_strings=stop_strings if isinstance(stop_strings, list) else stop_strings,
+            stop_strings=stop_strings,
             stop_token_ids=spec.get("stop_token_ids") or (),
             n=spec.get("n", 1),
             ignore_eos=spec.get("ignore_eos", False),
@@ -150,8 +151,6 @@ def decode_rollout_annotation(annotation: str) -> RolloutSpec:
         )
     except InvalidValue as exc:
         raise AnnotationError(f"rollout spec has a bad field: {exc}") from None
-    return RolloutSpec(spec["request_id"], spec["max_new_tokens"], sampling, tuple(stop_strings),
-                       checked.stop_token_ids, checked.n, checked.ignore_eos, checked.logprobs)
 
 
 def find_annotation(annotations: Sequence[Any] | None, prefix: str) -> str | None:

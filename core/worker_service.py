@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -10,40 +9,46 @@ from rollout_fleet.core.engine import EnginePort, offered_keywords
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
-from rollout_fleet.core.rollout import RolloutRequest, ServedRollout
+from rollout_fleet.core.rollout import RolloutRequest, ServedRollout, checked_prompt
 from rollout_fleet.core.wire import (
     RolloutSpec, decode_rollout_annotation, engine_data_of, group_engine_data_of,
     refused_engine_data,
 )
 
 
-async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Sequence[int],
-                                  annotation: str | RolloutSpec, *,
-                                  worker: str | None = None,
+async def serve_annotated_rollout(engine: EnginePort, prompt_token_ids: Any, annotation: str,
+                                  *, worker: str | None = None,
                                   offered: frozenset[str] | None = None) -> dict[str, Any]:
-    """Decode the rollout spec (unless the caller decoded it already), serve it, and encode
-    the whole answer as engine_data.
+    """Decode the rollout spec and check the prompt, as the wire carried them (a worker's
+    trust boundary: AnnotationError / SpecVersionError for a bad spec, InvalidValue for a bad
+    prompt), then serve them (``serve_rollout_spec``)."""
+    spec = decode_rollout_annotation(annotation)
+    return await serve_rollout_spec(engine, checked_prompt(prompt_token_ids), spec,
+                                    worker=worker, offered=offered)
+
+
+async def serve_rollout_spec(engine: EnginePort, prompt_token_ids: tuple[int, ...],
+                             spec: RolloutSpec, *, worker: str | None = None,
+                             offered: frozenset[str] | None = None) -> dict[str, Any]:
+    """Serve a rollout whose spec and prompt were checked where they arrived, and encode the
+    whole answer as engine_data.
 
     An engine asleep is answered as a refusal (503) naming ``worker`` and who wakes it, in the
     engine_data (``core.wire.refused_engine_data``): the driver retries it, and when its retries
-    give up, that message is its last error. Raises AnnotationError / SpecVersionError for a
-    bad spec, InvalidValue for a bad prompt, and whatever else the engine raises.
+    give up, that message is its last error. Raises whatever else the engine raises.
     ``offered``: the engine's ``offered_keywords``, where the caller read them once (a
     long-lived worker); else they are read from its signature here.
     """
     if offered is None:
         offered = offered_keywords(engine)
     try:
-        return await _serve(engine, prompt_token_ids, annotation, offered)
+        return await _serve(engine, spec.to_request(prompt_token_ids), offered)
     except EngineAsleep as asleep:
         return refused_engine_data(status_of_engine_error(asleep), str(asleep.named(worker)))
 
 
-async def _serve(engine: EnginePort, prompt_token_ids: Sequence[int],
-                 annotation: str | RolloutSpec, offered: frozenset[str]) -> dict[str, Any]:
-    spec = (annotation if isinstance(annotation, RolloutSpec)
-            else decode_rollout_annotation(annotation))
-    request = spec.to_request(prompt_token_ids)
+async def _serve(engine: EnginePort, request: RolloutRequest,
+                 offered: frozenset[str]) -> dict[str, Any]:
     # Only when asked: an engine without the optional keyword still serves every other rollout.
     extra: dict[str, Any] = {}
     if request.stop_token_ids:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from dynamo.common.backend import (
@@ -40,14 +40,14 @@ from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
 from rollout_fleet.core.validate import check_int_at_least
-from rollout_fleet.core.rollout import FinishReason
+from rollout_fleet.core.rollout import FinishReason, as_token_ids
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX,
     TURN_TOKENS_ANNOTATION,
     decode_rollout_annotation,
     find_annotation,
 )
-from rollout_fleet.core.worker_service import serve_annotated_rollout
+from rollout_fleet.core.worker_service import serve_rollout_spec
 from rollout_fleet.ports.engine import (
     EngineFacts,
     EnginePort,
@@ -256,14 +256,14 @@ class DynamoEngineAdapter(LLMEngine):
         if spec.stop_token_ids and "stop_token_ids" not in self._offered:
             raise InvalidValue("stop_token_ids", list(spec.stop_token_ids),
                                "this worker's engine does not offer it")
+        prompt = prompt_of(request)
         self.ledger.in_flight[context_id] = spec.request_id
-        engine_data = await serve_annotated_rollout(self.engine, prompt_of(request), spec,
-                                                    worker=self.worker_name,
-                                                    offered=self._offered)
+        engine_data = await serve_rollout_spec(self.engine, prompt, spec, worker=self.worker_name,
+                                               offered=self._offered)
         if "refused" in engine_data:  # asleep: the refusal rides where the result would
             self.ledger.counts["asleep"] += 1
             return [{"token_ids": [], "index": 0, "finish_reason": "stop",
-                     "completion_usage": usage_of(len(prompt_of(request)), 0),
+                     "completion_usage": usage_of(len(prompt), 0),
                      "engine_data": engine_data}]
         # A group's samples all ride in its engine_data; the chunk itself speaks for the first
         # (the driver reads engine_data only), its usage for them all.
@@ -359,11 +359,13 @@ def _asleep_answer(message: str) -> Exception:
     return HttpError(503, message)
 
 
-def prompt_of(request: Mapping[str, Any]) -> Sequence[int]:
+def prompt_of(request: Mapping[str, Any]) -> tuple[int, ...]:
+    """The request's token-ID prompt, checked once, here, where it arrives: the engine takes
+    it as it is (and checks only its own vocabulary)."""
     prompt = request.get("token_ids")
     if not isinstance(prompt, list) or not prompt:
         raise InvalidValue("token_ids", prompt, "a prompt needs at least one token ID")
-    return prompt
+    return as_token_ids(prompt, "token_ids")
 
 
 def hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:

@@ -11,7 +11,7 @@ from rollout_fleet.adapters.memory.model import BALLAST_PREFIX, as_matrix
 from rollout_fleet.adapters.shared.segments import Segment
 from rollout_fleet.core.colocated_refit import SHM_TRANSPORT, BufferHandle, ColocatedManifest
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import Bucket, BucketEntry, TensorMeta
+from rollout_fleet.core.refit import Bucket, BucketEntry, RefitMode, TensorMeta
 from rollout_fleet.ports.colocated import ColocatedTarget
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class MemoryColocated(ColocatedTarget):
     def colocated_transports(self) -> tuple[str, ...]:
         return (SHM_TRANSPORT,)
 
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: RefitMode,
                               keep_buffers: bool = False) -> None:
         # keep_buffers changes nothing here: each bucket's segment is opened for it alone
         ranks = self.engine.refit_ranks()

@@ -28,10 +28,10 @@ from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
     GroupJoin,
     RefitInfo,
+    RefitMode,
     RefitProtocol,
     TensorMeta,
     next_version,
-    refit_mode,
 )
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, Usage
 from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
@@ -229,12 +229,11 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             [lambda j=j: self._join_receiver(join, j) for j in range(self._refit_ranks)],
             on_partial=lambda joined: [r.close() for r in joined])
 
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+    async def update_weights(self, info: RefitInfo, *, mode: RefitMode = DEFAULT_REFIT_MODE,
                              version: int | None = None) -> int:
         """Receive on every rank, then swap between two tokens. ``drain`` holds new rollouts
         and lets those in flight finish first; ``keep`` and ``recompute`` swap under them
         (this model has no KV cache, so the two are the same here)."""
-        mode = refit_mode(mode)
         if not self._receivers:
             raise RefitError("update_weights before init_collective")
         metas = self.weight_metas()
@@ -249,7 +248,7 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                 raise RefitError(f"engine rank {rank} received other bytes than rank 0")
         return await self.swap_weights(staged, mode, version)
 
-    async def swap_weights(self, staged: Mapping[str, list[list[float]]], mode: str,
+    async def swap_weights(self, staged: Mapping[str, list[list[float]]], mode: RefitMode,
                             version: int | None) -> int:
         """Every refit, collective or colocated, ends here: swap, reset the cache, version."""
         async with self._drained() if mode == "drain" else contextlib.nullcontext():
@@ -303,7 +302,7 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
     def _check_input(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if not prompt:
             raise EngineRejected("prompt_token_ids is empty")
-        bad = [t for t in prompt if not is_int(t) or not 0 <= t < len(VOCAB)]
+        bad = [t for t in prompt if not 0 <= t < len(VOCAB)]  # typed where it entered
         if bad:
             raise EngineRejected(f"prompt_token_ids has IDs outside the vocabulary [0, {len(VOCAB)}): {bad[:5]}")
         if max_new_tokens < 1:

@@ -19,7 +19,7 @@ from typing import Any
 from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
 from rollout_fleet.adapters.nemo_rl.ray_calls import RayControlCalls
 from rollout_fleet.core.errors import RefitError
-from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, refit_mode
 from rollout_fleet.core.refit_service import (
     ControlCall,
     RefitCoordinator,
@@ -57,10 +57,11 @@ class FleetRefit:
             raise RefitError("update_weights_from_collective before prepare_refit_info")
         deadline = (None if refit_timeout_s is None
                     else RefitDeadline(refit_timeout_s, self._coordinator.worker_ids))
-        self._coordinator.update_weights_plan(mode)  # refuses a bad mode or group before waiting
+        checked = refit_mode(mode)  # a bad mode or a changed fleet: refused before asking any worker
+        self._coordinator.check_group_current()
         version = self._helper.run(self._coordinator.next_weight_version())
         plan = self._coordinator.update_weights_plan(
-            mode, weight_version=version,
+            checked, weight_version=version,
             deadline_s=None if deadline is None else deadline.deadline_s)
         return self._update(plan, deadline)
 
@@ -70,9 +71,9 @@ class FleetRefit:
         invalidation of every refit."""
         if self.refit_info is None:
             raise RefitError("update_weights_via_ipc_zmq before prepare_refit_info")
-        self._coordinator.ipc_stream_plan(self.refit_info, mode)  # a bad mode: refused first
+        checked = refit_mode(mode)  # a bad mode: refused before asking any worker
         version = self._helper.run(self._coordinator.next_weight_version())
-        plan = self._coordinator.ipc_stream_plan(self.refit_info, mode, weight_version=version)
+        plan = self._coordinator.ipc_stream_plan(self.refit_info, checked, weight_version=version)
         return self._update(plan, None, true_when_done=True)
 
     def _update(self, plan: list[ControlCall], deadline: RefitDeadline | None, *,

@@ -154,9 +154,10 @@ def served_rollout(token_ids, logprobs, reason, prompt_len, version, tops=None, 
                          **({} if runs is None else {"weight_versions": runs}))
 
 
-def check_vocabulary(field: str, token_ids: Sequence[Any], vocab: int) -> None:
-    """EngineRejected naming the first token ID outside the model's vocabulary, and its size."""
+def check_vocabulary(field: str, token_ids: Sequence[int], vocab: int) -> None:
+    """EngineRejected naming the first token ID outside the model's vocabulary, and its size
+    (the IDs are ints, checked where they entered)."""
     for index, token in enumerate(token_ids):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+        if not 0 <= token < vocab:
             raise EngineRejected(f"{field}[{index}]={token!r} is outside the model's vocabulary of"
                                  f" {vocab} tokens (IDs 0..{vocab - 1})")

@@ -20,10 +20,10 @@ from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
     GroupJoin,
     RefitInfo,
+    RefitMode,
     RefitProtocol,
     TensorMeta,
     next_version,
-    refit_mode,
 )
 from rollout_fleet.ports.engine import RefitTarget
 
@@ -73,11 +73,10 @@ class VllmRefit(RefitTarget):
                                  f" {first_line(error)}") from error
             self._joined = True
 
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+    async def update_weights(self, info: RefitInfo, *, mode: RefitMode = DEFAULT_REFIT_MODE,
                              version: int | None = None) -> int:
         """Pause (``mode``: drain, keep or recompute), receive and load inside vLLM's workers,
         reset the prefix cache as the mode says, resume."""
-        mode = refit_mode(mode)
         engine = self.runtime.require_engine()
         if mode not in self.runtime.features.refit_modes:
             raise InvalidValue("mode", mode, "this vLLM labels no token with the weights it was"
