@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
+from rollout_fleet.core.sharded_refit import EngineLayout, ShardedPlan
 
 
 class WeightSender(ABC):
@@ -22,8 +23,8 @@ class WeightSender(ABC):
     def close(self) -> None: ...
 
 
-class WeightReceiver(ABC):
-    """Worker side: one per worker rank."""
+class ReceivingEnd(ABC):
+    """What every worker-side receiver has: its geometry, its buffers' account, ``close``."""
 
     spec: CollectiveSenderSpec
     # Set by a consumer that keeps the previous refit's tensors (a rollback copy) while the
@@ -37,8 +38,24 @@ class WeightReceiver(ABC):
         return None
 
     @abstractmethod
+    def close(self) -> None: ...
+
+
+class WeightReceiver(ReceivingEnd):
+    """Worker side: one per worker rank."""
+
+    @abstractmethod
     def receive(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
         """Yield ``(name, tensor)`` in ``info`` order as packed buffers arrive."""
 
+
+class SliceReceiver(ReceivingEnd):
+    """Worker side of a sharded refit: one per engine rank, receiving only its slices."""
+
+    engine_rank: int
+    last_plan: ShardedPlan | None  # the plan of the last receive
+
     @abstractmethod
-    def close(self) -> None: ...
+    def receive_declared(self, info: RefitInfo, engine: EngineLayout) -> Iterator[tuple[str, Any]]:
+        """Declare this rank's engine layout, learn the trainer's, plan (``last_plan``), and
+        yield ``(name, this rank's slice)`` in ``info`` order."""

@@ -34,6 +34,9 @@ def fresh_block(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def _references(block: torch.Tensor) -> int:
+    """Tensors holding ``block``'s storage (a pool reuses blocks only where torch counts them)."""
+    if _use_count is None:
+        raise RuntimeError("this torch does not count a storage's uses")
     return _use_count(block.untyped_storage()._cdata)
 
 

@@ -153,6 +153,8 @@ def open_buffer(handle: BufferHandle, device: Any) -> OpenedBuffer:
         if device.type != "cpu":
             raise RefitError(f"a shared-memory handle for an engine on {device}: the trainer"
                              " must share GPU buffers (cuda handles)")
+        if handle.name is None:
+            raise RefitError(f"a shared-memory handle without a segment name (slot {handle.slot})")
         segment = Segment.open(handle.name, handle.nbytes)
         return OpenedBuffer(torch.frombuffer(segment.view, dtype=torch.uint8)[:handle.nbytes], segment)
     if device.type != "cuda":
@@ -186,6 +188,8 @@ def _cuda_open(handle: BufferHandle, device: torch.device) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     fields = handle.cuda
+    if fields is None:
+        raise RefitError(f"a CUDA IPC handle without its fields (slot {handle.slot})")
     index = indexed_device(device).index
     mine = str(torch.cuda.get_device_properties(index).uuid)
     if fields["device_uuid"] != mine:

@@ -109,7 +109,7 @@ class ColocatedSender:
         else:
             info = refit_info_of(state_dict)
             manifest = ColocatedManifest(info, self.buffer_bytes, self.num_buffers, self._transport)
-        pool = self._pool if places is not None else self._pool_for(manifest)
+        pool = places.pool if places is not None else self._pool_for(manifest)
         session = f"colocated-{os.getpid()}-{next(_sessions)}"
         started = time.perf_counter()
         # The pool outlives this refit (until close or a resize): the worker may keep it open.
@@ -246,7 +246,7 @@ class InPlaceLayout:
     and the start's manifest and the buckets' call, the same every refit, spelt once."""
 
     def __init__(self, manifest: ColocatedManifest, pool: BufferPool) -> None:
-        self.manifest, self.device = manifest, pool.device
+        self.manifest, self.pool, self.device = manifest, pool, pool.device
         self.places: dict[str, tuple[Any, torch.Tensor]] = {}  # name -> (meta, view)
         for slot, bucket in enumerate(manifest.plan):
             for entry, (name, view) in zip(bucket.entries, unpack_bucket(pool.buffer(slot), bucket)):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rollout_fleet.adapters.shared.errors import first_line
 from rollout_fleet.core.errors import InvalidValue, RefitError, WorldSizeMismatch
 
 BACKENDS = ("gloo", "nccl")
@@ -131,7 +132,7 @@ class CollectiveGroup:
         work.wait()
 
     def fail(self, what: str, exc: BaseException | str) -> RefitError:
-        detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {_first_line(exc)}"
+        detail = exc if isinstance(exc, str) else first_line(exc)
         self.broken = f"{what}: {detail}"
         return RefitError(f"refit group rank {self.rank} of {self.world_size}: {what} failed"
                           f" within the {self.timeout_s:g}s timeout: {detail}")
@@ -160,11 +161,6 @@ def own_address_towards(host: str) -> str:
             raise RefitError(f"refit group: no route from this node to the group's host {host}:"
                              f" {exc}") from exc
         return probe.getsockname()[0]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else repr(exc)
 
 
 def init_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
@@ -264,7 +260,7 @@ def _connect_store(host: str, port: int, rank: int, timeout: datetime.timedelta,
     except Exception as exc:
         raise RefitError(f"refit group rank {rank} could not reach the group's store at"
                          f" {host}:{port} within {timeout.total_seconds():g}s:"
-                         f" {_first_line(exc)}") from exc
+                         f" {first_line(exc)}") from exc
 
 
 def _key(name: str) -> str:
@@ -286,7 +282,7 @@ def _rendezvous(store: Any, rank: int, world_size: int, declaration: dict, deadl
         raise
     except Exception as exc:  # the store itself failed: rank 0 is gone
         raise RefitError(f"refit group rank {rank}: the group's store went away during the"
-                         f" rendezvous: {_first_line(exc)}") from exc
+                         f" rendezvous: {first_line(exc)}") from exc
 
 
 def _acknowledge_failure(store: Any, rank: int, world_size: int, deadline: float,
@@ -320,8 +316,8 @@ def _declare_and_wait(store: Any, rank: int, world_size: int, declaration: dict,
         _wait_keys(store, key, [key("declared/0")], rank, deadline, timeout_s, world_size)
         leader = json.loads(store.get(key("declared/0")))
         if declaration["train_world_size"] is None:
-            declaration["train_world_size"] = leader["train_world_size"]
-            if rank < declaration["train_world_size"]:
+            adopted = declaration["train_world_size"] = leader["train_world_size"]
+            if rank < adopted:
                 _object(store, key, f"rank {rank} is a trainer rank but gave no train_world_size")
         if leader != declaration:
             diffs = _differences(leader, declaration)
@@ -388,4 +384,4 @@ def _process_group(store: Any, backend: str, host: str, data_rank: int, data_siz
         return ProcessGroupNCCL(prefixed, data_rank, data_size, options)
     except Exception as exc:
         raise RefitError(f"refit group rank {rank}: forming the {backend} group failed within"
-                         f" {timeout_s:g}s: {_first_line(exc)}") from exc
+                         f" {timeout_s:g}s: {first_line(exc)}") from exc

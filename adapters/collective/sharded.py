@@ -28,13 +28,14 @@ from rollout_fleet.adapters.collective.group import CollectiveGroup
 from rollout_fleet.adapters.collective.packing import as_bytes, torch_dtype
 from rollout_fleet.adapters.collective.transfer import hash63, wait_all
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, RefitProtocol
 from rollout_fleet.core.sharded_refit import (
     EngineLayout,
     ShardedPlan,
     TrainerLayout,
     plan_sharded_refit,
 )
+from rollout_fleet.ports.collective import SliceReceiver
 
 HEADER_FIELDS = ("protocol", "buffer_bytes", "num_buffers", "plan", "total_bytes",
                  "train_world_size", "role")
@@ -108,7 +109,8 @@ def exchange_layouts(group: CollectiveGroup, trainer: TrainerLayout | None,
 
 
 @functools.lru_cache(maxsize=8)
-def declared_plan(info, trainer: TrainerLayout, engine: EngineLayout, buffer_bytes: int) -> ShardedPlan:
+def declared_plan(info: RefitInfo, trainer: TrainerLayout, engine: EngineLayout,
+                  buffer_bytes: int) -> ShardedPlan:
     """The plan, computed once per declaration (a trainer sends the same model every step)."""
     return plan_sharded_refit(info, trainer, engine, buffer_bytes)
 
@@ -197,7 +199,7 @@ class ShardedWeightSender:
         self.group.close()
 
 
-class ShardedWeightReceiver:
+class ShardedWeightReceiver(SliceReceiver):
     """One engine rank: receives its slice of every tensor, yielded in refit order as views of
     its blocks (valid however long they are kept: a block still viewed is never reused)."""
 
@@ -215,7 +217,8 @@ class ShardedWeightReceiver:
     def account(self) -> ByteAccount:
         return self._blocks.account
 
-    def receive_declared(self, info, engine: EngineLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive_declared(self, info: RefitInfo, engine: EngineLayout
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
         """Declare this rank's engine layout, learn the trainer's, plan, receive (the plan
         stays in ``last_plan``)."""
         self.group.check_usable()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from rollout_fleet.adapters.collective.group import init_group
+from rollout_fleet.adapters.collective.trainer import GroupMembership
 from rollout_fleet.adapters.collective.sharded import (
     ShardedWeightReceiver,
     ShardedWeightSender,
@@ -33,7 +34,7 @@ from rollout_fleet.core.sharded_refit import (
 )
 
 
-class ShardedTrainerSession:
+class ShardedTrainerSession(GroupMembership[ShardedWeightSender]):
     """One trainer rank's membership of a sharded refit group (every rank sends its shards).
     ``engine``: the engine layout this trainer expects, or None to take the one the engines
     declare; an expectation that differs fails the refit on every rank (the plan's digest)."""
@@ -44,13 +45,9 @@ class ShardedTrainerSession:
         self.engine = engine
         self.last_plan: ShardedPlan | None = None
         self.spec = spec or CollectiveSenderSpec()
-        self.group = init_group(host, port, rank, world_size, backend, timeout_s,
-                                train_world_size=train_world_size, every_rank=True)
-        self.sender = ShardedWeightSender(self.group, self.spec)
-
-    @property
-    def port(self) -> int:
-        return self.group.port
+        group = init_group(host, port, rank, world_size, backend, timeout_s,
+                           train_world_size=train_world_size, every_rank=True)
+        super().__init__(group, ShardedWeightSender(group, self.spec))
 
     def send_shards(self, info: RefitInfo, layout: TrainerLayout,
                     local: Mapping[str, torch.Tensor]) -> ShardedPlan:
@@ -67,15 +64,6 @@ class ShardedTrainerSession:
                                              self.group.train_world_size)
         return self.send_shards(info, layout, local)
 
-    def close(self) -> None:
-        self.sender.close()
-
-    def __enter__(self) -> "ShardedTrainerSession":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def dtensor_shards(state_dict: Mapping[str, Any], rank: int, train_world_size: int
                    ) -> tuple[RefitInfo, TrainerLayout, dict[str, torch.Tensor]]:
@@ -85,7 +73,8 @@ def dtensor_shards(state_dict: Mapping[str, Any], rank: int, train_world_size: i
 
     info = RefitInfo.from_state_dict_info(
         {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in state_dict.items()})
-    rows, local = [], {}
+    rows: list[tuple[int, ...] | None] = []
+    local: dict[str, torch.Tensor] = {}
     for meta in info.tensors:
         tensor = state_dict[meta.name]
         if not isinstance(tensor, DTensor):

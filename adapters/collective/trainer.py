@@ -7,11 +7,14 @@ sends; the other trainer ranks join the group, so its world size is checked, and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
+from rollout_fleet.adapters.collective.sharded import ShardedWeightSender
 from rollout_fleet.adapters.collective.transfer import TorchWeightSender
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, dtype_name
+
+S = TypeVar("S", bound=TorchWeightSender | ShardedWeightSender)
 
 
 def refit_info_of(state_dict: Mapping[str, Any]) -> RefitInfo:
@@ -20,19 +23,37 @@ def refit_info_of(state_dict: Mapping[str, Any]) -> RefitInfo:
         {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in state_dict.items()})
 
 
-class TrainerRefitSession:
+class GroupMembership(Generic[S]):
+    """A trainer rank's place in a refit group: the group and this rank's sender in it, closed
+    together (at ``close`` or the end of a ``with`` block)."""
+
+    def __init__(self, group: CollectiveGroup, sender: S) -> None:
+        self.group = group
+        self.sender = sender
+
+    @property
+    def port(self) -> int:
+        return self.group.port
+
+    def close(self) -> None:
+        self.sender.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TrainerRefitSession(GroupMembership[TorchWeightSender]):
     """One trainer rank's membership of a refit group; send as many refits as needed, then close."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, *,
                  train_world_size: int = 1, backend: str = "gloo", timeout_s: float = 60.0,
                  spec: CollectiveSenderSpec | None = None) -> None:
-        self.group: CollectiveGroup = init_group(host, port, rank, world_size, backend, timeout_s,
-                                                 train_world_size=train_world_size)
-        self.sender = TorchWeightSender(self.group, spec)
-
-    @property
-    def port(self) -> int:
-        return self.group.port
+        group = init_group(host, port, rank, world_size, backend, timeout_s,
+                           train_world_size=train_world_size)
+        super().__init__(group, TorchWeightSender(group, spec))
 
     def send_state_dict(self, state_dict: Mapping[str, Any],
                         info: RefitInfo | None = None) -> RefitInfo:
@@ -40,15 +61,6 @@ class TrainerRefitSession:
         info = info if info is not None else refit_info_of(state_dict)
         self.sender.send(info, state_dict)
         return info
-
-    def close(self) -> None:
-        self.sender.close()
-
-    def __enter__(self) -> "TrainerRefitSession":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def send_state_dict(state_dict: Mapping[str, Any], *, host: str, port: int, rank: int,

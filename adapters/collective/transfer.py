@@ -34,7 +34,7 @@ from rollout_fleet.adapters.collective.packing import (
     torch_dtype,
     unpack_bucket,
 )
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import (
     Bucket,
     CollectiveSenderSpec,
@@ -105,22 +105,28 @@ def wire_pieces(bucket: Bucket, backend: str) -> tuple[Piece, ...]:
         return (Piece(0, bucket.nbytes, pack=tuple(i for i, _ in entries)),)
     ranges: list[tuple[int, int, int | None, tuple[int, ...]]] = []
     run: list[tuple[int, Any]] = []
-    for index, entry in entries + [(None, None)]:
-        if entry is not None and entry.meta.nbytes < GLOO_DIRECT_MIN_BYTES:
+    for index, entry in entries:
+        if entry.meta.nbytes < GLOO_DIRECT_MIN_BYTES:
             run.append((index, entry))
             continue
-        if run:
-            ranges.append((run[0][1].offset, run[-1][1].offset + run[-1][1].meta.nbytes, None,
-                           tuple(i for i, _ in run)))
-            run = []
-        if entry is not None:
-            ranges.append((entry.offset, entry.offset + entry.meta.nbytes, index, ()))
+        _close_run(ranges, run)
+        ranges.append((entry.offset, entry.offset + entry.meta.nbytes, index, ()))
+    _close_run(ranges, run)
     pieces = []
     for start, stop, direct, pack in ranges:
         for first in range(start, stop, GLOO_WIRE_CHUNK_BYTES):
             pieces.append(Piece(first, min(first + GLOO_WIRE_CHUNK_BYTES, stop), direct,
                                 pack if first == start else ()))
     return tuple(pieces)
+
+
+def _close_run(ranges: list[tuple[int, int, int | None, tuple[int, ...]]],
+               run: list[tuple[int, Any]]) -> None:
+    """A run of small entries, packed together: one byte range; the run is emptied."""
+    if run:
+        ranges.append((run[0][1].offset, run[-1][1].offset + run[-1][1].meta.nbytes, None,
+                       tuple(i for i, _ in run)))
+        run.clear()
 
 
 def header_row(spec: CollectiveSenderSpec, info: RefitInfo, role: int,
@@ -212,7 +218,10 @@ class TorchWeightSender(WeightSender):
         self.spec = spec or CollectiveSenderSpec()
         self._kept_slots: list[torch.Tensor] = []
 
-    def send(self, info: RefitInfo, named_tensors: Iterable[tuple[str, Any]]) -> None:
+    def send(self, info: RefitInfo,
+             named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> None:
+        """``named_tensors``: pairs in ``info``'s order, or a state dict (checked whole before
+        any byte moves)."""
         if not self.group.is_sender:
             return
         self.group.check_usable()
@@ -258,11 +267,14 @@ class TorchWeightSender(WeightSender):
                 slot: torch.Tensor | None) -> torch.Tensor:
         """The bytes of one piece: packed into the slot, or the tensor's own (the work handle
         keeps them alive until sent)."""
-        if piece.pack:
-            run = Bucket(tuple(bucket.entries[i] for i in piece.pack), 0)
-            pack_bucket(slot, run, [tensors[i] for i in piece.pack])
-        if piece.direct is None:
-            return slot[piece.start:piece.stop]
+        if piece.direct is None or piece.pack:
+            if slot is None:
+                raise RefitError(f"a packed piece of bytes {piece.start}-{piece.stop} has no slot")
+            if piece.pack:
+                run = Bucket(tuple(bucket.entries[i] for i in piece.pack), 0)
+                pack_bucket(slot, run, [tensors[i] for i in piece.pack])
+            if piece.direct is None:
+                return slot[piece.start:piece.stop]
         entry, tensor = bucket.entries[piece.direct], tensors[piece.direct]
         if tensor.device != self.group.device:
             tensor = tensor.to(self.group.device)
