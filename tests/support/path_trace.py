@@ -1,24 +1,26 @@
 """Which of the project's files a rollout and a refit run code in, measured by a profiler hook.
 
-One process holds a whole fleet of one: a real Dynamo frontend (a child process), the worker
-composed by ``wiring/worker.py``'s ``serve_worker`` on a thread of this process (memory engine),
-and the driver built by ``wiring/driver.py``'s ``build_generation``, so one profiler hook sees
-both ends. After a warm-up of each path (imports and first calls are not the path), it records
+A fleet of one worker as a user starts it (``Fleet.start``, local placement, the real Dynamo
+frontend), driven by the driver the fleet hands out (``Fleet.generation``: the http adapter's
+clients with the fleet's attempt timeout, under the nemo_rl adapter), the trainer's end of the
+refit group in this process too. The worker is the fleet's own command
+(``python -m rollout_fleet.wiring.worker``) started through this module, which sets a profile
+hook on every thread of the worker host process first; this process hooks its own. A vLLM
+engine's engine-core process is vLLM's and is not hooked.
+
+After a warm-up of each path (imports and first calls are not the path), both processes record
 every project file a function of which is entered while one more rollout, then one more refit,
 runs (the join of the refit group, once per run, is not part of a refit; nor is what the
-background loops named in ``BACKGROUND`` call meanwhile). Prints JSON:
-``{"rollout": {"files": [...], "functions": [...]}, "refit": {...}}``, paths relative to the
-checkout; only the product's layers (core, ports, adapters, wiring) are counted.
+background loops named in ``BACKGROUND`` call meanwhile). Prints JSON, one object per path:
+``{"rollout": {"files": [...], "driver": [...], "worker": [...], "functions": [...]}, "refit":
+{...}}``, paths relative to the checkout; only the product's layers (core, ports, adapters,
+wiring) are counted.
 
-    .venv/bin/python -m tests.support.path_trace
-
-The memory engine runs in the worker's own process, so nothing is left behind when this one
-leaves; a vLLM engine's processes would be (the worker thread is not stopped, only left).
+    .venv/bin/python -m tests.support.path_trace vllm|memory
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -26,19 +28,26 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
+
 import rollout_fleet.core
+from rollout_fleet.adapters.local import LocalPlacement
+from rollout_fleet.ports.placement import WorkerHandle, WorkerLaunch
 
 PACKAGE = Path(rollout_fleet.core.__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]
 LAYERS = ("core/", "ports/", "adapters/", "wiring/")  # the product's own code
 # Loops that tick whatever the traffic (the worker's engine watchdog, the driver's metrics
 # sampler): what they call is not part of a rollout or a refit.
 BACKGROUND = frozenset({"_leave_when_engine_dies", "_sample_forever"})
-SERVED = "traced"
-ENGINE = {"kind": "memory", "seed": 0, "context_length": 128}
+ENGINES = {"vllm": {"kind": "vllm"},
+           "memory": {"kind": "memory", "seed": 0, "context_length": 128}}
 SETTLE_S = 1.0  # how long a window stays open after its call returned
-SECRET = "path-trace-secret"
+WORKER_MODULE = "rollout_fleet.wiring.worker"
+COMMANDS = "commands"  # the worker's trace takes "start" and "stop NAME" lines from this fifo
 
 
 class FileTrace:
@@ -46,7 +55,6 @@ class FileTrace:
 
     def __init__(self) -> None:
         self.root = str(PACKAGE) + "/"
-        self.files: set[str] = set()
         self.functions: set[str] = set()
         self.recording = False
 
@@ -55,20 +63,20 @@ class FileTrace:
             name = frame.f_code.co_filename
             if name.startswith(self.root) and name[len(self.root):].startswith(LAYERS) \
                     and not _in_background(frame):
-                self.files.add(name[len(self.root):])
                 self.functions.add(f"{name[len(self.root):]}:{frame.f_code.co_name}")
 
-    def record(self, run) -> dict[str, list[str]]:
-        self.files, self.functions = set(), set()
+    def start(self) -> None:
+        self.functions = set()
         self.recording = True
-        try:
-            run()
-            # The worker finishes a request after its answer left (the generator's last
-            # resumption, its counts): that tail belongs to this path, not the next one.
-            time.sleep(SETTLE_S)
-        finally:
-            self.recording = False
-        return {"files": sorted(self.files), "functions": sorted(self.functions)}
+
+    def stop(self) -> list[str]:
+        self.recording = False
+        return sorted(self.functions)
+
+    def hook(self) -> None:
+        """On this thread and every thread started from now on."""
+        sys.setprofile(self)
+        threading.setprofile(self)
 
 
 def _in_background(frame) -> bool:
@@ -79,61 +87,147 @@ def _in_background(frame) -> bool:
     return False
 
 
-def start_worker(run_dir: Path, system_port: int, trace: FileTrace):
-    """``serve_worker`` on a thread of its own (Dynamo's worker serves until this process ends)."""
-    from rollout_fleet.wiring.worker import serve_worker
-
-    config = {"engine": ENGINE,
-              "run_dir": str(run_dir), "namespace": "trace", "served_model_name": SERVED,
-              "system_port": system_port, "control_secret": SECRET, "worker_id": "worker-0"}
-
-    # Dynamo's canary health check would send the worker requests of its own, whatever else
-    # runs: off, so that none lands in a window.
-    os.environ["DYN_HEALTH_CHECK_ENABLED"] = "false"
-
-    def serve() -> None:
-        sys.setprofile(trace)
-        asyncio.run(serve_worker(config))
-
-    threading.Thread(target=serve, name="traced-worker", daemon=True).start()
+def _unhook() -> None:
+    sys.setprofile(None)
+    threading.setprofile(None)
 
 
-def weights_of(seed: int) -> dict:
-    """New weights for the worker's model (float32, names and shapes as it holds them)."""
+def files_of(functions: Sequence[str]) -> list[str]:
+    return sorted({function.split(":", 1)[0] for function in functions})
+
+
+# -- the worker host process ------------------------------------------------------------------
+
+def serve_traced_worker(trace_dir: Path, worker_argv: list[str]) -> int:
+    """The fleet's worker, hooked; recording windows opened and closed through the fifo."""
+    trace = FileTrace()
+    os.register_at_fork(after_in_child=_unhook)  # a forked engine process is not the host
+    # Started before the hook, so its own work is not traced.
+    threading.Thread(target=_take_commands, args=(trace, trace_dir), name="path-trace-commands",
+                     daemon=True).start()
+    trace.hook()
+    from rollout_fleet.wiring.worker import main as worker_main
+
+    return worker_main(worker_argv)
+
+
+def _take_commands(trace: FileTrace, trace_dir: Path) -> None:
+    with open(trace_dir / COMMANDS) as commands:
+        for line in commands:
+            words = line.split()
+            if words == ["start"]:
+                trace.start()
+            elif words[:1] == ["stop"]:
+                partial = trace_dir / f"{words[1]}.json.partial"
+                partial.write_text(json.dumps(trace.stop()))
+                partial.rename(trace_dir / f"{words[1]}.json")
+
+
+class TracedPlacement(LocalPlacement):
+    """The local placement, but each worker's command runs through this module's hook."""
+
+    def __init__(self, trace_dir: Path, **options) -> None:
+        super().__init__(**options)
+        self.trace_dir = trace_dir
+
+    def launch(self, launches: Sequence[WorkerLaunch]) -> Sequence[WorkerHandle]:
+        return super().launch([self._traced(launch) for launch in launches])
+
+    def _traced(self, launch: WorkerLaunch) -> WorkerLaunch:
+        python, flag, module, *args = launch.argv
+        assert (flag, module) == ("-m", WORKER_MODULE), launch.argv
+        pythonpath = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
+        return attrs.evolve(launch, argv=(python, "-m", __spec__.name, "worker",
+                                          str(self.trace_dir), *args),
+                            env={**launch.env, "PYTHONPATH": pythonpath})
+
+
+class WorkerTrace:
+    """This process's end of the worker's fifo."""
+
+    def __init__(self, trace_dir: Path) -> None:
+        self.trace_dir = trace_dir
+        self._commands = open(trace_dir / COMMANDS, "w")  # blocks until the worker reads it
+
+    def start(self) -> None:
+        self._commands.write("start\n")
+        self._commands.flush()
+
+    def stop(self, name: str, timeout_s: float = 30) -> list[str]:
+        self._commands.write(f"stop {name}\n")
+        self._commands.flush()
+        done = self.trace_dir / f"{name}.json"
+        deadline = time.monotonic() + timeout_s
+        while not done.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the worker's trace wrote no {done.name}")
+            time.sleep(0.05)
+        return json.loads(done.read_text())
+
+
+# -- the driver's process ---------------------------------------------------------------------
+
+def record(driver: FileTrace, worker: WorkerTrace, name: str, run: Callable[[], None]) -> dict:
+    worker.start()
+    driver.start()
+    try:
+        run()
+        # The worker finishes a request after its answer left (the generator's last
+        # resumption, its counts): that tail belongs to this path, not the next one.
+        time.sleep(SETTLE_S)
+    finally:
+        driver_functions = driver.stop()
+        worker_functions = worker.stop(name)
+    return {"files": files_of(driver_functions + worker_functions),
+            "driver": files_of(driver_functions), "worker": files_of(worker_functions),
+            "functions": sorted(set(driver_functions) | set(worker_functions))}
+
+
+def new_weights(engine: str, seed: int) -> dict:
+    """Weights for the worker's model (float32, names and shapes as it holds them)."""
     import torch
 
+    if engine == "vllm":
+        from rollout_fleet.adapters.tiny_model import tiny_state_dict
+
+        return tiny_state_dict(seed)
     from rollout_fleet.adapters.memory.model import TinyBigramModel
 
     return {name: torch.tensor(matrix, dtype=torch.float32) for name, matrix in
             TinyBigramModel.from_seed(seed).state_dict().items()}
 
 
-def main() -> int:
+def measure(engine: str) -> dict:
+    import asyncio
+
     import torch
 
     from rollout_fleet.adapters.collective import TrainerRefitSession
-    from rollout_fleet.adapters.dynamo import DynamoFrontend
-    from rollout_fleet.adapters.nemo_rl import GenerationConfig
-    from rollout_fleet.wiring.driver import WorkerEndpoint, build_generation
-    from tests.support.net import free_port
+    from rollout_fleet.adapters.shared import free_port
+    from rollout_fleet.wiring.config import parse_config
+    from rollout_fleet.wiring.fleet import Fleet
 
-    trace = FileTrace()
-    sys.setprofile(trace)
-    threading.setprofile(trace)
     run_dir = Path(tempfile.mkdtemp(prefix="path-trace-"))
-    system_port = free_port()
-    start_worker(run_dir, system_port, trace)
-    frontend = DynamoFrontend(run_dir, http_port=free_port()).start()
-    # Its own process group: named, so whoever runs this can stop it should this be killed.
-    print(f"frontend process group {frontend.process.pid}", file=sys.stderr, flush=True)
+    trace_dir = run_dir / "trace"
+    trace_dir.mkdir()
+    os.mkfifo(trace_dir / COMMANDS)
+    # Dynamo's canary health check would send the worker requests of its own, whatever else
+    # runs: off, so that none lands in a window.
+    config = parse_config({
+        "placement": "local", "num_workers": 1, "engine": ENGINES[engine], "max_model_len": 128,
+        "max_new_tokens": 8, "run_dir": str(run_dir / "fleet"),
+        "timeouts": {"start_s": 400, "refit_s": 60},
+        "env": {"DYN_HEALTH_CHECK_ENABLED": "false", "DYN_LOG": "error"}})
+    fleet = Fleet.start(config, TracedPlacement(trace_dir, bind_host=config.bind_host,
+                                                stop_grace_s=config.timeouts.shutdown_s))
+    # Named, so that whoever runs this can stop them should this process be killed.
+    print(f"process groups {' '.join(map(str, fleet.process_groups()))}", file=sys.stderr, flush=True)
     try:
-        frontend.wait_for_model(SERVED, timeout_s=180)
-        generation = build_generation(
-            GenerationConfig(model=SERVED, max_model_len=128, max_new_tokens=8),
-            frontend_url=frontend.url, control_secret=SECRET,
-            workers=[WorkerEndpoint("worker-0", f"http://127.0.0.1:{system_port}")])
+        worker = WorkerTrace(trace_dir)
+        driver = FileTrace()
+        driver.hook()  # from here: the driver's threads start after this
+        generation = fleet.generation()
         batch = {"input_ids": torch.tensor([[5, 6, 7]]), "input_lengths": torch.tensor([3])}
-
         loop = asyncio.new_event_loop()  # one loop, as a trainer's: its pooled client is kept
 
         def rollout() -> None:
@@ -142,9 +236,10 @@ def main() -> int:
                     pass
             loop.run_until_complete(one())
 
-        port = free_port()
-        joining = generation.init_collective("127.0.0.1", port, 2, train_world_size=1)
-        with TrainerRefitSession("127.0.0.1", port, 0, 2, timeout_s=60,
+        port = free_port("127.0.0.1")
+        world_size = 1 + generation.get_inference_world_size()
+        joining = generation.init_collective("127.0.0.1", port, world_size, train_world_size=1)
+        with TrainerRefitSession("127.0.0.1", port, 0, world_size, timeout_s=60,
                                  spec=generation.get_collective_sender_spec()) as trainer:
             for future in joining:
                 future.result(timeout=60)
@@ -158,18 +253,26 @@ def main() -> int:
                     future.result(timeout=60)
 
             rollout()  # warm-ups
-            refit(weights_of(1))
-            new_weights = weights_of(2)
-            paths = {"rollout": trace.record(rollout),
-                     "refit": trace.record(lambda: refit(new_weights))}
+            refit(new_weights(engine, 1))
+            weights = new_weights(engine, 2)
+            paths = {"rollout": record(driver, worker, "rollout", rollout),
+                     "refit": record(driver, worker, "refit", lambda: refit(weights))}
+        _unhook()
         generation.shutdown()
+        loop.close()
     finally:
-        frontend.stop()
+        fleet.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
-    print(json.dumps(paths), flush=True)
-    # Dynamo's worker serves on its thread until a signal; this process leaves without it.
-    os._exit(0)
+    return paths
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["worker"]:
+        return serve_traced_worker(Path(argv[1]), argv[2:])
+    (engine,) = argv
+    print(json.dumps(measure(engine)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main(sys.argv[1:]))
