@@ -18,8 +18,8 @@ becomes: each is passed on or refused by name. Workers go into the placement gro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.wiring.fleet import Fleet, placement_for
@@ -29,6 +29,9 @@ from rollout_fleet.wiring.nemo_rl_config import (  # noqa: F401 - read_nemo_rl_c
     read_nemo_rl_config,
 )
 
+if TYPE_CHECKING:
+    from rollout_fleet.adapters.nemo_rl import FleetGeneration
+
 # NeMo-RL's logger keys -> the native driver's timelines.
 LOGGER_METRICS = {"inflight_batch_sizes": "inflight_requests",
                   "num_pending_samples": "pending_requests",
@@ -37,12 +40,36 @@ LOGGER_METRICS = {"inflight_batch_sizes": "inflight_requests",
 
 
 @dataclasses.dataclass(frozen=True)
-class CollectiveSenderSpec:
-    """NeMo-RL's sender spec fields (``nemo_rl.models.generation.interfaces``)."""
+class NemoRlSenderSpec:
+    """The sender spec as NeMo-RL reads it (its ``CollectiveSenderSpec`` fields, from
+    ``nemo_rl.models.generation.interfaces``): the core's ``CollectiveSenderSpec`` in NeMo-RL's
+    names, the protocol as ``nccl_peer``."""
 
     nccl_peer: str = "nemo"
     buffer_size_bytes: int | None = None
     num_buffers: int | None = None
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class AsNative(Generic[P, R]):
+    """A call of NeMo-RL's interface that the native driver answers as it is: read off the
+    drop-in, it is the native driver's own method (same arguments, same answer)."""
+
+    def __init__(self, method: Callable[["FleetGeneration"], Callable[P, R]]) -> None:
+        self._method = method
+
+    @overload
+    def __get__(self, generation: None, owner: type) -> "AsNative[P, R]": ...
+    @overload
+    def __get__(self, generation: "DynamoGeneration", owner: type | None = None
+                ) -> Callable[P, R]: ...
+
+    def __get__(self, generation: "DynamoGeneration | None",
+                owner: type | None = None) -> "AsNative[P, R] | Callable[P, R]":
+        return self if generation is None else self._method(generation.native)
 
 
 class DynamoGeneration:
@@ -84,8 +111,7 @@ class DynamoGeneration:
         """The OpenAI base URL of the fleet's frontend (``.../v1``), as NeMo-RL's."""
         return f"{self.native.frontend_url}/v1"
 
-    def generate(self, data: Any, greedy: bool = False) -> Any:
-        return self.native.generate(data, greedy)
+    generate = AsNative(lambda native: native.generate)
 
     async def generate_async(self, data: Any, greedy: bool = False
                              ) -> AsyncIterator[tuple[int, Any]]:
@@ -120,8 +146,7 @@ class DynamoGeneration:
         """Sleeps the colocated workers (unless NeMo-RL's ``release_gpu=False``)."""
         return self.native.finish_generation(release_gpu=kwargs.get("release_gpu", True))
 
-    def invalidate_kv_cache(self) -> bool:
-        return self.native.invalidate_kv_cache()
+    invalidate_kv_cache = AsNative(lambda native: native.invalidate_kv_cache)
 
     def shutdown(self) -> bool:
         """Stop the driver and the fleet (frontend, workers, engines); safe to repeat. A pickled
@@ -148,13 +173,12 @@ class DynamoGeneration:
     def wake_carries_weight_updates(self) -> bool:
         return False  # new weights arrive by refit, never by waking
 
-    def get_inference_world_size(self) -> int:
-        return self.native.get_inference_world_size()
+    get_inference_world_size = AsNative(lambda native: native.get_inference_world_size)
 
-    def get_collective_sender_spec(self) -> CollectiveSenderSpec:
+    def get_collective_sender_spec(self) -> NemoRlSenderSpec:
         spec = self.native.get_collective_sender_spec()
-        return CollectiveSenderSpec(nccl_peer=spec.protocol.value, buffer_size_bytes=spec.buffer_bytes,
-                                    num_buffers=spec.num_buffers)
+        return NemoRlSenderSpec(nccl_peer=spec.protocol.value, buffer_size_bytes=spec.buffer_bytes,
+                                num_buffers=spec.num_buffers)
 
     # -- metrics ------------------------------------------------------------------------------
     def get_logger_metrics(self) -> dict[str, dict[int, list[float]]]:
@@ -177,8 +201,7 @@ class DynamoGeneration:
                 known.setdefault(worker, len(known))
         return known
 
-    def clear_logger_metrics(self) -> None:
-        self.native.clear_logger_metrics()
+    clear_logger_metrics = AsNative(lambda native: native.clear_logger_metrics)
 
     def drain_latest_logger_metrics(self) -> dict[str, dict[int, list[float]]]:
         """Each worker's newest sample per key (``generation_tokens``: its running count), in
@@ -189,41 +212,25 @@ class DynamoGeneration:
                       for worker, points in latest[native].items() if worker in ordinals}
                 for key, native in LOGGER_METRICS.items()}
 
-    def snapshot_step_metrics(self) -> None:
-        self.native.snapshot_step_metrics()
+    snapshot_step_metrics = AsNative(lambda native: native.snapshot_step_metrics)
 
-    def get_step_metrics(self) -> dict[str, float]:
-        return self.native.get_step_metrics()
+    get_step_metrics = AsNative(lambda native: native.get_step_metrics)
 
     # -- refit --------------------------------------------------------------------------------
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
-        return self.native.init_collective(ip, port, world_size, train_world_size=train_world_size)
+    init_collective = AsNative(lambda native: native.init_collective)
 
     def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> None:
         """NeMo-RL's ``{name: (shape, dtype)}``; the wire layout it makes is kept in
         ``refit_info`` (for a sender of the project's packed protocol)."""
         self.refit_info = self.native.prepare_refit_info(state_dict_info)
 
-    def update_weights_from_collective(self, refit_timeout_s: float | None = None) -> list:
-        return self.native.update_weights_from_collective(refit_timeout_s)
-
-    def get_refit_payload_mode(self) -> str:
-        return self.native.get_refit_payload_mode()
-
-    def pause_generation_for_refit(self, *, clear_cache: bool) -> bool:
-        return self.native.pause_generation_for_refit(clear_cache=clear_cache)
-
-    def resume_generation_after_refit(self) -> bool:
-        return self.native.resume_generation_after_refit()
-
-    def pause_generation(self, mode: str) -> None:
-        self.native.pause_generation(mode)
-
-    def continue_generation(self) -> None:
-        self.native.continue_generation()
-
-    def update_weights_via_ipc_zmq(self) -> list:
-        return self.native.update_weights_via_ipc_zmq()
+    update_weights_from_collective = AsNative(lambda native: native.update_weights_from_collective)
+    get_refit_payload_mode = AsNative(lambda native: native.get_refit_payload_mode)
+    pause_generation_for_refit = AsNative(lambda native: native.pause_generation_for_refit)
+    resume_generation_after_refit = AsNative(lambda native: native.resume_generation_after_refit)
+    pause_generation = AsNative(lambda native: native.pause_generation)
+    continue_generation = AsNative(lambda native: native.continue_generation)
+    update_weights_via_ipc_zmq = AsNative(lambda native: native.update_weights_via_ipc_zmq)
 
     @property
     def dp_size(self) -> int:
@@ -265,8 +272,10 @@ class DynamoGeneration:
         state = "stopped" if self._fleet is None else "running"
         return f"DynamoGeneration(NeMo-RL drop-in, {state}, {self.native!r})"
 
-def _follow(sample: Mapping[str, Any], input_ids: Any) -> Any:
-    """The sample's tensors on the input's device; output_ids in the input's dtype."""
+def _follow(sample: Any, input_ids: Any) -> Any:
+    """The sample's tensors on the input's device; output_ids in the input's dtype. ``sample``:
+    the native driver's one-sample batch (a mapping of tensors, of a type that may or may not
+    be built from a dict)."""
     out = {key: tensor.to(device=input_ids.device) for key, tensor in sample.items()}
     out["output_ids"] = out["output_ids"].to(dtype=input_ids.dtype)
     try:
