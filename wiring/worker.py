@@ -303,7 +303,7 @@ def read_secret_from_stdin() -> str:
     return line
 
 
-def load_config(text_or_path: str) -> WorkerConfig:
+def load_worker_config(text_or_path: str) -> WorkerConfig:
     """``--config``: a JSON object, or the path of a file holding one."""
     text = text_or_path if text_or_path.lstrip().startswith("{") else Path(text_or_path).read_text()
     try:
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = load_config(args.config)
+        config = load_worker_config(args.config)
         if args.control_secret_stdin:
             config = config.with_secret(read_secret_from_stdin())
         control_secret(config)  # refuse now, before Dynamo or an engine starts

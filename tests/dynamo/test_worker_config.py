@@ -9,7 +9,7 @@ import pytest
 from rollout_fleet.adapters.memory.engine import VOCAB, MemoryEngine
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.wiring.engines import registered_kinds
-from rollout_fleet.wiring.worker import build_engine, control_secret, load_config, worker_env
+from rollout_fleet.wiring.worker import build_engine, control_secret, load_worker_config, worker_env
 from rollout_fleet.wiring.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.dynamo
@@ -42,10 +42,11 @@ def test_bad_config_names_the_field(config, field):
 def test_config_from_text_or_file(tmp_path):
     path = tmp_path / "w.json"
     path.write_text('{"engine": {"kind": "memory"}, "run_dir": "/tmp/r"}')
-    assert load_config(str(path)) == load_config('{"engine": {"kind": "memory"}, "run_dir": "/tmp/r"}')
-    assert load_config(str(path)).engine == {"kind": "memory"}
+    assert load_worker_config(str(path)) == load_worker_config(
+        '{"engine": {"kind": "memory"}, "run_dir": "/tmp/r"}')
+    assert load_worker_config(str(path)).engine == {"kind": "memory"}
     with pytest.raises(InvalidValue, match="is not JSON"):
-        load_config("{nope")
+        load_worker_config("{nope")
 
 
 def test_worker_env_is_loopback_and_checks_the_system_port(tmp_path):

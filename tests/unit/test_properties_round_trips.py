@@ -18,7 +18,7 @@ from rollout_fleet.wiring.cli_generate import _parse_line
 from rollout_fleet.wiring.config import load_config
 from rollout_fleet.wiring.fleet_file import FleetFile
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.wiring.worker import load_config as load_worker_config
+from rollout_fleet.wiring.worker import load_worker_config
 from rollout_fleet.wiring.worker_config import WorkerConfig
 
 WORKER_FIELDS = {field.name for field in attrs.fields(WorkerConfig)}
