@@ -4,11 +4,11 @@ sockets a process holds (read from /proc)."""
 from __future__ import annotations
 
 import ipaddress
-import os
 import random
 import socket
 
 from rollout_fleet.adapters.shared.port_claims import PortClaims, host_claims
+from rollout_fleet.adapters.shared.processes import open_file_links
 
 # Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit int: ports above 32767 are refused.
 # Kernel-chosen ports (bind to 0) come from the ephemeral range (32768+), so pick below it:
@@ -69,16 +69,5 @@ def is_loopback(host: str) -> bool:
 
 def socket_inodes(pid: int) -> set[str]:
     """The inodes of every socket that process ``pid`` holds open (empty when it is gone)."""
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    return inodes
+    return {target[len("socket:["):-1] for _fd, target in open_file_links(pid)
+            if target.startswith("socket:[")}

@@ -115,6 +115,21 @@ def pid_namespace() -> str:
         return "unknown"  # no /proc: names still match each other on this host
 
 
+def open_file_links(pid: int) -> Iterator[tuple[str, str]]:
+    """``(fd path, what it links to)`` of each file process ``pid`` holds open (none once it is
+    gone; an fd closed meanwhile is passed over)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            yield path, os.readlink(path)
+        except OSError:
+            continue
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` (of this pid namespace) exists; another user's counts as alive."""
     try:

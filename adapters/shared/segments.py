@@ -35,7 +35,8 @@ class Segment:
     def __init__(self, name: str, nbytes: int, fd: int, owner: bool) -> None:
         self.name, self.nbytes, self._owner = name, nbytes, owner
         try:
-            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map: mmap.mmap | None = mmap.mmap(  # None once closed
+                fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.view = memoryview(self._map)

@@ -17,6 +17,8 @@ import os
 import threading
 from collections.abc import Collection, Iterator
 
+from rollout_fleet.adapters.shared.processes import open_file_links
+
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "psm_"  # vLLM's queues
 SEMAPHORE_PREFIX = "sem.mp-"  # multiprocessing's named semaphores
@@ -58,7 +60,7 @@ class SharedMemoryTracker:
     def in_use(self) -> dict[str, int]:
         """path -> inode of the tracked files that the worker's processes use now."""
         named = self._named_files()
-        in_use = {}
+        in_use: dict[str, int] = {}
         for pid in worker_processes(self.root_pid):
             in_use.update((named[inode], inode) for inode in _shm_inodes(pid, self._dir)
                           if inode in named)
@@ -85,7 +87,7 @@ class SharedMemoryTracker:
 
     def _named_files(self) -> dict[int, str]:
         """inode -> path of the tracked files in the folder now."""
-        named = {}
+        named: dict[int, str] = {}
         try:
             entries = list(os.scandir(self._dir))
         except OSError:
@@ -102,7 +104,7 @@ class SharedMemoryTracker:
 def _shm_inodes(pid: int, shm_dir: str) -> set[int]:
     """The inodes of the files under ``shm_dir`` that process ``pid`` maps or holds open, by
     whatever name it got them (an unlinked temporary one included)."""
-    inodes = set()
+    inodes: set[int] = set()
     try:
         with open(f"/proc/{pid}/maps") as maps:
             for line in maps:
@@ -111,16 +113,12 @@ def _shm_inodes(pid: int, shm_dir: str) -> set[int]:
                     inodes.add(int(fields[4]))
     except OSError:
         pass  # gone meanwhile
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(shm_dir):
-                inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
-        except OSError:
-            continue
+    for fd, target in open_file_links(pid):
+        if target.startswith(shm_dir):
+            try:
+                inodes.add(os.stat(fd).st_ino)
+            except OSError:
+                continue  # closed meanwhile
     return inodes
 
 
