@@ -89,4 +89,4 @@ def test_an_unknown_colocated_step_is_refused_by_name():
     engine = ColocatedTransferEngine(None, None, torch.device("cpu"), model=None)
     with pytest.raises(InvalidValue, match="colocated step=resume: must be one of begin, bucket, buckets,"
                        " end, abort"):
-        engine.colocated_step({"resume": {}})
+        engine.update_weights({"colocated": {"resume": {}}})

@@ -177,9 +177,9 @@ def test_cpu_cores_reach_vllm_only_while_its_engine_starts(monkeypatch):
     from rollout_fleet.adapters.vllm.host.process import pinned_to_cpus
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    with pinned_to_cpus(VllmEngineConfig(model="/m", cpu_cores=[2, 3])):
+    with pinned_to_cpus(VllmEngineConfig(model="/m", cpu_cores=[2, 3]).omp_binding()):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    with pinned_to_cpus(VllmEngineConfig(model="/m", device="gpu", cpu_cores=[2])):
+    with pinned_to_cpus(VllmEngineConfig(model="/m", device="gpu", cpu_cores=[2]).omp_binding()):
         assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # only the CPU backend binds

@@ -4,7 +4,7 @@ The session spans several control calls: ``begin_colocated`` takes the engine's 
 pauses generation as the mode says and starts vLLM's weight update; each bucket is one
 ``update_weights`` request, which the worker's transfer engine (``colocated_engine.py``) loads
 straight out of the trainer's buffer; ``end_colocated`` finishes the update and commits it
-with the same code as every refit (``VllmRefit.commit_new_weights``: prefix cache, version), then
+with the same code as every refit (``WeightsStanding.commit``: prefix cache, version), then
 resumes. ``abandon_colocated`` has the transfer engine recover (the last good weights, or torn)
 and resumes. This host process only passes requests on; it never maps a buffer.
 
@@ -17,23 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from rollout_fleet.adapters.vllm.messages import RELEASE_BUFFERS_RPC, REFIT_STATS_RPC, colocated_update
+from rollout_fleet.adapters.shared.errors import first_line
+from rollout_fleet.adapters.vllm.host.pause import paused_for_refit
 from rollout_fleet.adapters.vllm.host.process import refit_priority
-from rollout_fleet.adapters.vllm.host.refit import (
-    VllmRefit, check_complete, first_line, paused_for_refit,
-)
 from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
-from rollout_fleet.core.device import Device
-from rollout_fleet.core.colocated_refit import (
-    CUDA_TRANSPORT,
-    SHM_TRANSPORT,
-    BufferHandle,
-    ColocatedManifest,
-    ColocatedStep,
+from rollout_fleet.adapters.vllm.host.weights import check_complete
+from rollout_fleet.adapters.vllm.messages import (
+    REFIT_STATS_RPC, RELEASE_BUFFERS_RPC, ColocatedBegin, ColocatedBucket, ColocatedStats,
+    ColocatedUpdate, RefitInfoOnce,
 )
+from rollout_fleet.core.colocated_refit import (
+    CUDA_TRANSPORT, SHM_TRANSPORT, BufferHandle, ColocatedManifest, ColocatedStep,
+)
+from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import Bucket, RefitProtocol, TensorMeta
 from rollout_fleet.ports.colocated import ColocatedTarget
@@ -46,23 +45,24 @@ COLOCATED_TP_RULE = ("a colocated refit hands the trainer's buffers to the one e
 
 class VllmColocated(ColocatedTarget):
     """The colocated refit of the engine of ``runtime``: a session spans several calls (its
-    stack: weight lock, pause, refit priority), and it commits through ``refit``."""
+    stack: weight lock, pause, refit priority), and it commits through the weights' standing,
+    as every refit does. It keeps the refit info the engine's rank holds."""
 
-    def __init__(self, runtime: VllmRuntime, refit: VllmRefit) -> None:
+    def __init__(self, runtime: VllmRuntime) -> None:
         self.runtime = runtime
         self.config = runtime.config
-        self.refit = refit
         self._stack: contextlib.AsyncExitStack | None = None
         self._mode = "drain"
         self._stats: dict[str, Any] = {}
         self._started = 0.0
         self._rank_failed = False  # a step raised inside vLLM: the rank ended the update
+        self._sent = RefitInfoOnce()  # the refit info the engine's rank holds
 
     def weight_metas(self) -> Mapping[str, TensorMeta]:
-        return self.refit.weight_metas()
+        return self.runtime.weight_metas()
 
     def weight_version(self) -> int:
-        return self.refit.weight_version()
+        return self.runtime.standing.version
 
     def colocated_transports(self) -> tuple[str, ...]:
         return (CUDA_TRANSPORT,) if self.config.device is Device.GPU else (SHM_TRANSPORT,)
@@ -70,31 +70,22 @@ class VllmColocated(ColocatedTarget):
     async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
                               keep_buffers: bool = False) -> None:
         engine = self.runtime.require_engine()
-        ranks = self.refit.refit_ranks()
-        if ranks != 1:
-            raise InvalidValue("tensor_parallel_size x pipeline_parallel_size", ranks,
-                               COLOCATED_TP_RULE)
-        if self.config.refit_protocol is not RefitProtocol.PACKED:
-            raise InvalidValue("refit_protocol", self.config.refit_protocol.value,
-                               f"vLLM's own transfer engine takes no colocated refit; workers"
-                               f" with {RefitProtocol.PACKED.value!r} (the default) do")
-        if mode not in self.runtime.features.refit_modes:
-            raise InvalidValue("mode", mode, f"this vLLM keeps labels exact only in"
-                               f" {', '.join(self.runtime.features.refit_modes)}")
-        check_complete(manifest.info, self.runtime.metas, self.runtime.ignored)
-        sent = {t.name for t in manifest.info.tensors}
+        self._check_can_begin(manifest, mode)
+        skip = {t.name for t in manifest.info.tensors} & set(self.runtime.ignored)
         stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(self.runtime.weight_lock)
         started = False
         try:
             await stack.enter_async_context(paused_for_refit(engine, mode))
-            await stack.enter_async_context(refit_priority(self.config, self.runtime.processes))
+            await stack.enter_async_context(refit_priority(self.config.refit_nice,
+                                                           self.runtime.processes))
             await engine.start_weight_update()
             started = True
-            await self._request(ColocatedStep.BEGIN, {
-                "refit_info": manifest.info.to_wire(), "skip": sorted(sent & set(self.runtime.ignored)),
-                "rollback": self.config.rollback.value, "keep_buffers": keep_buffers})
+            await self._request(ColocatedUpdate(ColocatedStep.BEGIN, begin=ColocatedBegin(
+                self._sent.outgoing(manifest.info), tuple(sorted(skip)), self.config.rollback,
+                keep_buffers)))
         except BaseException:
+            self._sent.forget()
             if started:
                 await _quietly(engine.finish_weight_update)
             await stack.aclose()
@@ -103,27 +94,43 @@ class VllmColocated(ColocatedTarget):
         self._started = time.perf_counter()
         self._rank_failed = False
 
+    def _check_can_begin(self, manifest: ColocatedManifest, mode: str) -> None:
+        if self.config.refit_ranks != 1:
+            raise InvalidValue("tensor_parallel_size x pipeline_parallel_size",
+                               self.config.refit_ranks, COLOCATED_TP_RULE)
+        if self.config.refit_protocol is not RefitProtocol.PACKED:
+            raise InvalidValue("refit_protocol", self.config.refit_protocol.value,
+                               f"vLLM's own transfer engine takes no colocated refit; workers"
+                               f" with {RefitProtocol.PACKED.value!r} (the default) do")
+        modes = self.runtime.require_features().refit_modes
+        if mode not in modes:
+            raise InvalidValue("mode", mode, f"this vLLM keeps labels exact only in"
+                               f" {', '.join(modes)}")
+        check_complete(manifest.info, self.runtime.metas, self.runtime.ignored)
+
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
-        await self._request(ColocatedStep.BUCKET, _bucket_body(bucket, handle))
+        await self._request(ColocatedUpdate(ColocatedStep.BUCKET,
+                                            buckets=(ColocatedBucket.of(bucket, handle),)))
 
     async def load_colocated_buckets(self, buckets: Sequence[tuple[Bucket, BufferHandle]]) -> None:
         """All of them in one request: one crossing into vLLM's workers, not one per bucket."""
-        await self._request(ColocatedStep.BUCKETS, [_bucket_body(b, h) for b, h in buckets])
+        await self._request(ColocatedUpdate(ColocatedStep.BUCKETS, buckets=tuple(
+            ColocatedBucket.of(bucket, handle) for bucket, handle in buckets)))
 
     async def end_colocated(self, *, version: int | None) -> int:
         """Finish vLLM's update and commit (cache, version) still paused, then resume. A
         failure here reaches ``abandon_colocated`` with the stack still open."""
         stack = self._open_stack()
-        await self._request(ColocatedStep.END, {})
-        await self.runtime.require_engine().finish_weight_update()
-        self.runtime.torn = None
+        engine = self.runtime.require_engine()
+        await self._request(ColocatedUpdate(ColocatedStep.END))
+        await engine.finish_weight_update()
         self.runtime.sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
-        version = await self.refit.commit_new_weights(self._mode, version)
+        version = await self.runtime.standing.commit(engine, self._mode, version)
         self._stack = None
         try:
-            ranks = await self.runtime.engine.collective_rpc(REFIT_STATS_RPC)
-            self._stats = {**ranks[0],
-                                     "host_seconds": time.perf_counter() - self._started}
+            ranks = await engine.collective_rpc(REFIT_STATS_RPC)
+            self._stats = {**ColocatedStats.from_wire(ranks[0]).to_wire(),
+                           "host_seconds": time.perf_counter() - self._started}
         finally:
             await stack.aclose()
         return version
@@ -132,11 +139,13 @@ class VllmColocated(ColocatedTarget):
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        self._sent.forget()  # a failed refit: the next begin carries the info
+        engine = self.runtime.require_engine()
         if not self._rank_failed:  # else the rank recovered already and vLLM ended
             with contextlib.suppress(RefitError):  # the update when the step failed there
-                await self._request(ColocatedStep.ABORT, reason)
-            await _quietly(self.runtime.require_engine().finish_weight_update)
-        await self.refit.note_failed_refit()
+                await self._request(ColocatedUpdate(ColocatedStep.ABORT, reason=reason))
+            await _quietly(engine.finish_weight_update)
+        await self.runtime.standing.note_failed_refit(engine)
         await stack.aclose()  # resume generation, release the weight lock
 
     def colocated_stats(self) -> dict[str, Any]:
@@ -147,15 +156,15 @@ class VllmColocated(ColocatedTarget):
         if engine is not None:  # a closed engine keeps nothing open
             await engine.collective_rpc(RELEASE_BUFFERS_RPC)
 
-    async def _request(self, step: ColocatedStep, body: Any) -> None:
+    async def _request(self, update: ColocatedUpdate) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        try:  # the step by its spelling: the request crosses into vLLM's worker processes
+        try:  # the step crosses into vLLM's worker processes
             await self.runtime.require_engine().update_weights(
-                WeightTransferUpdateRequest(update_info=colocated_update(step.value, body)))
+                WeightTransferUpdateRequest(update_info=update.to_wire()))
         except Exception as error:
             self._rank_failed = True
-            raise RefitError(f"colocated {step.value} failed inside vLLM:"
+            raise RefitError(f"colocated {update.step.value} failed inside vLLM:"
                              f" {first_line(error)}") from error
 
     def _open_stack(self) -> contextlib.AsyncExitStack:
@@ -164,11 +173,6 @@ class VllmColocated(ColocatedTarget):
         return self._stack
 
 
-async def _quietly(step: Any) -> None:
+async def _quietly(step: Callable[[], Awaitable[Any]]) -> None:
     with contextlib.suppress(Exception):  # already finished: vLLM says so, nothing to undo
         await step()
-
-
-def _bucket_body(bucket: Bucket, handle: BufferHandle) -> dict[str, Any]:
-    return {"tensors": [[e.meta.name, e.offset] for e in bucket.entries],
-            "nbytes": bucket.nbytes, "handle": handle.to_wire()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,18 @@ def _cores(_inst: Any, _attr: Any, value: Any) -> None:
         raise InvalidValue("cpu_cores", list(value), "must be None or a non-empty list of core IDs >= 0")
 
 
+def _device(value: Any) -> Device:
+    return Device.parse(value, "device")
+
+
+def _refit_protocol(value: Any) -> RefitProtocol:
+    return RefitProtocol.parse(value, "refit_protocol", GROUP_PROTOCOLS)
+
+
+def _refit_rollback(value: Any) -> RefitRollback | None:
+    return None if value is None else RefitRollback.parse(value, "refit_rollback")
+
+
 def _optional_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
@@ -74,7 +87,7 @@ class VllmEngineConfig:
     """
 
     model: str = attrs.field()
-    device: Device = attrs.field(default=Device.CPU, converter=Device.converter("device"))
+    device: Device = attrs.field(default=Device.CPU, converter=_device)
     served_model_name: str | None = None
     dtype: str | None = None
     max_model_len: int | None = attrs.field(default=None, validator=_optional_positive_int("max_model_len"))
@@ -90,14 +103,12 @@ class VllmEngineConfig:
     # (gloo or NCCL, CPU or GPU; one trainer rank sends), its many-source sharded one (every
     # trainer rank sends, each engine rank receives its tensor-parallel slices), or "vllm":
     # vLLM's own NCCL engine (GPUs only).
-    refit_protocol: RefitProtocol = attrs.field(
-        default=RefitProtocol.PACKED,
-        converter=RefitProtocol.converter("refit_protocol", GROUP_PROTOCOLS))
+    refit_protocol: RefitProtocol = attrs.field(default=RefitProtocol.PACKED,
+                                                converter=_refit_protocol)
     # After a refit that died half way: "last_good" restores the previous weights from a copy
     # kept inside vLLM's workers; "none" keeps no copy and refuses rollouts until a refit
     # succeeds. None: "last_good" on the CPU, "none" on GPUs (no room for a second model).
-    refit_rollback: RefitRollback | None = attrs.field(
-        default=None, converter=attrs.converters.optional(RefitRollback.converter("refit_rollback")))
+    refit_rollback: RefitRollback | None = attrs.field(default=None, converter=_refit_rollback)
     seed: int = 0
     enable_prefix_caching: bool = True
     cpu_worker_nice: int | None = attrs.field(default=CPU_WORKER_NICE, validator=_nice)
@@ -136,6 +147,18 @@ class VllmEngineConfig:
     @property
     def rollback(self) -> RefitRollback:
         return self.refit_rollback or (RefitRollback.LAST_GOOD if self.device is Device.CPU else RefitRollback.NONE)
+
+    def omp_binding(self) -> str | None:
+        """``cpu_binding`` of the cores this process may use, on the CPU; None elsewhere."""
+        if self.device is not Device.CPU:
+            return None
+        return self.cpu_binding(sorted(os.sched_getaffinity(0)))
+
+    @property
+    def refit_nice(self) -> int | None:
+        """The nice vLLM's processes return to after a refit (they run at normal priority
+        while one is received): ``cpu_worker_nice`` on the CPU; None elsewhere."""
+        return self.cpu_worker_nice if self.device is Device.CPU else None
 
     def cpu_binding(self, available: list[int]) -> str | None:
         """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: the cores of each engine rank, ranks split by

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import contextlib
 import copy
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -40,13 +40,7 @@ from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.colocated import ColocatedByPart
 from rollout_fleet.ports.engine import (
-    SAMPLING_OPTIONS,
-    EngineFacts,
-    EnginePort,
-    KvEventSource,
-    RefitTarget,
-    RolloutPiece,
-    Sleeper,
+    SAMPLING_OPTIONS, EngineFacts, EnginePort, KvEventSource, RefitTarget, RolloutPiece, Sleeper,
 )
 
 _EARLY_ABORTS_KEPT = 4096
@@ -69,7 +63,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         self.runtime = VllmRuntime(config)
         self.refit = VllmRefit(self.runtime)
         self.sleeper = VllmSleep(self.runtime)
-        self.colocated = VllmColocated(self.runtime, self.refit)
+        self.colocated = VllmColocated(self.runtime)
         self._live: dict[str, _Live] = {}
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -80,12 +74,11 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
     def sampling_offered(self) -> frozenset[str]:
         return frozenset(SAMPLING_OPTIONS)  # each is a SamplingParams field of the same name
 
-    async def serve_rollout(self, prompt_token_ids: Sequence[int], *, request_id: str,
-                            max_new_tokens: int, sampling: SamplingSpec,
-                            stop_strings: Sequence[str] = (), top_logprobs: int = 0,
-                            stop_token_ids: Sequence[int] = (),
-                            extra_sampling: Mapping[str, Any] | None = None,
-                            with_logprobs: bool = True) -> ServedRollout:
+    async def serve_rollout(
+            self, prompt_token_ids: Sequence[int], *, request_id: str, max_new_tokens: int,
+            sampling: SamplingSpec, stop_strings: Sequence[str] = (), top_logprobs: int = 0,
+            stop_token_ids: Sequence[int] = (), extra_sampling: Mapping[str, Any] | None = None,
+            with_logprobs: bool = True) -> ServedRollout:
         """Without logprobs, vLLM's sampler computes none and its front builds none per token,
         as for a request to vLLM's own server that asks for none."""
         with_logprobs = with_logprobs or top_logprobs > 0
@@ -94,22 +87,23 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             stop_token_ids, extra_sampling, with_logprobs)
         if output is None:  # aborted before it came
             return served_rollout([], [] if with_logprobs else None, FinishReason.ABORT,
-                                  prompt_len, self.runtime.version)
+                                  prompt_len, self.weight_version())
         # vLLM labels each step's tokens with the weight version set while it was paused for
-        # the swap (``VllmRefit.commit_new_weights``): per-token versions, exact whatever the
-        # pause mode.
-        return to_served(output, prompt_len, self.runtime.version, top_logprobs, with_logprobs)
+        # the swap (``WeightsStanding.commit``): per-token versions, exact whatever the pause
+        # mode.
+        return to_served(output, prompt_len, self.weight_version(), top_logprobs, with_logprobs)
 
     async def serve_group(self, prompt_token_ids: Sequence[int], *, request_id: str, n: int,
                           max_new_tokens: int, sampling: SamplingSpec,
                           stop_strings: Sequence[str] = (), top_logprobs: int = 0,
                           stop_token_ids: Sequence[int] = (),
                           extra_sampling: Mapping[str, Any] | None = None,
-                          with_logprobs: bool = True) -> tuple[ServedRollout, ...]:
+                          with_logprobs: bool = True, **keywords: Any) -> tuple[ServedRollout, ...]:
         """vLLM's own ``n``: one request (one id, so one abort ends it) whose samples share the
         prompt's prefill; vLLM seeds sample i with the seed + i, the port's
         ``sample_sampling``. Each sample keeps its own logprobs and weight versions. Greedy
         samples are one sample, generated once (vLLM refuses ``n`` > 1 for greedy)."""
+        refuse_unknown(keywords)
         if sampling.greedy:
             served = await self.serve_rollout(
                 prompt_token_ids, request_id=request_id, max_new_tokens=max_new_tokens,
@@ -123,12 +117,12 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             stop_token_ids, {**(extra_sampling or {}), "n": n}, with_logprobs)
         if output is None:
             return tuple(served_rollout([], [] if with_logprobs else None, FinishReason.ABORT,
-                                        prompt_len, self.runtime.version) for _ in range(n))
+                                        prompt_len, self.weight_version()) for _ in range(n))
         samples = sorted(output.outputs, key=lambda completion: completion.index)
         if len(samples) != n:
             raise EngineError(f"vLLM answered request {request_id!r} with {len(samples)} of its"
                               f" {n} samples")
-        return tuple(to_served(_one_sample(output, completion), prompt_len, self.runtime.version,
+        return tuple(to_served(_one_sample(output, completion), prompt_len, self.weight_version(),
                                top_logprobs, with_logprobs) for completion in samples)
 
     async def _final_output(self, prompt_token_ids: Sequence[int], request_id: str,
@@ -161,11 +155,12 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                              max_new_tokens: int, sampling: SamplingSpec,
                              stop_strings: Sequence[str] = (), with_logprobs: bool = True,
                              top_logprobs: int = 0, stop_token_ids: Sequence[int] = (),
-                             extra_sampling: Mapping[str, Any] | None = None
+                             extra_sampling: Mapping[str, Any] | None = None, **keywords: Any
                              ) -> AsyncIterator[RolloutPiece]:
         """A piece per engine step, as vLLM hands out each step's new tokens (its DELTA
         outputs). Without logprobs, vLLM's sampler computes none and its front builds none per
         token, as for a request to vLLM's own server that asks for none."""
+        refuse_unknown(keywords)
         engine = self.runtime.require_engine()
         prompt = self._admissible(prompt_token_ids, max_new_tokens, stop_token_ids, extra_sampling)
         if self._early_aborts.pop(request_id, "absent") is None:
@@ -193,9 +188,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
                     stop_token_ids: Sequence[int] = (),
                     extra_sampling: Mapping[str, Any] | None = None) -> list[int]:
         self.runtime.sleep.check_serving()  # asleep, or woke without weights: EngineAsleep
-        if self.runtime.torn:
-            raise EngineError(f"this worker's weights are torn ({self.runtime.torn}); it serves"
-                              " again after a refit succeeds")
+        self.runtime.standing.health.check_serving()  # torn by a refit that died half way
         prompt = list(prompt_token_ids)
         self._check_input(prompt, max_new_tokens)
         if stop_token_ids or extra_sampling:
@@ -225,11 +218,11 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         return self.runtime.dead_reason()
 
     def kv_event_sources(self) -> Sequence[KvEventSource]:
-        if self.runtime.engine is None or self.config.kv_events_port is None:
+        endpoint = self.config.kv_events_endpoint  # None without kv_events_port
+        if self.runtime.engine is None or endpoint is None:
             return ()
-        if not self.runtime.features.kv_event_sources:  # an older vLLM: the sources it was told
-            return (KvEventSource(kind="zmq", endpoint=self.config.kv_events_endpoint,
-                                  topic=KV_EVENTS_TOPIC),)
+        if not self.runtime.require_features().kv_event_sources:  # an older vLLM: as it was told
+            return (KvEventSource(kind="zmq", endpoint=endpoint, topic=KV_EVENTS_TOPIC),)
         sources = []
         for events in self.runtime.engine.get_kv_event_sources().values():
             if events.enable_kv_cache_events and events.publisher == "zmq":
@@ -257,7 +250,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         return await self.refit.update_weights(info, mode=mode, version=version)
 
     def weight_version(self) -> int:
-        return self.runtime.version
+        return self.refit.weight_version()
 
     async def reset_cache(self) -> None:
         await self.refit.reset_cache()
@@ -280,7 +273,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         check_vocabulary("prompt_token_ids", prompt, vocab)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineRejected(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
-        context = self.runtime.facts.context_length
+        context = self.runtime.require_facts().context_length
         if len(prompt) + max_new_tokens > context:
             raise EngineRejected(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} "
                               f"exceeds context_length={context}")
@@ -291,7 +284,8 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
 
         try:
             collector = await engine.add_request(
-                request_id, tokens_input(prompt, cache_salt=self.runtime.kv_salt), params)
+                request_id, tokens_input(prompt, cache_salt=self.runtime.standing.salt.value),
+                params)
         except Exception as error:  # vLLM's validation: name the cause, keep serving
             if self.dead_reason() is not None:
                 raise
@@ -316,7 +310,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             collector.close()
 
     async def _outputs(self, engine: Any, prompt: list[int], params: Any, request_id: str,
-                       live: _Live) -> AsyncIterator[Any]:
+                       live: _Live) -> AsyncGenerator[Any, None]:
         """Every output vLLM hands out for the request, until the finished one. A consumer
         that stops early (the client left) aborts the request."""
         collector = await self._admit(engine, prompt, params, request_id, live)
@@ -332,6 +326,12 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             if not finished:  # cancelled, or the generator was closed mid-way
                 await engine.abort(request_id)
             collector.close()
+
+
+def refuse_unknown(keywords: Mapping[str, Any]) -> None:
+    """The port takes any keyword (an engine reads those it knows); this one knows its own."""
+    if keywords:
+        raise TypeError(f"the vLLM engine takes no option(s) {', '.join(sorted(keywords))}")
 
 
 def _one_sample(output: Any, completion: Any) -> Any:

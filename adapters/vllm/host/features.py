@@ -41,7 +41,9 @@ def detect_features(engine: Any, completion_output_cls: Any = None) -> VllmFeatu
     """The features of a started ``AsyncLLM`` (or anything shaped like one) and of vLLM's
     ``CompletionOutput`` class (imported from vLLM unless given)."""
     if completion_output_cls is None:
-        from vllm.outputs import CompletionOutput as completion_output_cls
+        from vllm.outputs import CompletionOutput
+
+        completion_output_cls = CompletionOutput
     return VllmFeatures(
         per_token_versions=_has_field(completion_output_cls, "weight_versions"),
         per_engine_versions=callable(getattr(engine, "update_weight_version", None)),

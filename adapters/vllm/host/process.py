@@ -13,15 +13,13 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 from typing import Any
 
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
-from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig
 from rollout_fleet.adapters.vllm.host.ipc_folder import (
     ENGINE_FOLDER_PREFIX, RPC_BASE_PATH, chosen_ipc_folder,
 )
-from rollout_fleet.core.device import Device
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +31,8 @@ async def in_thread(function: Any, *args: Any) -> Any:
     function afterwards: anything left holding the vLLM engine keeps it alive past ``close``,
     and its late ``__del__`` then runs a second shutdown while the interpreter exits."""
     loop = asyncio.get_running_loop()
-    future = loop.create_future()
+    waiting = loop.create_future()
+    settles: list[asyncio.Future[Any]] = [waiting]  # emptied once awaited: the thread lets go
     outcome: list[tuple[Any, BaseException | None]] = []  # emptied by the loop, not the thread
 
     def run() -> None:
@@ -41,58 +40,48 @@ async def in_thread(function: Any, *args: Any) -> Any:
             outcome.append((function(*args), None))
         except BaseException as error:  # handed to the awaiting coroutine
             outcome.append((None, error))
-        loop.call_soon_threadsafe(_settle, future, outcome)
+        loop.call_soon_threadsafe(_settle, settles, outcome)
 
     threading.Thread(target=run, name="vllm-blocking-call", daemon=True).start()
     try:
-        return await future
+        return await waiting
     finally:
-        future = function = args = None  # the thread's closure cells let go too
+        settles.clear()
+        function, args = None, ()  # the thread's closure cells let go too
 
 
-def _settle(future: asyncio.Future, outcome: list) -> None:
+def _settle(settles: list[asyncio.Future[Any]], outcome: list) -> None:
     result, error = outcome.pop()
-    if future.cancelled():
+    if not settles or settles[0].cancelled():  # no one waits for it any more
         return
     if error is not None:
-        future.set_exception(error)
+        settles[0].set_exception(error)
     else:
-        future.set_result(result)
+        settles[0].set_result(result)
 
 
 @contextlib.contextmanager
-def pinned_to_cpus(config: VllmEngineConfig):
-    """While the engine starts, tell vLLM which cores to bind its model threads to: its
-    engine-core process reads the variable from the environment it inherits."""
-    binding = config.cpu_binding(sorted(os.sched_getaffinity(0))) if config.device is Device.CPU else None
-    if binding is None:
+def pinned_to_cpus(binding: str | None) -> Iterator[None]:
+    """While the engine starts, tell vLLM which cores to bind its model threads to (``binding``:
+    ``VllmEngineConfig.omp_binding``): its engine-core process reads the variable from the
+    environment it inherits."""
+    with scoped_environment({} if binding is None else {_OMP_BIND: binding}):
         yield
-        return
-    before = os.environ.get(_OMP_BIND)
-    os.environ[_OMP_BIND] = binding
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_OMP_BIND, None)
-        else:
-            os.environ[_OMP_BIND] = before
 
 
 @contextlib.contextmanager
-def scoped_environment(values: Mapping[str, str]):
+def scoped_environment(values: Mapping[str, str]) -> Iterator[None]:
     """Set ``values`` in this process's environment while vLLM starts: its engine core and
-    workers inherit them."""
+    workers inherit them; each is put back as it was after."""
     before = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
         yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        unset = [name for name, value in before.items() if value is None]
+        os.environ.update({name: value for name, value in before.items() if value is not None})
+        for name in unset:
+            os.environ.pop(name, None)
 
 
 def ipc_environment() -> tuple[str | None, dict[str, str]]:
@@ -155,12 +144,12 @@ def set_worker_priority(nice: int, engine_processes: Collection[int]) -> int:
 
 
 @contextlib.asynccontextmanager
-async def refit_priority(config: VllmEngineConfig, engine_processes: Collection[int]):
-    """On the CPU vLLM's processes run niced (they busy-poll between steps), but a refit is
-    received inside them now: at nice 10 on a busy host the receive waited for cores (a
-    200 MiB refit took 1-8 s against 0.2 s for the flat broadcast). Normal priority while
-    the refit runs; niced again after."""
-    nice = config.cpu_worker_nice if config.device is Device.CPU else None
+async def refit_priority(nice: int | None, engine_processes: Collection[int]
+                         ) -> AsyncIterator[None]:
+    """On the CPU vLLM's processes run niced (``nice``: ``VllmEngineConfig.refit_nice``; they
+    busy-poll between steps), but a refit is received inside them now: at nice 10 on a busy
+    host the receive waited for cores (a 200 MiB refit took 1-8 s against 0.2 s for the flat
+    broadcast). Normal priority while the refit runs; niced again after."""
     if not nice:
         yield
         return

@@ -1,10 +1,11 @@
-"""VllmRuntime: one vLLM engine's life and the state its parts share.
+"""VllmRuntime: one vLLM engine's life and what its parts read.
 
 ``VllmEngine`` is composed of parts (serving in ``engine.py``, refit in ``refit.py``, sleep in
 ``sleep.py``, colocated refit in ``colocated.py``); each keeps its own state and is handed this
 object for what they all read: the started ``AsyncLLM``, what it offers, its processes, its
-parameters, the weight lock no two weight changes pass at once, and the weights' standing
-(version, cache salt, torn or not, asleep or not).
+parameters, the weight lock no two weight changes pass at once, and the parts that own the
+weights' standing (``standing``: version, cache salt, torn or whole) and sleep (``sleep``).
+The runtime's own fields are written here only, as the engine starts and closes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
-import attrs
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig, precision_env
 from rollout_fleet.adapters.vllm.host.convert import engine_dtype, read_facts
@@ -25,6 +26,7 @@ from rollout_fleet.adapters.vllm.host.process import (
     child_pids, freeze_startup_objects, in_thread, ipc_environment, pinned_to_cpus,
     scoped_environment, set_worker_priority, track_segments, unfreeze_and_collect,
 )
+from rollout_fleet.adapters.vllm.host.standing import WeightsStanding
 from rollout_fleet.adapters.vllm.host.weights import checkpoint_metas, tied_metas
 from rollout_fleet.adapters.vllm.messages import PRECISION_RPC
 from rollout_fleet.core.device import Device
@@ -38,37 +40,50 @@ log = logging.getLogger(__name__)
 _SHUTDOWN_TIMEOUT_S = 30.0
 
 
-@attrs.define(eq=False)
 class VllmRuntime:
-    """The started engine and the weights' standing, shared by the engine's parts."""
+    """The started engine, what it offers, and the parts its weights' standing lives in."""
 
-    config: VllmEngineConfig
-    engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, once started
-    facts: EngineFacts | None = None
-    features: VllmFeatures | None = None  # what this vLLM offers (features.py)
-    processes: set[int] = attrs.field(factory=set)  # what vLLM started under this process
-    segments: list[SharedMemoryTracker] = attrs.field(factory=list)  # their /dev/shm queues
-    metas: dict[str, TensorMeta] = attrs.field(factory=dict)  # the engine's parameters
-    ignored: dict[str, TensorMeta] = attrs.field(factory=dict)  # refit may send; vLLM skips
-    weight_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)  # refit, sleep and wake
-    version: int = 0
-    kv_salt: str | None = None  # set after a keep-mode refit left old KV in use
-    torn: str | None = None  # why rollouts are refused: a refit died half way
-    sleep: SleepTracker = attrs.field(factory=SleepTracker)
-    steps: int = 0  # engine-core outputs received: grows with every step (``progress``)
-    ipc_folder: str | None = None  # vLLM's IPC socket files, the engine's own (ipc_environment)
-    _start_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self.engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM, once started
+        self.facts: EngineFacts | None = None
+        self.features: VllmFeatures | None = None  # what this vLLM offers (features.py)
+        self.processes: set[int] = set()  # what vLLM started under this process
+        self.segments: list[SharedMemoryTracker] = []  # their /dev/shm queues
+        self.metas: dict[str, TensorMeta] = {}  # the engine's parameters
+        self.ignored: dict[str, TensorMeta] = {}  # refit may send; vLLM skips
+        self.weight_lock = asyncio.Lock()  # refit, sleep and wake
+        self.standing = WeightsStanding(self._label_version)
+        self.sleep = SleepTracker()
+        self.steps = 0  # engine-core outputs received: grows with every step (``progress``)
+        self.ipc_folder: str | None = None  # vLLM's IPC socket files, the engine's own
+        self._start_lock = asyncio.Lock()
 
     def require_engine(self) -> Any:
         if self.engine is None:
             raise EngineError("the vLLM engine is not started: call start() first")
         return self.engine
 
+    def require_features(self) -> VllmFeatures:
+        if self.features is None:
+            raise EngineError("the vLLM engine is not started: call start() first")
+        return self.features
+
+    def require_facts(self) -> EngineFacts:
+        if self.facts is None:
+            raise EngineError("the vLLM engine is not started: call start() first")
+        return self.facts
+
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        """What a refit may carry: the engine's parameters and the names vLLM skips."""
+        self.require_engine()
+        return {**self.ignored, **self.metas}
+
     async def start(self, worker_id: int | str) -> EngineFacts:
         async with self._start_lock:
             if self.engine is None:
                 await self._build(worker_id)
-        return self.facts
+        return self.require_facts()
 
     async def _build(self, worker_id: int | str) -> None:
         config = self.config
@@ -77,7 +92,8 @@ class VllmRuntime:
         children_before = child_pids()
         self.ipc_folder, ipc_env = ipc_environment()
         try:
-            with pinned_to_cpus(config), scoped_environment({**precision_env(config), **ipc_env}):
+            with pinned_to_cpus(config.omp_binding()), \
+                    scoped_environment({**precision_env(config), **ipc_env}):
                 self.engine = await in_thread(build_async_llm, config)
         except BaseException:
             self._remove_ipc_folder()
@@ -111,10 +127,14 @@ class VllmRuntime:
         core.get_output_async = counted_receive
 
     async def label_weight_version(self) -> None:
-        """Tell vLLM the version to label tokens with, where it has per-engine versions; an
-        older vLLM has none and the adapter's count alone is the version (features.py)."""
-        if self.features.per_engine_versions:
-            await self.engine.update_weight_version(str(self.version))
+        """Tell vLLM the version to label tokens with (the standing's)."""
+        await self._label_version(self.standing.version)
+
+    async def _label_version(self, version: int) -> None:
+        """Where vLLM has per-engine versions; an older vLLM has none and the adapter's count
+        alone is the version (features.py)."""
+        if self.require_features().per_engine_versions:
+            await self.require_engine().update_weight_version(str(version))
 
     def dead_reason(self) -> str | None:
         """vLLM's engine core is gone (killed, crashed): this engine serves nothing more."""

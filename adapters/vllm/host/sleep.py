@@ -29,7 +29,9 @@ def sleep_refusal(engine: Any, platform: Any = None) -> str | None:
     """Why this started ``AsyncLLM`` cannot sleep (``platform``: vLLM's current platform unless
     given); None when it can."""
     if platform is None:
-        from vllm.platforms import current_platform as platform
+        from vllm.platforms import current_platform
+
+        platform = current_platform
     name = getattr(platform, "device_name", None) or type(platform).__name__
     if not platform.is_sleep_mode_available():
         return (f"vLLM has no sleep mode on the {name} platform (Platform.is_sleep_mode_available()"
@@ -75,7 +77,7 @@ class VllmSleep(Sleeper):
             else:  # an older vLLM: pause as asked first, then sleep
                 await engine.pause_generation(mode=mode, clear_cache=True)
                 await engine.sleep(level=level)
-            self.runtime.kv_salt = None  # the prefix cache is gone with the KV cache
+            self.runtime.standing.salt.clear()  # the prefix cache is gone with the KV cache
             return self.runtime.sleep.fell_asleep(level)
 
     async def wake_up(self, tags: Sequence[str] = WAKE_TAGS) -> SleepState:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
-from rollout_fleet.core.errors import EngineError
-from rollout_fleet.core.refit import TensorMeta
+from rollout_fleet.core.errors import EngineError, InvalidValue, WeightMismatch
+from rollout_fleet.core.refit import RefitInfo, TensorMeta
 
 _SAFETENSORS_HEADER_LIMIT = 100 * 2**20
 
@@ -48,6 +49,24 @@ def tied_metas(model_dir: str | Path, metas: dict[str, TensorMeta]) -> dict[str,
         return {}
     return {name: TensorMeta(name, metas[source].shape, metas[source].dtype)
             for name, source in TIED_NAMES.items() if name not in metas and source in metas}
+
+
+def check_complete(info: RefitInfo, metas: Mapping[str, TensorMeta],
+                   ignored: Mapping[str, TensorMeta] | None = None) -> None:
+    """Every name, shape and dtype is the engine's, and every parameter is there: vLLM rebuilds
+    each fused layer (q, k and v into ``qkv_proj``) from all its parts, and a layer refit in
+    part would be left half empty. ``ignored`` names (a tied ``lm_head.weight``) may come or
+    not: vLLM's loader skips them."""
+    try:
+        info.check_against({**(ignored or {}), **metas})
+    except WeightMismatch:
+        raise
+    except InvalidValue as error:
+        raise WeightMismatch(error.field, error.value, error.rule) from None
+    missing = sorted(set(metas) - {t.name for t in info.tensors})
+    if missing:
+        raise WeightMismatch("tensor names", missing[:5], f"{len(missing)} of the engine's"
+                             " parameters are missing: a refit carries every one")
 
 
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:

@@ -35,7 +35,6 @@ injected by the composition root, as the packed engine's receiver is.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import types
@@ -43,150 +42,83 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rollout_fleet.adapters.vllm.inside.load_replay import (
-    LoadReplay,
-    RecordedCopy,
-    RecordedFill,
-    recorder_for,
-    replay_of,
-)
+from rollout_fleet.adapters.vllm.inside.colocated_session import ColocatedSession, KeptBuffers
+from rollout_fleet.adapters.vllm.inside.load_replay import LoadReplay, recorder_for, replay_of
 from rollout_fleet.adapters.vllm.inside.transfer_engine import InPlaceReload, PackedTransferEngine
-from rollout_fleet.adapters.vllm.messages import COLOCATED_KEY, RefitStats
 from rollout_fleet.adapters.vllm.inside.transfer_support import synchronize
+from rollout_fleet.adapters.vllm.messages import (
+    COLOCATED_KEY, ColocatedBegin, ColocatedBucket, ColocatedStats, ColocatedUpdate, RefitInfoOnce,
+)
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedStep
 from rollout_fleet.core.errors import RefitError
-from rollout_fleet.core.refit import Bucket, BucketEntry, RefitInfo, RefitRollback
-from rollout_fleet.core.wire_memo import LastParsed
+from rollout_fleet.core.refit import Bucket, BucketEntry, RefitRollback
 
 LAYERWISE_REFUSAL = ("vLLM's layerwise reload loads each layer into fresh tensors, then into the"
                      " parameters: not recorded")
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class ColocatedStats(RefitStats):
-    """A colocated refit's stats: the buffers mapped at most at once, and the copies made of
-    tensors the loader still held when their bucket was loaded (alive at most at once)."""
-
-    buckets: int = 0
-    mapped_peak_bytes: int = 0
-    held_copy_bytes: int = 0
-    held_copy_peak_bytes: int = 0
-    opened_buffers: int = 0  # handles this refit opened (0 where every buffer was kept open)
-    replayed: bool = False  # the loader's recorded copies made again (``load_replay``)
-    replay_refusal: str = ""  # why the last recorded load cannot be replayed ("" if it can)
-
-
-class _HeldCopies:
-    """Bytes of held-part copies alive (each freed once the loader lets go of it)."""
-
-    def __init__(self) -> None:
-        self.live = self.peak = self.total = 0
-
-    def track(self, tensor: Any, nbytes: int) -> None:
-        self.live += nbytes
-        self.total += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor, self._release, nbytes)
-
-    def _release(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-
-@dataclasses.dataclass
-class _Session:
-    info: RefitInfo
-    skip: frozenset[str]
-    kept: list | None
-    started: float
-    opened: dict[int, Any] = dataclasses.field(default_factory=dict)  # slot -> OpenedBuffer
-    loaded: int = 0
-    buckets: int = 0
-    mapped_peak: int = 0
-    held: _HeldCopies = dataclasses.field(default_factory=_HeldCopies)
-    keep: bool = False  # the sender keeps its buffers across refits: so does the engine
-    opened_count: int = 0
-    slots: set[int] = dataclasses.field(default_factory=set)  # the slots this refit used
-    metas: dict[str, Any] | None = None  # the refit info's tensors by name, made at first use
-    # A refit of every bucket in one step, keeping its buffers: its load is recorded
-    # (``load_replay``) into ``recorded``, or ``refusal`` says why it cannot be replayed.
-    recording: bool = False
-    recorded: list[RecordedCopy | RecordedFill] = dataclasses.field(default_factory=list)
-    recorded_bytes: int = 0
-    refusal: str = ""
-    replayed: bool = False
-
-
 class ColocatedTransferEngine(PackedTransferEngine):
     # (handle, device) -> an opened buffer (``tensors(bucket)``, ``keep``, ``views_held``,
-    # ``close``); set by the composition root.
+    # ``close``, ``nbytes``); set by the composition root.
     open_buffer: Callable[[BufferHandle, Any], Any] | None = None
-    _colocated: _Session | None = None
-    # Buffers kept open across refits for a sender that keeps them (``keep_buffers``):
-    # slot -> (its handle, the opened buffer); reopened only when a slot's handle changes.
-    _kept: dict[int, tuple[BufferHandle, Any]] | None = None
-    # The last in-place refit's load, recorded to be made again (``load_replay``), and the key
-    # of the last one found not replayable, and why (not recorded again while it stays).
-    _replay: LoadReplay | None = None
-    _unreplayable: tuple[Any, str] | None = None
-    _refit_infos: LastParsed | None = None
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
-        if COLOCATED_KEY in update_dict:
-            return update_dict
-        return super().parse_update_info(update_dict)
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._session: ColocatedSession | None = None  # the colocated refit in progress
+        self._kept = KeptBuffers()  # for a sender that keeps its buffers (``keep_buffers``)
+        # The last in-place refit's load, recorded to be made again (``load_replay``), and the
+        # key of the last one found not replayable, and why (not recorded again while it stays).
+        self._replay: LoadReplay | None = None
+        self._unreplayable: tuple[Any, str] | None = None
+        self._colocated_infos = RefitInfoOnce()  # a begin carries the refit info on change
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        step = update_info.get(COLOCATED_KEY) if isinstance(update_info, dict) else None
-        if step is None:
+        if COLOCATED_KEY not in update_info:
             self._replay = None  # a packed refit may load the layers afresh: record again
             super().update_weights(update_info)
             return
+        try:
+            step = ColocatedUpdate.from_wire(update_info)
+        except (RefitError, ValueError) as error:  # InvalidValue is a ValueError
+            self._colocated_abort(f"an unreadable step: {error}", error)
+            raise
         self.colocated_step(step)
         synchronize(self.device)  # every copy out of the buffer is done before the answer
 
-    def colocated_step(self, step: dict[str, Any]) -> None:
-        (spelt, body), = step.items()
-        kind = ColocatedStep.parse(spelt, "colocated step")
-        if kind is ColocatedStep.BEGIN:
-            self._colocated_begin(body)
-        elif kind is ColocatedStep.BUCKET:
-            self._colocated_bucket(body)
-        elif kind is ColocatedStep.BUCKETS:
-            self._colocated_buckets(body)
-        elif kind is ColocatedStep.END:
+    def colocated_step(self, step: ColocatedUpdate) -> None:
+        if step.begin is not None:
+            self._colocated_begin(step.begin)
+        elif step.step is ColocatedStep.BUCKET:
+            self._colocated_bucket(step.buckets[0])
+        elif step.step is ColocatedStep.BUCKETS:
+            self._colocated_buckets(step.buckets)
+        elif step.step is ColocatedStep.END:
             self._colocated_end()
         else:  # ColocatedStep.ABORT, the last there is
-            self._colocated_abort(str(body))
+            self._colocated_abort(step.reason)
 
     # -- steps ----------------------------------------------------------------------------------
-    def _colocated_begin(self, body: dict[str, Any]) -> None:
+    def _colocated_begin(self, begin: ColocatedBegin) -> None:
         if self.open_buffer is None:
             raise RefitError(f"{type(self).__name__}.open_buffer is not set: register the engine"
                              " through the composition root")
-        self._close_buffers()
-        keep = body.get("keep_buffers", False)
-        if not isinstance(keep, bool):
-            raise RefitError(f"keep_buffers must be true or false, not {keep!r}")
-        if not keep:
+        if self._session is not None:
+            self._session.close_opened()
+        if not begin.keep_buffers:
             self.release_kept_buffers()
-        self.rollback = RefitRollback.parse(body.get("rollback", self.rollback), "rollback")
-        if self._refit_infos is None:  # the same refit info every refit: parsed once
-            self._refit_infos = LastParsed(RefitInfo.from_wire, RefitInfo.to_wire)
-        self._colocated = _Session(self._refit_infos(body["refit_info"]),
-                                   frozenset(body.get("skip", ())),
-                                   [] if self.rollback is RefitRollback.LAST_GOOD else None,
-                                   time.perf_counter(), keep=keep)
+        self.rollback = begin.rollback
+        self._session = ColocatedSession(
+            self._colocated_infos.incoming(begin.info), frozenset(begin.skip),
+            [] if self.rollback is RefitRollback.LAST_GOOD else None, time.perf_counter(),
+            keep=begin.keep_buffers)
 
-    def _colocated_bucket(self, body: dict[str, Any]) -> None:
-        session = self._session()
-        handle = BufferHandle.from_wire(body["handle"])
-        if session.metas is None:
-            session.metas = {t.name: t for t in session.info.tensors}
-        metas = session.metas
-        bucket = Bucket(tuple(BucketEntry(metas[name], offset) for name, offset in body["tensors"]),
-                        int(body["nbytes"]))
+    def _colocated_bucket(self, sent: ColocatedBucket) -> None:
+        session = self._current()
+        handle = sent.handle
         try:
+            bucket = Bucket(tuple(BucketEntry(session.metas[name], offset)
+                                  for name, offset in sent.tensors), sent.nbytes)
             opened = self._opened(session, handle)
             watched: list[weakref.ref] = []
             self._load_bucket(session, opened, handle.slot, bucket, watched)
@@ -203,16 +135,16 @@ class ColocatedTransferEngine(PackedTransferEngine):
             raise
         session.buckets += 1
 
-    def _colocated_buckets(self, bodies: list[dict[str, Any]]) -> None:
+    def _colocated_buckets(self, buckets: tuple[ColocatedBucket, ...]) -> None:
         """Several buckets in one step. Where the sender keeps its buffers and no rollback copy
         is kept (the trainer's tensors held in place), the load is recorded the first time and
         replayed after, as long as nothing it relied on changed (``load_replay``)."""
-        session = self._session()
-        key = self._replay_key(session, bodies)
+        session = self._current()
+        key = self._replay_key(session, buckets)
         replay, self._replay = self._replay, None
-        if key is not None and replay is not None and replay.matches(key, self._kept or {},
+        if key is not None and replay is not None and replay.matches(key, self._kept.slots(),
                                                                      self.model):
-            self._replay_load(session, replay, bodies)
+            self._replay_load(session, replay, buckets)
             return
         known = self._unreplayable
         if key is not None and known is not None and known[0] == key:
@@ -220,38 +152,36 @@ class ColocatedTransferEngine(PackedTransferEngine):
         elif key is not None and not isinstance(self.reload, InPlaceReload):
             session.refusal = LAYERWISE_REFUSAL
         session.recording = key is not None and not session.refusal
-        for body in bodies:
-            self._colocated_bucket(body)
+        for bucket in buckets:
+            self._colocated_bucket(bucket)
         if session.recording:
             self._keep_recording(session, key)
 
     @staticmethod
-    def _replay_key(session: _Session, bodies: list[dict[str, Any]]) -> Any:
+    def _replay_key(session: ColocatedSession, buckets: tuple[ColocatedBucket, ...]) -> Any:
         if not session.keep or session.kept is not None:
             return None
-        return (session.info, session.skip,
-                [(body["tensors"], body["nbytes"], body["handle"]) for body in bodies])
+        return (session.info, session.skip, buckets)
 
-    def _replay_load(self, session: _Session, replay: LoadReplay,
-                     bodies: list[dict[str, Any]]) -> None:
+    def _replay_load(self, session: ColocatedSession, replay: LoadReplay,
+                     buckets: tuple[ColocatedBucket, ...]) -> None:
         try:
             replay.replay()
         except BaseException as error:
             self._colocated_abort(f"replaying the recorded load failed: {error}", error)
             raise
         self._replay = replay
-        session.loaded += sum(len(body["tensors"]) for body in bodies)
-        session.buckets += len(bodies)
+        session.loaded += sum(len(bucket.tensors) for bucket in buckets)
+        session.buckets += len(buckets)
         session.slots.update(slot for slot, _ in replay.buffers)
         session.mapped_peak = max(session.mapped_peak,
-                                  sum(opened.nbytes for _, opened in (self._kept or {}).values()))
+                                  sum(opened.nbytes for opened in self._kept.buffers()))
         session.replayed = True
 
-    def _keep_recording(self, session: _Session, key: Any) -> None:
-        kept = self._kept or {}
+    def _keep_recording(self, session: ColocatedSession, key: Any) -> None:
         result = session.refusal or replay_of(
-            key, tuple((slot, kept[slot][1]) for slot in sorted(session.slots)), self.model,
-            session.recorded, session.recorded_bytes)
+            key, tuple((slot, self._kept.buffer(slot)) for slot in sorted(session.slots)),
+            self.model, session.recorded, session.recorded_bytes)
         session.recorded = []
         if isinstance(result, str):
             session.refusal, self._unreplayable = result, (key, result)
@@ -259,7 +189,7 @@ class ColocatedTransferEngine(PackedTransferEngine):
         else:
             self._replay = result
 
-    def _load_bucket(self, session: _Session, opened: Any, slot: int, bucket: Bucket,
+    def _load_bucket(self, session: ColocatedSession, opened: Any, slot: int, bucket: Bucket,
                      watched: list) -> None:
         tensors = self._bucket_tensors(session, opened, bucket, watched)
         if not session.recording or session.refusal:
@@ -273,7 +203,8 @@ class ColocatedTransferEngine(PackedTransferEngine):
         session.recorded_bytes += sum(e.meta.nbytes for e in bucket.entries
                                       if e.meta.name not in session.skip)
 
-    def _bucket_tensors(self, session: _Session, opened: Any, bucket: Bucket,
+    @staticmethod
+    def _bucket_tensors(session: ColocatedSession, opened: Any, bucket: Bucket,
                         watched: list) -> Iterator[tuple[str, Any]]:
         for name, tensor in opened.tensors(bucket):
             session.loaded += 1
@@ -287,12 +218,12 @@ class ColocatedTransferEngine(PackedTransferEngine):
             tensor = None  # hold no view while the loader works on the next
 
     def _colocated_end(self) -> None:
-        session = self._session()
-        self._colocated = None
-        self._close_buffers(session)
-        for slot in set(self._kept or ()) - session.slots:  # the sender no longer uses it
-            self._kept.pop(slot)[1].close()
+        session = self._current()
+        self._session = None
+        session.close_opened()
+        self._kept.close_unused(session.slots)  # the sender no longer uses the others
         if session.loaded != len(session.info.tensors):
+            self._colocated_infos.forget()
             self.recover(RefitError("incomplete"), loaded=session.loaded)
             raise RefitError(f"colocated refit ended after {session.loaded} of"
                              f" {len(session.info.tensors)} tensors")
@@ -306,30 +237,26 @@ class ColocatedTransferEngine(PackedTransferEngine):
             replayed=session.replayed, replay_refusal=session.refusal)
 
     def _colocated_abort(self, reason: str, error: BaseException | None = None) -> None:
-        session, self._colocated = self._colocated, None
+        session, self._session = self._session, None
         self._replay = None
+        self._colocated_infos.forget()  # a failed refit: the next begin carries its info
         if session is None:
             return
         try:
-            self._close_buffers(session)
+            session.close_opened()
             self.release_kept_buffers()  # a failed refit keeps nothing of the trainer's
         except RefitError:
             pass  # a view still held: the mapping stays (nothing dangles); the reload recovers
         self.recover(error or RefitError(reason), loaded=session.loaded)
 
     # -- buffers --------------------------------------------------------------------------------
-    def _opened(self, session: _Session, handle: BufferHandle) -> Any:
+    def _opened(self, session: ColocatedSession, handle: BufferHandle) -> Any:
         """Each trainer buffer is opened once per refit and closed at its end; where the
         sender keeps its buffers, once for as long as the slot's handle stays the same."""
         session.slots.add(handle.slot)
         if session.keep:
-            kept = self._kept_buffers()
-            held = kept.get(handle.slot)
-            if held is None or held[0] != handle:
-                if held is not None:
-                    held[1].close()
-                kept[handle.slot] = (handle, self._open(session, handle))
-            opened, mapped = kept[handle.slot][1], [o for _, o in kept.values()]
+            opened = self._kept.opened(handle, lambda new: self._open(session, new))
+            mapped = self._kept.buffers()
         else:
             opened = session.opened.get(handle.slot)
             if opened is None or opened.nbytes != handle.nbytes:
@@ -340,34 +267,20 @@ class ColocatedTransferEngine(PackedTransferEngine):
         session.mapped_peak = max(session.mapped_peak, sum(o.nbytes for o in mapped))
         return opened
 
-    def _open(self, session: _Session, handle: BufferHandle) -> Any:
+    def _open(self, session: ColocatedSession, handle: BufferHandle) -> Any:
+        if self.open_buffer is None:
+            raise RefitError(f"{type(self).__name__}.open_buffer is not set")
         session.opened_count += 1
         return self.open_buffer(handle, self.device)
-
-    def _kept_buffers(self) -> dict[int, tuple[BufferHandle, Any]]:
-        if self._kept is None:
-            self._kept = {}
-        return self._kept
 
     def release_kept_buffers(self) -> int:
         """Close every buffer kept open across refits (the sender is done with them, a refit
         failed, or one came that keeps none); how many were open."""
-        kept, self._kept = self._kept or {}, None
         self._replay = None  # it reads these buffers
-        for _, opened in kept.values():
-            opened.close()
-        return len(kept)
+        return self._kept.close_all()
 
-    def _close_buffers(self, session: _Session | None = None) -> None:
-        session = session or self._colocated
-        if session is None:
-            return
-        opened, session.opened = session.opened, {}
-        for buffer in opened.values():
-            buffer.close()
-
-    def _session(self) -> _Session:
-        session = self._colocated
+    def _current(self) -> ColocatedSession:
+        session = self._session
         if session is None:
             raise RefitError("colocated bucket before the refit began on this rank")
         return session

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 from rollout_fleet.adapters.vllm.inside.tp_slices import (
     SliceTargets,
     cut_slice,
@@ -27,31 +28,17 @@ from rollout_fleet.adapters.vllm.inside.tp_slices import (
     slice_targets,
     vllm_accepts,
 )
-from rollout_fleet.adapters.vllm.inside.transfer_engine import PackedTransferEngine
-from rollout_fleet.adapters.vllm.messages import PackedUpdateInfo, RefitStats
+from rollout_fleet.adapters.vllm.inside.transfer_engine import TransferEngine
+from rollout_fleet.adapters.vllm.messages import PackedInitInfo, PackedUpdateInfo, ShardedRefitStats
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import GroupJoin, RefitInfo
-from rollout_fleet.core.sharded_refit import EngineLayout
+from rollout_fleet.core.sharded_refit import EngineLayout, ShardedPlan
+from rollout_fleet.ports.collective import SliceReceiver
 
 log = logging.getLogger(__name__)
 
 
-
-@dataclasses.dataclass
-class ShardedRefitStats(RefitStats):
-    """The packed engine's stats plus what this rank received: its planned bytes, the bytes
-    that came in, how many of them were whole tensors for want of a slice mapping, and what the
-    packed protocol would have delivered to it (every tensor in full)."""
-
-    planned_bytes: int = 0
-    received_bytes: int = 0
-    fallback_bytes: int = 0
-    full_bytes: int = 0
-    sliced_tensors: int = 0
-    whole_tensors: int = 0
-
-
-class ShardedTransferEngine(PackedTransferEngine):
+class ShardedTransferEngine(TransferEngine[SliceReceiver]):
     """Receives this rank's slices of a many-source sharded refit (``rollout-fleet-sharded-v1``)."""
 
     accepts = staticmethod(vllm_accepts)
@@ -62,18 +49,18 @@ class ShardedTransferEngine(PackedTransferEngine):
         self._targets: SliceTargets | None = None
         self._received = 0
 
-    def init_transfer_engine(self, init_info: Any) -> None:
-        join = init_info.group_join
+    def init_transfer_engine(self, init_info: PackedInitInfo) -> None:
         pipeline = getattr(self.parallel_config, "pipeline_parallel_size", 1)
         if pipeline != 1:
             raise InvalidValue("pipeline_parallel_size", pipeline, "the sharded refit protocol"
                                " plans tensor-parallel slices only; use the packed protocol")
         super().init_transfer_engine(init_info)
-        self.join = join
+        self.join = init_info.group_join
 
-    def engine_layout(self, info: RefitInfo) -> EngineLayout:
+    def engine_layout(self, info: RefitInfo) -> tuple[EngineLayout, SliceTargets]:
         """This engine as the plan sees it, from the join and the live model (call it while a
-        reload is in progress: the parameters are then the checkpoint-shaped ones)."""
+        reload is in progress: the parameters are then the checkpoint-shaped ones), and what
+        its parameters take cut."""
         join = self.join
         if join is None:
             raise RefitError("update_weights before init_transfer_engine")
@@ -84,26 +71,26 @@ class ShardedTransferEngine(PackedTransferEngine):
         heads = getattr(text, "num_attention_heads", None)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         base = EngineLayout(workers, tp, heads, kv_heads)
-        self._targets = slice_targets(self.model, info, base, self.accepts) if tp > 1 else \
+        targets = slice_targets(self.model, info, base, self.accepts) if tp > 1 else \
             SliceTargets({}, ())
-        return EngineLayout(workers, tp, heads, kv_heads, self._targets.whole)
+        return attrs.evolve(base, whole=targets.whole), targets
 
     def start_weight_update(self) -> None:
         super().start_weight_update()
         if self._targets is not None:  # a rollback's reload: the same parameters take slices
             mark_sliced(self.model, self._targets)
 
-    def _stream(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
-        layout = self.engine_layout(info)
+    def stream(self, receiver: SliceReceiver, info: RefitInfo) -> Iterator[tuple[str, Any]]:
+        layout, self._targets = self.engine_layout(info)
         mark_sliced(self.model, self._targets)
         self._received = 0
-        for name, tensor in self.receiver.receive_declared(info, layout):
+        for name, tensor in receiver.receive_declared(info, layout):
             self._received += tensor.numel() * tensor.element_size()
             yield name, tensor
 
     def receive_weights(self, update_info: PackedUpdateInfo) -> None:
         super().receive_weights(update_info)
-        plan, g = self.receiver.last_plan, self.receiver.engine_rank
+        plan, g = self.last_plan(), self.joined().engine_rank
         cuts = [plan.slice_of(g, t) for t in range(len(plan.info.tensors))]
         fallback = sum(c.nbytes for c in cuts if c.kind == "fallback")
         self.stats = ShardedRefitStats(
@@ -117,13 +104,15 @@ class ShardedTransferEngine(PackedTransferEngine):
                  plan.info.total_bytes / 2**20, fallback / 2**20,
                  ", ".join(self._targets.whole) if self._targets else "none")
 
-    def checkpoint_weights(self) -> list[tuple[str, Any]]:
-        """The model folder's weights, cut as the last plan cuts them for this rank."""
-        plan = getattr(self.receiver, "last_plan", None)
-        tensors = super().checkpoint_weights()
+    def last_plan(self) -> ShardedPlan:
+        plan = self.receiver.last_plan if self.receiver is not None else None
         if plan is None:
             raise RefitError("cannot roll back a sharded refit that never planned")
+        return plan
+
+    def checkpoint_weights(self) -> list[tuple[str, Any]]:
+        """The model folder's weights, cut as the last plan cuts them for this rank."""
+        plan, g = self.last_plan(), self.joined().engine_rank
         index = {m.name: t for t, m in enumerate(plan.info.tensors)}
-        g = self.receiver.engine_rank
         return [(name, cut_slice(tensor, plan.slice_of(g, index[name])) if name in index else tensor)
-                for name, tensor in tensors]
+                for name, tensor in super().checkpoint_weights()]

@@ -47,7 +47,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from rollout_fleet.adapters.vllm.inside.transfer_support import (
     Progress,
@@ -57,10 +57,12 @@ from rollout_fleet.adapters.vllm.inside.transfer_support import (
     host_trimmer,
     synchronize,
 )
-from rollout_fleet.adapters.vllm.messages import BACKEND_NAME, PackedInitInfo, PackedUpdateInfo, RefitStats
+from rollout_fleet.adapters.vllm.messages import (
+    BACKEND_NAME, PackedInitInfo, PackedUpdateInfo, RefitInfoOnce, RefitStats,
+)
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import GroupJoin, RefitInfo, RefitRollback
-from rollout_fleet.ports.collective import WeightReceiver
+from rollout_fleet.ports.collective import ReceivingEnd, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +109,19 @@ class InPlaceReload:
         pass
 
 
-class PackedTransferEngine:
-    """A weight-transfer engine with vLLM's interface (init / start / update / finish)."""
+R = TypeVar("R", bound=ReceivingEnd)
+
+
+class TransferEngine(Generic[R]):
+    """A weight-transfer engine with vLLM's interface (init / start / update / finish) over a
+    receiver of the refit group (``R``): what the packed and sharded engines share."""
 
     init_info_cls = PackedInitInfo
     update_info_cls = PackedUpdateInfo
     supports_draft_weight_update = False
     defers_processing = False
     # (join, engine rank) -> a receiver in the group; set by the composition root.
-    join_receiver: Callable[[GroupJoin, int], WeightReceiver] | None = None
+    join_receiver: Callable[[GroupJoin, int], R] | None = None
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         self.config = config
@@ -127,9 +133,10 @@ class PackedTransferEngine:
         self.reload: LayerwiseReload | InPlaceReload = reload_strategy(
             self.model_config, torch_device(device)) if vllm_config is not None else InPlaceReload()
         self.engine_rank = _engine_rank(self.parallel_config)
-        self.receiver: WeightReceiver | None = None
+        self.receiver: R | None = None
         self.rollback = RefitRollback.NONE
         self.stats = RefitStats()
+        self._infos = RefitInfoOnce()  # the last refit's info: a refit carries it on change
         self._last_good: list[tuple[str, Any]] | None = None  # the previous refit's tensors
         self._updating = False
 
@@ -146,6 +153,7 @@ class PackedTransferEngine:
             raise RefitError(f"{type(self).__name__}.join_receiver is not set: register the engine"
                              " through the composition root")
         self.shutdown()
+        self._infos.forget()  # a new group: its first refit carries its info
         self.rollback = init_info.rollback
         self.receiver = self.join_receiver(init_info.group_join, self.engine_rank)
         if self.rollback is RefitRollback.LAST_GOOD:
@@ -162,37 +170,43 @@ class PackedTransferEngine:
     def receive_weights(self, update_info: PackedUpdateInfo) -> None:
         """Receive every bucket and load each tensor as it comes; on failure, end the reload
         and restore the last complete weights (or report them torn), then raise."""
-        if self.receiver is None:
-            raise RefitError("update_weights before init_transfer_engine")
-        info = update_info.info
+        receiver = self.joined()
         started = time.perf_counter()
         # Only the rollback copy keeps the received tensors; otherwise each is dropped once
         # loaded, so its block goes back to the receiver (see receive_memory).
         kept: list[tuple[str, Any]] | None = [] if self.rollback is RefitRollback.LAST_GOOD else None
-        progress = Progress(trim=host_trimmer(self.device),
-                             trim_every=self.receiver.spec.buffer_bytes)
+        progress = Progress(trim=host_trimmer(self.device), trim_every=receiver.spec.buffer_bytes)
         memory_before = cuda_memory_start(self.device)
+        skip = frozenset(update_info.skip)
         try:
-            skip = frozenset(update_info.skip)
+            info = self._infos.incoming(update_info.info)
             self.model.load_weights(item for item in counting(
-                self._stream(info), progress, kept) if item[0] not in skip)
+                self.stream(receiver, info), progress, kept) if item[0] not in skip)
             if progress.tensors != len(info.tensors):
                 raise RefitError(f"the model's load_weights stopped after {progress.tensors} of"
                                  f" {len(info.tensors)} tensors")
         except BaseException as error:
+            self._infos.forget()  # a failed refit: the next one carries its info again
             self.recover(error, loaded=progress.tensors)
             raise
+        before, peak, after = cuda_memory_end(self.device, memory_before)
         self.stats = RefitStats(progress.tensors, info.total_bytes, time.perf_counter() - started,
-                                progress.waiting_s, **cuda_memory_end(self.device, memory_before))
+                                progress.waiting_s, cuda_before=before, cuda_peak=peak,
+                                cuda_after=after)
         log.info("refit received and loaded: %d tensors, %.0f MiB in %.3f s (%.3f s of it waiting"
                  " for the wire)", self.stats.tensors, self.stats.nbytes / 2**20,
                  self.stats.seconds, self.stats.waiting_s)
         if kept is not None:
             self._last_good = [item for item in kept if item[0] not in skip]
 
-    def _stream(self, info: RefitInfo) -> Iterator[tuple[str, Any]]:
+    def stream(self, receiver: R, info: RefitInfo) -> Iterator[tuple[str, Any]]:
         """(name, tensor) pairs for the model's ``load_weights``, in refit order."""
-        return self.receiver.receive(info)
+        raise NotImplementedError
+
+    def joined(self) -> R:
+        if self.receiver is None:
+            raise RefitError("update_weights before init_transfer_engine")
+        return self.receiver
 
     def receive_memory(self) -> dict[str, int]:
         """Receive bytes alive now and at most since the last call, the bound for the last
@@ -264,6 +278,8 @@ class PackedTransferEngine:
         """The weights the engine started with, read from its model folder."""
         from safetensors.torch import load_file
 
+        if self.model_config is None:
+            raise RefitError("cannot roll back: this engine was built without a model folder")
         folder = Path(self.model_config.model)
         tensors: list[tuple[str, Any]] = []
         for path in sorted(folder.glob("*.safetensors")):
@@ -273,7 +289,14 @@ class PackedTransferEngine:
         return tensors
 
 
-def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int], WeightReceiver],
+class PackedTransferEngine(TransferEngine[WeightReceiver]):
+    """The packed protocol's engine: every tensor whole, as the receiver unpacks it."""
+
+    def stream(self, receiver: WeightReceiver, info: RefitInfo) -> Iterator[tuple[str, Any]]:
+        return receiver.receive(info)
+
+
+def compose_transfer_engine(base: type, join_receiver: Callable[[GroupJoin, int], Any],
                             module: str = __name__, name: str = "RolloutFleetTransferEngine",
                             engine: type | None = None) -> type:
     """``engine`` (default ``PackedTransferEngine``) on top of vLLM's base class (``base``)

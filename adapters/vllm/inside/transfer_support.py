@@ -75,14 +75,14 @@ def cuda_memory_start(device: Any) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def cuda_memory_end(device: Any, before: int) -> dict[str, int]:
+def cuda_memory_end(device: Any, before: int) -> tuple[int, int, int]:
+    """(allocated before, at the peak since, after) on a CUDA device; -1 each elsewhere."""
     if before < 0:
-        return {}
+        return -1, -1, -1
     import torch
 
     torch.cuda.synchronize(device)
-    return {"cuda_before": before, "cuda_peak": torch.cuda.max_memory_allocated(device),
-            "cuda_after": torch.cuda.memory_allocated(device)}
+    return before, torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
 
 
 def synchronize(device: Any) -> None:

@@ -7,11 +7,18 @@ prefix: vLLM refuses an extension whose attribute clashes with the worker's own.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from rollout_fleet.adapters.vllm.messages import RefitStats
 
 
 class RolloutFleetWorkerExtension:
+    # What vLLM's worker, which this class extends, has (declared, not defined: vLLM refuses
+    # an extension that defines a name of the worker's).
+    weight_transfer_engine: Any
+    get_model: Callable[[], Any]
+
     def rollout_fleet_refit_stats(self) -> dict:
         """How this rank's last refit ended (the project's weight-transfer engine keeps it);
         vLLM's own engines keep none: a failed refit there leaves the weights torn."""

@@ -1,0 +1,117 @@
+"""The served weights' standing, as the engine's parts change it: their version, the cache salt
+new rollouts get, and whether they are whole. Each piece is owned here and changed only
+through these methods: the refit commits (``WeightsStanding.commit``) or tears them, the
+colocated refit the same, sleep drops the cache; serving reads them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from rollout_fleet.adapters.shared.errors import first_line
+from rollout_fleet.adapters.vllm.messages import REFIT_STATS_RPC, RefitStats
+from rollout_fleet.core.errors import EngineError
+from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, next_version
+
+
+class WeightsHealth:
+    """Whether the weights are whole: a refit that died half way leaves them torn (some layers
+    new, some old), and the engine refuses rollouts until a refit succeeds."""
+
+    def __init__(self) -> None:
+        self._torn: str | None = None
+
+    @property
+    def torn(self) -> str | None:
+        """Why the weights are torn; None while they are whole."""
+        return self._torn
+
+    def mark_torn(self, reason: str) -> None:
+        self._torn = reason
+
+    def mark_whole(self) -> None:
+        self._torn = None
+
+    def check_serving(self) -> None:
+        if self._torn:
+            raise EngineError(f"this worker's weights are torn ({self._torn}); it serves again"
+                              " after a refit succeeds")
+
+
+class CacheSalt:
+    """The salt new rollouts' prefixes are cached under: none while every cached block was
+    computed by the weights serving; a fresh one after a keep-mode refit left blocks of older
+    weights in use, so that no new rollout reuses them."""
+
+    def __init__(self) -> None:
+        self._salt: str | None = None
+
+    @property
+    def value(self) -> str | None:
+        return self._salt
+
+    def clear(self) -> None:
+        """Nothing cached is left from older weights."""
+        self._salt = None
+
+    def set_apart(self, version: int) -> None:
+        """Older weights' blocks are still cached: new rollouts cache apart from them."""
+        self._salt = f"rollout-fleet-weights-v{version}"
+
+
+class WeightsStanding:
+    """The weights' version, health and cache salt, and the steps that change them together.
+    ``label(version)`` tells the engine the version to label tokens with."""
+
+    def __init__(self, label: Callable[[int], Awaitable[None]]) -> None:
+        self.health = WeightsHealth()
+        self.salt = CacheSalt()
+        self._version = 0
+        self._label = label
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def commit(self, engine: Any, mode: str = DEFAULT_REFIT_MODE,
+                     version: int | None = None) -> int:
+        """New weights are loaded (the engine still paused): whole again, the cache dropped as
+        ``mode`` says, and every token from now on labelled with the new version."""
+        self.health.mark_whole()
+        if mode == "keep":
+            await self.keep_running_kv(engine)
+        else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
+            await self.reset_cache(engine)
+        self._version = next_version(self._version, version)
+        await self._label(self._version)
+        return self._version
+
+    async def reset_cache(self, engine: Any) -> None:
+        if await engine.reset_prefix_cache():
+            self.salt.clear()
+            return
+        # Running requests still hold blocks: preempt them (they recompute), then reset.
+        if not await engine.reset_prefix_cache(reset_running_requests=True):
+            raise EngineError("vLLM refused to reset its prefix cache")
+        self.salt.clear()
+
+    async def keep_running_kv(self, engine: Any) -> None:
+        """Keep mode: the rollouts in flight keep the KV they hold. vLLM resets its prefix cache
+        only when no block is in use; when some are, new rollouts get a cache salt of the new
+        version instead, so none of them reuses a block computed by older weights."""
+        if await engine.reset_prefix_cache():
+            self.salt.clear()
+        else:
+            self.salt.set_apart(self._version + 1)
+
+    async def note_failed_refit(self, engine: Any) -> None:
+        """Ask every engine rank how its failed refit ended: rolled back, or torn."""
+        try:
+            ranks = [RefitStats.from_wire(rank)
+                     for rank in await engine.collective_rpc(REFIT_STATS_RPC)]
+        except Exception as error:  # the engine is in trouble; refuse rollouts to be safe
+            self.health.mark_torn(f"its refit state is unknown: {first_line(error)}")
+            return
+        if any(rank.torn for rank in ranks):
+            self.health.mark_torn("a refit failed half way and no copy of the previous weights"
+                                  " was kept")
