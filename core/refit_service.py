@@ -229,6 +229,28 @@ class RefitDeadline:
         return answer
 
 
+Handler = Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class WorkerWeights:
+    """The controls every worker whose engine is a ``ports.engine.RefitTarget`` serves, however
+    its refits arrive: the cache flush and the weight version (what the driver's
+    ``invalidate_caches`` and ``weight_versions`` ask)."""
+
+    def __init__(self, target: RefitTarget) -> None:
+        self._target = target
+
+    def controls(self) -> dict[str, Handler]:
+        return {"flush_cache": self.flush_cache, "weight_version": self.weight_version}
+
+    async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        await self._target.reset_cache()
+        return {"weight_version": self._target.weight_version()}
+
+    async def weight_version(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return {"weight_version": self._target.weight_version()}
+
+
 class WorkerRefit:
     """A worker's refit controls over its engine (a ``ports.engine.RefitTarget``): the engine
     receives inside itself, where its weights live; ``backend`` is this worker's transfer
@@ -243,10 +265,9 @@ class WorkerRefit:
         self._info: RefitInfo | None = None
         self._lock = asyncio.Lock()
 
-    def controls(self) -> dict[str, Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]]:
+    def controls(self) -> dict[str, Handler]:
         return {"init_collective": self.init_collective, "prepare_refit_info": self.prepare_refit_info,
-                "update_weights": self.update_weights, "flush_cache": self.flush_cache,
-                "weight_version": self.weight_version}
+                "update_weights": self.update_weights, **WorkerWeights(self._target).controls()}
 
     async def init_collective(self, body: Mapping[str, Any]) -> dict[str, Any]:
         join = GroupJoin.from_wire({k: v for k, v in body.items() if v is not None},
@@ -283,13 +304,6 @@ class WorkerRefit:
                 self._target.update_weights(self._info, mode=mode, version=wanted),
                 body.get("deadline_s"))
         return {"weight_version": version, "seconds": round(self._clock.monotonic() - started, 6)}
-
-    async def flush_cache(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        await self._target.reset_cache()
-        return {"weight_version": self._target.weight_version()}
-
-    async def weight_version(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return {"weight_version": self._target.weight_version()}
 
 
 async def _by_deadline(update: Awaitable[int], deadline_s: Any) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.refit_service import WorkerWeights
 from rollout_fleet.ports.engine import EnginePort, RefitTarget
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,8 @@ class WorkerControls:
     def _builtin_controls(self) -> dict[str, ControlHandler]:
         controls: dict[str, ControlHandler] = {"stats": self._stats,
                                                "abort_rollout": self._abort_rollout}
-        if self._refit is not None:
-            controls["flush_cache"] = self._flush_cache
-            controls["weight_version"] = self._weight_version
+        if self._refit is not None:  # the core's, as every worker of a refit target serves them
+            controls.update(WorkerWeights(self._refit).controls())
         return controls
 
     async def _abort_rollout(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -126,13 +126,6 @@ class WorkerControls:
         was_in_flight = request_id in self.ledger.in_flight.values()
         await self.engine.abort(request_id)
         return {"was_in_flight": was_in_flight}
-
-    async def _flush_cache(self, _body: dict[str, Any]) -> dict[str, Any]:
-        await self._refit.reset_cache()
-        return {}
-
-    async def _weight_version(self, _body: dict[str, Any]) -> dict[str, Any]:
-        return {"weight_version": self._refit.weight_version()}
 
     async def _stats(self, _body: dict[str, Any]) -> dict[str, Any]:
         return {
