@@ -25,7 +25,7 @@ _CONTROLLER = ("TransferQueueController", "transfer_queue")  # the Ray actor's n
 
 
 def _tq() -> Any:
-    import transfer_queue  # type: ignore[import-untyped]  # TransferQueue ships no type information
+    import transfer_queue
 
     return transfer_queue
 
