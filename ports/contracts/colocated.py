@@ -25,7 +25,7 @@ from rollout_fleet.core.colocated_refit import ColocatedSession
 from rollout_fleet.core.colocated_service import WorkerColocatedRefit
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.colocated import ColocatedTarget
-from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.contracts.harness import EngineUnderTest
 from rollout_fleet.ports.contracts.refit_target import WeightSets
 
 IDLE_TIMEOUT_S = 3.0  # the suite's session expiry: a dead trainer is given up within it

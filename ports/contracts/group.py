@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout, sample_sampling
-from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.contracts.harness import EngineUnderTest
 
 GROUP_BUDGET = 12
 # Sample i served alone and inside its group may be batched differently: the same tokens, and

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
-from rollout_fleet.ports.contracts.engine import GREEDY, EngineUnderTest
+from rollout_fleet.ports.contracts.harness import GREEDY, EngineUnderTest
 from rollout_fleet.ports.engine import OPTIONAL_ROLLOUT_KEYWORDS, offered_keywords
 
 SEEDED = SamplingSpec(greedy=False, temperature=1.0, seed=1234)

@@ -18,7 +18,7 @@ import attrs
 import pytest
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitInfo, RefitProtocol
-from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.contracts.harness import EngineUnderTest
 from rollout_fleet.ports.engine import RefitTarget
 
 StateDict = Mapping[str, Any]  # parameter name -> tensor (the trainer's)

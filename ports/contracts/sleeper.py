@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from rollout_fleet.core.errors import EngineAsleep, InvalidValue
 from rollout_fleet.core.rollout import GREEDY, ServedRollout
-from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.contracts.harness import EngineUnderTest
 from rollout_fleet.ports.engine import Sleeper, SleepState
 
 GREEDY_TOKENS = 8  # each prompt's greedy answer, compared before a sleep and after the wake

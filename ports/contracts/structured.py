@@ -3,17 +3,13 @@ engine contract's other probes, which its table names."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rollout_fleet.core.rollout import GREEDY, FinishReason
-
-if TYPE_CHECKING:
-    from rollout_fleet.ports.contracts.engine import EngineUnderTest
+from rollout_fleet.ports.contracts.harness import EngineUnderTest
 
 ONLY_CHOICE = "a"  # one letter: every tokenizer spells it
 
 
-def probe_structured_outputs(eut: "EngineUnderTest") -> None:
+def probe_structured_outputs(eut: EngineUnderTest) -> None:
     """Held to one choice of one letter, a generation with room for 32 tokens spells it and
     ends by itself (its end-of-sequence token), whatever the prompt."""
     for prompt in eut.prompts[:2]:

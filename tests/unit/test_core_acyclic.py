@@ -1,4 +1,5 @@
-"""The core's modules import each other without a circle, and the check itself catches one.
+"""The core's modules import each other without a circle (and so do the ports'), and the
+check itself catches one.
 
 The graph is read from the AST: every import counts, at module level, inside a function or
 under ``if TYPE_CHECKING`` alike, so no circle can hide behind a deferred import."""
@@ -8,17 +9,20 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.support.trees import write_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = "rollout_fleet.core"
 
 
 def _module_name(path: Path, folder: Path) -> str:
+    """``core/a/b.py`` -> ``rollout_fleet.core.a.b`` (a layer folder installs as
+    ``rollout_fleet.<layer>``)."""
     parts = path.relative_to(folder).with_suffix("").parts
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    return ".".join((PACKAGE, *parts))
+    return ".".join(("rollout_fleet", folder.name, *parts))
 
 
 def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
@@ -31,8 +35,8 @@ def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
 
 
 def _targets(node: ast.AST, importer: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The core modules one import statement loads (a name imported from a package counts as
-    its submodule where one of that name exists, else as the package)."""
+    """The package's modules one import statement loads (a name imported from a package
+    counts as its submodule where one of that name exists, else as the package)."""
     if isinstance(node, ast.Import):
         named = {alias.name for alias in node.names}
     elif isinstance(node, ast.ImportFrom):
@@ -42,7 +46,7 @@ def _targets(node: ast.AST, importer: str, is_package: bool, modules: set[str]) 
     else:
         return set()
     found = set()
-    for name in named:  # "a.b.c" loads a.b.c, or the nearest core module above it
+    for name in named:  # "a.b.c" loads a.b.c, or the nearest module above it
         while name and name not in modules:
             name = name.rpartition(".")[0]
         if name:
@@ -51,7 +55,8 @@ def _targets(node: ast.AST, importer: str, is_package: bool, modules: set[str]) 
 
 
 def import_graph(folder: Path) -> dict[str, set[str]]:
-    """Every module of the core package in ``folder`` -> the core modules it imports."""
+    """Every module of the layer package in ``folder`` -> the modules of that package it
+    imports (another layer's are left out: the layer rules order the layers)."""
     paths = {_module_name(path, folder): path for path in sorted(folder.rglob("*.py"))}
     modules = set(paths)
     graph = {}
@@ -90,11 +95,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_core_imports_without_a_circle():
-    graph = import_graph(ROOT / "core")
-    assert len(graph) > 20 and any(graph.values())
+@pytest.mark.parametrize("layer", ["core", "ports"])
+def test_the_layer_imports_without_a_circle(layer):
+    graph = import_graph(ROOT / layer)
+    assert len(graph) > 10 and any(graph.values())
     cycle = find_cycle(graph)
-    assert cycle is None, "core imports in a circle: " + " -> ".join(cycle or ())
+    assert cycle is None, f"{layer} imports in a circle: " + " -> ".join(cycle or ())
 
 
 def test_a_circle_through_deferred_imports_is_caught(tmp_path):
