@@ -9,9 +9,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=$("$root/scripts/venv.sh" | tail -n 1)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-# A whole run (no test path named) type-checks the product first; a failed check fails the run.
+# A whole run (no test path named, no help asked) type-checks the product first; a failed check
+# fails the run.
 partial=0
-for arg in "$@"; do case "$arg" in tests|tests/*|./tests*) partial=1 ;; esac; done
+for arg in "$@"; do case "$arg" in tests|tests/*|./tests*|-h|--help) partial=1 ;; esac; done
 if [ "$partial" = 0 ]; then
   echo "type check (scripts/typecheck.sh):"
   PYTHON="$python" "$root/scripts/typecheck.sh"
