@@ -79,7 +79,8 @@ def completion_answer(body: Mapping[str, Any], prompt: Sequence[int],
                                   "finish_reason": served.finish_reason.value, "logprobs": None}
         if body.get("logprobs") is not None:
             choice["logprobs"] = {"tokens": token_strings(served.token_ids),
-                                  "token_logprobs": list(served.logprobs), "top_logprobs": None}
+                                  "token_logprobs": list(served.logprobs or ()),
+                                  "top_logprobs": None}
         if body.get("return_token_ids"):
             choice.update(prompt_token_ids=list(prompt), token_ids=list(served.token_ids))
         choices.append(choice)
@@ -96,7 +97,7 @@ def chat_answer(body: Mapping[str, Any], prompt: Sequence[int],
         message = {"role": "assistant", "content": decode(served.token_ids),
                    "prompt_token_ids": list(prompt),
                    "generation_token_ids": list(served.token_ids),
-                   "generation_log_probs": list(served.logprobs),
+                   "generation_log_probs": list(served.logprobs or ()),  # always asked
                    "weight_version": served.weight_version,
                    "weight_versions": [list(run) for run in served.weight_versions]}
         choice: dict[str, Any] = {"index": index, "message": message,
@@ -105,7 +106,7 @@ def chat_answer(body: Mapping[str, Any], prompt: Sequence[int],
             choice["logprobs"] = {"content": [
                 {"token": token, "logprob": logprob, "bytes": list(token.encode()),
                  "top_logprobs": []}
-                for token, logprob in zip(token_strings(served.token_ids), served.logprobs)]}
+                for token, logprob in zip(token_strings(served.token_ids), served.logprobs or ())]}
         if body.get("return_token_ids"):
             choice["token_ids"] = list(served.token_ids)
         choices.append(choice)

@@ -24,8 +24,12 @@ TURN_RECORD_FIELDS = (*TOKEN_FIELDS, "weight_version", "weight_versions", "route
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
+    return parsed_json(await request.read())
+
+
+def parsed_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except ValueError as exc:
         raise InvalidValue("body", "(not JSON)", f"must be a JSON object: {exc}") from None
     if not isinstance(body, dict):

@@ -5,7 +5,8 @@ door process that dies loses nothing (a turn is committed before its answer is s
 Bounded as the in-memory store is (``core.agent_turns.TrajectoryStore``): an entry untouched
 for ``idle_s`` is gone (a read treats it as gone at once; the next write deletes it), and past
 ``capacity`` the least recently used go first. A turn's token IDs and logprobs are kept as
-packed arrays (int32, float64): written and read back exactly, at the cost of a copy.
+packed arrays (int32, float64): written and read back exactly, at the cost of a copy; a worker
+(a Dynamo instance id, an unsigned 64-bit number) as its decimal text.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from rollout_fleet.core.agent_turns import (
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
     name TEXT PRIMARY KEY, touched REAL NOT NULL, message_count INTEGER NOT NULL,
-    roles TEXT NOT NULL, worker INTEGER, weight_version INTEGER, weight_versions TEXT NOT NULL,
+    roles TEXT NOT NULL, worker TEXT, weight_version INTEGER, weight_versions TEXT NOT NULL,
     prompt BLOB NOT NULL, generated BLOB NOT NULL, logprobs BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS turns_by_touch ON turns (touched);
 CREATE TABLE IF NOT EXISTS sessions (
-    name TEXT PRIMARY KEY, touched REAL NOT NULL, worker INTEGER NOT NULL);
+    name TEXT PRIMARY KEY, touched REAL NOT NULL, worker TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_by_touch ON sessions (touched);
 """
 _TABLES = ("turns", "sessions")
@@ -72,7 +73,8 @@ class SqliteTrajectories(TrajectoryStore):
 
     def record(self, name: str, turn: RecordedTurn, now: float) -> None:
         tokens = turn.tokens
-        row = (name, now, turn.message_count, json.dumps(turn.roles), turn.worker,
+        worker = None if turn.worker is None else str(turn.worker)
+        row = (name, now, turn.message_count, json.dumps(turn.roles), worker,
                tokens.weight_version, json.dumps(tokens.weight_versions),
                _packed("i", tokens.prompt_token_ids), _packed("i", tokens.generation_token_ids),
                _packed("d", tokens.generation_log_probs))
@@ -97,7 +99,7 @@ class SqliteTrajectories(TrajectoryStore):
     def pin(self, session: str, worker: int, now: float) -> None:
         self._write("sessions", session, now, (
             "INSERT INTO sessions VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET "
-            "touched = excluded.touched, worker = excluded.worker", (session, now, worker)))
+            "touched = excluded.touched, worker = excluded.worker", (session, now, str(worker))))
 
     def close(self) -> None:
         with self._lock:
@@ -150,4 +152,4 @@ def _turn_of(row: tuple[object, ...]) -> RecordedTurn:
     tokens = TurnTokens(_ints(prompt), _ints(generated), _floats(logprobs), version if isinstance(version, int) else None,
                         json.loads(versions))
     return RecordedTurn(count, tuple(json.loads(roles)), tokens,
-                        worker if isinstance(worker, int) else None)
+                        int(worker) if isinstance(worker, str) else None)

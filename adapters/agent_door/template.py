@@ -29,6 +29,9 @@ class ChatTemplate:
             self._tokenizer.chat_template = Path(custom_template).read_text()
         eos = self._tokenizer.eos_token
         self.end_of_turn = (eos, self._tokenizer.eos_token_id) if eos else None
+        # Every ID the tokenizer can decode (its added tokens too): a prompt ID at or past it
+        # is refused by name before it reaches a worker.
+        self.vocab_size = len(self._tokenizer)
 
     @property
     def has_template(self) -> bool:

@@ -20,7 +20,7 @@ from rollout_fleet.core.errors import InvalidValue
 
 TURN = RecordedTurn(3, ("system", "user", "tool"), TurnTokens(
     [1, 2, 2**31 - 1, 0], [7, 8, 2], [-0.1, -1e-12, -123.456789012345678],
-    weight_version=4, weight_versions=[(3, 1), (4, 2)]), worker=7587890123456)
+    weight_version=4, weight_versions=[(3, 1), (4, 2)]), worker=17560018053143703542)  # Dynamo's ids: u64
 
 
 @pytest.fixture(params=["sqlite", "memory"])
@@ -57,8 +57,8 @@ def test_an_idle_trajectory_is_forgotten_and_an_ended_one_is_gone(store):
 def test_sessions_are_pinned_to_their_last_worker_and_bounded_alike(store):
     assert store.pinned_worker("s", now=0.0) is None
     store.pin("s", 11, now=0.0)
-    store.pin("s", 12, now=1.0)
-    assert store.pinned_worker("s", now=2.0) == 12
+    store.pin("s", 2**64 - 1, now=1.0)
+    assert store.pinned_worker("s", now=2.0) == 2**64 - 1
     assert store.pinned_worker("s", now=11.0) is None  # idle
     store.pin("t", 1, now=20.0)
     store.pin("u", 2, now=21.0)
