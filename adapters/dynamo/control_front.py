@@ -4,7 +4,8 @@ Dynamo 1.6.1's system server answers an engine route's result with HTTP 200 what
 (or 500 when the handler raises), so a control refused for a missing or wrong secret came back
 as 200: a client that checks status codes took the refusal for success. This small server owns
 the system port instead: ``POST /engine/control/<name>`` goes to the worker's controls, which say
-the status (401 for a missing or wrong secret); every other path (``/health``, ``/live``,
+the status (the secret checked first: 401 for a missing or wrong one, whatever the name or the
+body); every other path (``/health``, ``/live``,
 ``/metrics``) is passed on to Dynamo's own system server, moved to another port of the same
 host (which it advertises: the frontend fetches the model's files from it).
 """
@@ -51,18 +52,13 @@ class ControlFront:
             self._session = None
 
     async def _control(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        if name not in self._controls.supported_controls():
-            return web.json_response({"error": "Route not found",
-                                      "message": f"Route /engine/control/{name} not found"},
-                                     status=404)
+        """The controls judge every call, the secret first (whatever the name or the body)."""
+        raw = await request.read()
         try:
-            raw = await request.read()
             body: Any = json.loads(raw) if raw.strip() else {}
-        except ValueError as exc:
-            return web.json_response({"error": "Bad request",
-                                      "message": f"the body is not JSON: {exc}"}, status=400)
-        status, answer = await self._controls.answer_control(name, body)
+        except (ValueError, RecursionError):  # deep nesting recurses
+            body = None  # not JSON: it carries no secret, and is no JSON object
+        status, answer = await self._controls.answer_control(request.match_info["name"], body)
         return web.json_response(answer, status=status)
 
     async def _pass_on(self, request: web.Request) -> web.Response:

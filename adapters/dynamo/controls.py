@@ -1,7 +1,7 @@
 """The control surface of a worker's Dynamo adapter (``WorkerControls``, a part of
 ``DynamoEngineAdapter``) and the ledger of its serving the two share (``ServingLedger``): the
-named controls served on the worker's system port, each body
-checked for the control secret (401 without it, 404 for an unknown control), the built-in
+named controls served on the worker's system port, each call checked for the control secret
+first (401 without it, and nothing else said), then 404 for an unknown control; the built-in
 ones (stats, abort a rollout, and for a refit target: flush the cache, the weight version)
 and any the engine kind adds; the first successful refit lets a held worker serve."""
 
@@ -71,16 +71,18 @@ class WorkerControls:
         return (await self.answer_control(control, body))[1]
 
     async def answer_control(self, control: str, body: Any) -> tuple[int, dict[str, Any]]:
-        """(HTTP status, answer) of one control call: 401 for a missing or wrong secret, 404
-        for an unknown control, else 200 (a failed handler answers ``status: error``)."""
+        """(HTTP status, answer) of one control call (``body``: the JSON read, None when it was
+        not JSON). The secret first: 401 for a missing or wrong one, which says nothing of the
+        worker's controls nor of the body; then 404 for an unknown control, 400 for a body that
+        is not a JSON object; else 200 (a failed handler answers ``status: error``)."""
+        refusal = self._secret_refusal(body)
+        if refusal:
+            return 401, _error(f"control refused: {refusal}")
         handler = self._controls.get(control)
         if handler is None:
             return 404, _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
         if not isinstance(body, dict):
-            return 200, _error(f"control {control!r}: the body must be a JSON object")
-        refusal = self._secret_refusal(body)
-        if refusal:
-            return 401, _error(f"control {control!r} refused: {refusal}")
+            return 400, _error(f"control {control!r}: the body must be a JSON object")
         return 200, await self._run_control(control, handler, body)
 
     async def _run_control(self, control: str, handler: ControlHandler,
@@ -100,10 +102,10 @@ class WorkerControls:
                         (answer or {}).get("weight_version"))
         return {"status": "ok", **(answer or {})}
 
-    def _secret_refusal(self, body: Mapping[str, Any]) -> str | None:
+    def _secret_refusal(self, body: Any) -> str | None:
         if self._control_secret is None:
             return None
-        given = body.get(CONTROL_SECRET_FIELD)
+        given = body.get(CONTROL_SECRET_FIELD) if isinstance(body, Mapping) else None
         if not isinstance(given, str):
             return f"the body has no {CONTROL_SECRET_FIELD!r} string"
         if not hmac.compare_digest(given.encode(), self._control_secret.encode()):

@@ -125,6 +125,18 @@ def test_controls_table_secret_and_errors():
                       "message": "control 'update_weights' failed: ValueError: bad refit info"}
     unknown = control("nope", {"control_secret": "s3"})
     assert unknown["status"] == "error" and "unknown control 'nope'" in unknown["message"]
+    # The secret first: a stranger learns neither the controls nor what is wrong with the body.
+    answer = lambda name, body: asyncio.run(adapter.controls.answer_control(name, body))  # noqa: E731
+    for name in ("nope", "update_weights"):
+        for body in ({"control_secret": "s4"}, {}, ["s3"], None):
+            status, refusal = answer(name, body)
+            assert status == 401 and refusal["message"].startswith("control refused: "), refusal
+            assert "update_weights" not in refusal["message"] and "stats" not in refusal["message"]
+    assert answer("update_weights", ["s3"])[0] == 401
+    assert answer("nope", {"control_secret": "s3"})[0] == 404
+    open_adapter = DynamoEngineAdapter(engine)  # no secret: the body is judged at once
+    assert asyncio.run(open_adapter.controls.answer_control("stats", None))[0] == 400
+    assert calls == [{"x": 1}, {"fail": True}]
     assert control("weight_version", {"control_secret": "s3"}) == {"status": "ok", "weight_version": 0}
     with pytest.raises(InvalidValue, match="collides with a built-in"):
         DynamoEngineAdapter(engine, controls={"stats": refit})
