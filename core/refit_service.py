@@ -53,6 +53,7 @@ class RefitCoordinator:
         self.timeout_s = timeout_s
         self._group: tuple[str, ...] | None = None  # who the last init_collective asked to join
         self._newcomers: set[str] = set()  # joined the fleet, no refit loaded on them yet
+        self._ipc_infos: dict[str, RefitInfo] = {}  # what each worker's IPC update last carried
         # Whether every worker is known to serve the same version (after an update through
         # here); until then the next update asks them and sets all to the newest + 1.
         self._versions_aligned = False
@@ -73,6 +74,8 @@ class RefitCoordinator:
         lost = tuple(c.worker_id for c in self._controls if c.worker_id in worker_ids)
         self._controls = [c for c in self._controls if c.worker_id not in worker_ids]
         self._newcomers -= set(lost)
+        for worker in lost:
+            self._ipc_infos.pop(worker, None)
         return lost
 
     def add_workers(self, controls: Sequence[WorkerControl]) -> tuple[str, ...]:
@@ -132,11 +135,22 @@ class RefitCoordinator:
     def ipc_stream_plan(self, info: RefitInfo, mode: RefitMode = DEFAULT_REFIT_MODE, *,
                         weight_version: int | None = None) -> list[ControlCall]:
         """One ``ipc_zmq_update`` per worker: each receives the stream of the trainer rank it
-        shares a device with (core/ipc_stream.py); no group to form."""
-        body: dict[str, Any] = {"refit_info": info.to_wire(), "mode": mode}
+        shares a device with (core/ipc_stream.py); no group to form. The refit info goes to a
+        worker only when it differs from the last one its update carried (the worker keeps
+        it); after a failed update, with every worker's next one."""
+        body: dict[str, Any] = {"mode": mode}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        return [ControlCall(control, "ipc_zmq_update", body) for control in self._controls]
+        calls: list[ControlCall] = []
+        wire: dict[str, Any] | None = None  # made once for every worker that needs it
+        for control in self._controls:
+            held = self._ipc_infos.get(control.worker_id) == info
+            if not held:
+                wire = info.to_wire() if wire is None else wire
+                self._ipc_infos[control.worker_id] = info
+            calls.append(ControlCall(control, "ipc_zmq_update",
+                                     body if held else {**body, "refit_info": wire}))
+        return calls
 
     def check_group_current(self) -> None:
         if self._group is None or self._group == self.worker_ids:
@@ -162,6 +176,8 @@ class RefitCoordinator:
         newcomers are established. Failed: some may have loaded it, so versions may differ."""
         if succeeded:
             self._newcomers.clear()
+        else:
+            self._ipc_infos.clear()
         self._versions_aligned = succeeded
 
     def init_collective_calls(self, *args: Any) -> list[Awaitable[Mapping[str, Any]]]:

@@ -43,12 +43,12 @@ class ZmqWeightStream(WeightStream):
         self._unanswered = False  # a REP socket answers each message once, and only then
 
     async def __aenter__(self) -> "ZmqWeightStream":
-        import zmq
         import zmq.asyncio
+        from zmq.constants import LINGER, REP
 
         self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket = self._context.socket(REP)
+        self._socket.setsockopt(LINGER, 0)
         self._socket.connect(self.address)
         return self
 
@@ -82,7 +82,7 @@ def visible_gpu_uuid() -> str:
     if visible.startswith("GPU-"):
         return visible
     try:
-        import pynvml
+        import pynvml  # type: ignore[import-not-found]  # optional: vLLM ships its own copy
     except ImportError:  # vLLM ships its own copy, and a GPU worker has vLLM
         from vllm.third_party import pynvml
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 import torch
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.core.errors import InvalidValue, WireError
 from rollout_fleet.core.rollout import (
     MAX_GROUP_SIZE, RolloutRequest, RolloutResult, SamplingSpec, sample_sampling,
 )
@@ -83,6 +83,8 @@ def sample_output(prompt: list[int], result: RolloutResult) -> dict[str, torch.T
     total = prompt_len + len(generated)
     ids = array.array("q", prompt)
     ids.extend(generated)
+    if result.logprobs is None:  # the contract's rollouts always ask for them
+        raise WireError("a rollout came back without its logprobs, which the contract carries")
     logprobs = array.array("f", bytes(4 * prompt_len))
     logprobs.extend(result.logprobs)
     return {

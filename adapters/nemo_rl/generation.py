@@ -18,7 +18,6 @@ import attrs
 from rollout_fleet.adapters.nemo_rl.colocated import ColocatedPhases
 from rollout_fleet.adapters.nemo_rl.batch import grouped, like, read_batch, sample_output, seeded_for
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
-from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
 from rollout_fleet.adapters.nemo_rl.hold import GenerationHold
 from rollout_fleet.adapters.nemo_rl.refit import FleetRefit
 from rollout_fleet.adapters.nemo_rl.worker_metrics import MetricTimelines
@@ -31,6 +30,7 @@ from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
 from rollout_fleet.core.sleep_state import SleepState
 from rollout_fleet.core.staleness import StalenessGate
 from rollout_fleet.ports.completions import CompletionsTransport
+from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.control import WorkerControl
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
@@ -80,14 +80,13 @@ class FleetGeneration:
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
         self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,
                                        timeout_s=config.control_timeout_s)
+        self._helper = LoopThread("dynamo-generation", timeout_s=None)
         self._colocated = ColocatedPhases(
             self._controls, config.colocated_workers, level=config.sleep_level,
-            mode=config.sleep_mode, timeout_s=config.control_timeout_s,
-            run=lambda step: self._helper.run(step))
+            mode=config.sleep_mode, timeout_s=config.control_timeout_s, run=self._helper.run)
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
-        self._helper = HelperLoop("dynamo-generation")
         self._gate = StalenessGate(config.max_staleness)
         self._fleet_refit = FleetRefit(self._refit, self._helper, config.sender_spec, self._gate)
         self._metrics = MetricTimelines(metrics, self._helper,
@@ -356,17 +355,20 @@ class FleetGeneration:
     def get_refit_payload_mode(self) -> str:
         return "hf_export"  # the workers check and load Hugging Face names (prepare_refit_info)
 
-    # NeMo-RL's pauses hold new rollouts at the driver, none fails (adapters/nemo_rl/hold.py)
     def pause_generation_for_refit(self, *, clear_cache: bool) -> bool:
+        """Hold new rollouts at the driver (none fails: hold.py); drop caches if asked."""
         return self._hold.pause(clear_cache=clear_cache)
 
     def resume_generation_after_refit(self) -> bool:
+        """Let held rollouts go on after a refit."""
         return self._hold.resume()
 
     def pause_generation(self, mode: str) -> None:
+        """Hold new rollouts as NeMo-RL's ``mode`` says."""
         self._hold.pause_in_mode(mode)
 
     def continue_generation(self) -> None:
+        """Let held rollouts go on."""
         self._hold.resume()
 
     def get_weight_versions(self) -> dict[str, int]:
@@ -388,8 +390,8 @@ class FleetGeneration:
                 "transport": self._transport, "controls": self._controls}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["config"], frontend_url=state["frontend_url"],
-                      transport=state["transport"], controls=state["controls"])
+        FleetGeneration.__init__(self, state["config"], frontend_url=state["frontend_url"],
+                                 transport=state["transport"], controls=state["controls"])
         self.is_copy = True
 
     def __repr__(self) -> str:

@@ -16,21 +16,17 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
 from rollout_fleet.adapters.nemo_rl.ray_calls import RayControlCalls
+from rollout_fleet.core.control_fanout import ControlCall, run_control_call
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, refit_mode
-from rollout_fleet.core.refit_service import (
-    ControlCall,
-    RefitCoordinator,
-    RefitDeadline,
-    run_control_call,
-)
+from rollout_fleet.core.refit_service import RefitCoordinator, RefitDeadline
 from rollout_fleet.core.staleness import StalenessGate
+from rollout_fleet.ports.contracts.loop import LoopThread
 
 
 class FleetRefit:
-    def __init__(self, coordinator: RefitCoordinator, helper: HelperLoop,
+    def __init__(self, coordinator: RefitCoordinator, helper: LoopThread,
                  sender_spec: CollectiveSenderSpec, gate: StalenessGate | None = None) -> None:
         self._coordinator = coordinator
         self._helper = helper
@@ -86,8 +82,7 @@ class FleetRefit:
         try:
             futures = self._launch(plan, deadline, true_when_done=true_when_done)
         except BaseException:
-            if self._gate.bounded:
-                self._gate.end_refit(False)
+            self._all_loaded(False)  # none launched: a failed update
             raise
         _when_all_done(futures, self._all_loaded)
         return futures

@@ -11,6 +11,7 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -19,9 +20,9 @@ METRIC_KEYS = ("inflight_requests", "kv_cache_usage", "generated_tokens", "pendi
 
 
 class MetricTimelines:
-    """Samples ``sources`` (one per worker) on ``helper`` (the driver's ``HelperLoop``)."""
+    """Samples ``sources`` (one per worker) on ``helper`` (the driver's ``LoopThread``)."""
 
-    def __init__(self, sources: Sequence[WorkerMetrics], helper: Any, *,
+    def __init__(self, sources: Sequence[WorkerMetrics], helper: LoopThread, *,
                  interval_s: float) -> None:
         self.sources = tuple(sources)
         self._helper = helper

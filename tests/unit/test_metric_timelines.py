@@ -5,14 +5,14 @@ import threading
 import time
 
 from rollout_fleet.adapters.memory import EngineWorkerMetrics, MemoryEngine
-from rollout_fleet.adapters.nemo_rl.helper_loop import HelperLoop
+from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.adapters.nemo_rl.worker_metrics import MetricTimelines
 
 ONE_SAMPLE_ONLY_S = 3600.0  # the periodic sampler's interval: it samples once, then waits
 
 
 def test_a_worker_left_out_mid_sample_gets_no_point_from_that_sample():
-    helper = HelperLoop("metrics-test")
+    helper = LoopThread("metrics-test", timeout_s=None)
     sources = [EngineWorkerMetrics(f"worker-{i}", MemoryEngine(i)) for i in range(2)]
     timelines = MetricTimelines(sources, helper, interval_s=ONE_SAMPLE_ONLY_S)
     hold, holding = threading.Event(), threading.Event()
