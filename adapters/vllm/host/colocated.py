@@ -34,7 +34,7 @@ from rollout_fleet.core.colocated_refit import (
 )
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue, RefitError
-from rollout_fleet.core.refit import Bucket, RefitProtocol, TensorMeta
+from rollout_fleet.core.refit import Bucket, RefitMode, RefitProtocol, TensorMeta
 from rollout_fleet.ports.colocated import ColocatedTarget
 
 COLOCATED_TP_RULE = ("a colocated refit hands the trainer's buffers to the one engine rank on"
@@ -52,7 +52,7 @@ class VllmColocated(ColocatedTarget):
         self.runtime = runtime
         self.config = runtime.config
         self._stack: contextlib.AsyncExitStack | None = None
-        self._mode = "drain"
+        self._mode = RefitMode.DRAIN
         self._stats: dict[str, Any] = {}
         self._started = 0.0
         self._rank_failed = False  # a step raised inside vLLM: the rank ended the update
@@ -67,7 +67,7 @@ class VllmColocated(ColocatedTarget):
     def colocated_transports(self) -> tuple[str, ...]:
         return (CUDA_TRANSPORT,) if self.config.device is Device.GPU else (SHM_TRANSPORT,)
 
-    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: str,
+    async def begin_colocated(self, manifest: ColocatedManifest, *, mode: RefitMode,
                               keep_buffers: bool = False) -> None:
         engine = self.runtime.require_engine()
         self._check_can_begin(manifest, mode)
@@ -94,7 +94,7 @@ class VllmColocated(ColocatedTarget):
         self._started = time.perf_counter()
         self._rank_failed = False
 
-    def _check_can_begin(self, manifest: ColocatedManifest, mode: str) -> None:
+    def _check_can_begin(self, manifest: ColocatedManifest, mode: RefitMode) -> None:
         if self.config.refit_ranks != 1:
             raise InvalidValue("tensor_parallel_size x pipeline_parallel_size",
                                self.config.refit_ranks, COLOCATED_TP_RULE)

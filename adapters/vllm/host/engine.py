@@ -35,7 +35,7 @@ from rollout_fleet.adapters.vllm.host.refit import VllmRefit
 from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
 from rollout_fleet.adapters.vllm.host.sleep import VllmSleep
 from rollout_fleet.core.errors import EngineDead, EngineError, EngineRejected
-from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, TensorMeta
+from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, RefitMode, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.colocated import ColocatedByPart
@@ -245,7 +245,7 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
     async def init_collective(self, join: GroupJoin) -> None:
         await self.refit.init_collective(join)
 
-    async def update_weights(self, info: RefitInfo, *, mode: str = DEFAULT_REFIT_MODE,
+    async def update_weights(self, info: RefitInfo, *, mode: RefitMode = DEFAULT_REFIT_MODE,
                              version: int | None = None) -> int:
         return await self.refit.update_weights(info, mode=mode, version=version)
 

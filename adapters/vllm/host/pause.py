@@ -7,15 +7,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rollout_fleet.core.refit import DEFAULT_REFIT_MODE
+from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, RefitMode
 
 # vLLM's pause modes: "wait" lets the requests in flight finish first; "keep" freezes them in
 # the scheduler, where they stay (KV included) until generation resumes.
-_VLLM_PAUSE = {"drain": "wait", "keep": "keep", "recompute": "keep"}
+_VLLM_PAUSE = {RefitMode.DRAIN: "wait", RefitMode.KEEP: "keep", RefitMode.RECOMPUTE: "keep"}
 
 
 @contextlib.asynccontextmanager
-async def paused_for_refit(engine: Any, mode: str = DEFAULT_REFIT_MODE) -> AsyncIterator[None]:
+async def paused_for_refit(engine: Any, mode: RefitMode = DEFAULT_REFIT_MODE
+                           ) -> AsyncIterator[None]:
     """Hold new requests, drain or freeze those in flight (``mode``), and always resume (even
     on a failed load)."""
     await _pause(engine, _VLLM_PAUSE[mode])

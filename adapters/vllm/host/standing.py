@@ -11,7 +11,7 @@ from typing import Any
 from rollout_fleet.adapters.shared.errors import first_line
 from rollout_fleet.adapters.vllm.messages import REFIT_STATS_RPC, RefitStats
 from rollout_fleet.core.errors import EngineError
-from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, next_version
+from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, RefitMode, next_version
 
 
 class WeightsHealth:
@@ -73,12 +73,12 @@ class WeightsStanding:
     def version(self) -> int:
         return self._version
 
-    async def commit(self, engine: Any, mode: str = DEFAULT_REFIT_MODE,
+    async def commit(self, engine: Any, mode: RefitMode = DEFAULT_REFIT_MODE,
                      version: int | None = None) -> int:
         """New weights are loaded (the engine still paused): whole again, the cache dropped as
         ``mode`` says, and every token from now on labelled with the new version."""
         self.health.mark_whole()
-        if mode == "keep":
+        if mode == RefitMode.KEEP:
             await self.keep_running_kv(engine)
         else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
             await self.reset_cache(engine)
