@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 from dynamo.common.backend import (
@@ -36,6 +37,7 @@ from rollout_fleet.adapters.dynamo.controls import (
 )
 from rollout_fleet.adapters.dynamo.plain import GeneratedTurn, piece_chunks, PlainOptions, TokenTexts
 from rollout_fleet.adapters.dynamo.worker_metrics import register_worker_metrics
+from rollout_fleet.adapters.shared.streams import closed_on_exit
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
@@ -62,6 +64,9 @@ __all__ = ["CONTROL_SECRET_FIELD", "ControlHandler", "DynamoEngineAdapter"]  # i
 PLAIN_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A bad request (4xx, never retried) vs an engine that failed (5xx, retried by the driver).
 _REQUEST_FAULTS = (AnnotationError, InvalidValue, EngineRejected)
+# How a request kind answers: all its chunks at once, or as they come; and what serves it.
+Served = Awaitable[list[GenerateChunk]] | AsyncIterator[GenerateChunk]
+RequestKind = Callable[[dict[str, Any], str, str], Served]
 
 
 class DynamoEngineAdapter(LLMEngine):
@@ -86,7 +91,7 @@ class DynamoEngineAdapter(LLMEngine):
         self._offered_sampling = engine.sampling_offered()
         self._bare_streams = streams_without_logprobs(engine)
         self._token_texts: TokenTexts | None = None
-        self._request_kinds: dict[str, Callable[..., Awaitable[list[GenerateChunk]]]] = {
+        self._request_kinds: dict[str, RequestKind] = {
             ROLLOUT_ANNOTATION_PREFIX: self._serve_rollout_request,
             TURN_TOKENS_ANNOTATION: self._plain_request,  # and the turn's tokens at the end
         }
@@ -178,11 +183,11 @@ class DynamoEngineAdapter(LLMEngine):
         context_id = context.id()
         annotations = (request.get("annotations")
                        or (request.get("extra_args") or {}).get("nvext", {}).get("annotations"))
-        serve, annotation = self._plain_request, None
+        served: Callable[[], Served] = partial(self._plain_request, request, context_id, None)
         for prefix, kind in self._request_kinds.items():
             found = find_annotation(annotations, prefix)
             if found is not None:
-                serve, annotation = kind, found
+                served = partial(kind, request, context_id, found)
                 break
         self._serving[context_id] = asyncio.current_task()
         last: GenerateChunk | None = None
@@ -190,7 +195,7 @@ class DynamoEngineAdapter(LLMEngine):
             # A plain request's chunks go out as the engine makes them; a rollout's one chunk
             # when it is done.
             # Closed at once if the client leaves mid-stream: the engine's generation ends too.
-            async with contextlib.aclosing(chunks_of(serve(request, context_id, annotation))) as chunks:
+            async with contextlib.aclosing(chunks_of(served())) as chunks:
                 async for chunk in chunks:
                     last = chunk
                     yield chunk
@@ -300,7 +305,7 @@ class DynamoEngineAdapter(LLMEngine):
             prompt, request_id=context_id,
             max_new_tokens=self._plain_budget(len(prompt), plain.max_tokens),
             sampling=plain.sampling, stop_strings=plain.stop_strings, **keywords)
-        async with contextlib.aclosing(pieces):
+        async with closed_on_exit(pieces):
             async for piece in pieces:
                 generated += len(piece.token_ids)
                 if turn is not None:
@@ -373,11 +378,11 @@ def hidden_stop_ids(request: Mapping[str, Any]) -> set[int]:
     return set(stop.get("stop_token_ids_hidden") or ()) | set(request.get("eos_token_ids") or ())
 
 
-async def chunks_of(served: Any) -> AsyncIterator[GenerateChunk]:
+async def chunks_of(served: Served) -> AsyncGenerator[GenerateChunk, None]:
     """The chunks of a request kind's answer: an async iterator of chunks, or a coroutine
     that returns them all."""
-    if hasattr(served, "__aiter__"):
-        async with contextlib.aclosing(served):
+    if isinstance(served, AsyncIterator):
+        async with closed_on_exit(served):
             async for chunk in served:
                 yield chunk
         return

@@ -23,13 +23,14 @@ MAX_SYSTEM_PORT = 32767  # DYN_SYSTEM_PORT is parsed as an i16
 def check_bind_host(field: str, host: object) -> str:
     """An IP address literal of one interface: never the wildcard (0.0.0.0, ::), which would
     open every server of the fleet on every network the node is on."""
+    not_an_address = ("must be an IP address of this node (e.g. 127.0.0.1, or its address on "
+                      "the cluster network)")
+    if not isinstance(host, str):
+        raise InvalidValue(field, host, not_an_address)
     try:
-        address = ipaddress.ip_address(host) if isinstance(host, str) else None
+        address = ipaddress.ip_address(host)
     except ValueError:
-        address = None
-    if address is None:
-        raise InvalidValue(field, host, "must be an IP address of this node (e.g. 127.0.0.1, "
-                           "or its address on the cluster network)")
+        raise InvalidValue(field, host, not_an_address) from None
     if address.is_unspecified:
         raise InvalidValue(field, host, "binds every interface; give the node's own address "
                            "on the cluster network (or 127.0.0.1 on one machine)")

@@ -45,13 +45,13 @@ class LoopbackEtcd:
         with interrupts_held(), open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
-        self._wait_healthy(timeout_s)
+        self._wait_healthy(self.process, timeout_s)
         return self
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def _wait_healthy(self, process: subprocess.Popen, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 break
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as answer:

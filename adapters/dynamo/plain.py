@@ -109,11 +109,11 @@ def _plain_sampling(options: Mapping[str, Any]) -> SamplingSpec:
     temperature = options.get("temperature")
     if temperature is not None and temperature == 0:
         return SamplingSpec(greedy=True)
-    top_k = options.get("top_k")
+    top_k, top_p = options.get("top_k"), options.get("top_p")
     return SamplingSpec(
         greedy=False,
         temperature=1.0 if temperature is None else temperature,  # OpenAI's default
-        top_p=options.get("top_p") if options.get("top_p") is not None else 1.0,
+        top_p=1.0 if top_p is None else top_p,
         top_k=-1 if top_k in (None, 0) else top_k,
         seed=options.get("seed"),
     )
