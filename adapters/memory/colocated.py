@@ -4,6 +4,7 @@ and commits them with the same swap as a collective refit (cache reset, version)
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,9 @@ class MemoryColocated(ColocatedTarget):
     async def load_colocated_bucket(self, bucket: Bucket, handle: BufferHandle) -> None:
         state = self._session_state()
         metas = self.engine.weight_metas()
+        if handle.transport != SHM_TRANSPORT or handle.name is None:
+            raise InvalidValue("handle.transport", handle.transport,
+                               f"the memory engine opens {SHM_TRANSPORT!r} buffers only")
         segment = Segment.open(handle.name, handle.nbytes)
         state["peak_open"] = max(state["peak_open"], handle.nbytes)
         try:
@@ -87,7 +91,8 @@ def _rows(segment: Segment, entry: BucketEntry) -> list[list[float]]:
     meta = entry.meta
     if meta.dtype != "float32" or len(meta.shape) != 2:
         raise InvalidValue(f"dtype of {meta.name!r}", meta.dtype, "the memory engine holds 2-D float32")
-    with segment.view[entry.offset:entry.offset + meta.nbytes] as raw, raw.cast("f") as floats:
-        values = floats.tolist()
-    cols = meta.shape[1]
+    floats = array.array("f")
+    with segment.view[entry.offset:entry.offset + meta.nbytes] as raw:
+        floats.frombytes(raw)
+    values, cols = floats.tolist(), meta.shape[1]
     return [values[r * cols:(r + 1) * cols] for r in range(meta.shape[0])]

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -222,11 +223,12 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
             raise InvalidValue("sender_spec.protocol", join.sender_spec.protocol.value,
                                f"the memory engine receives refits in {RefitProtocol.PACKED.value!r}"
                                " only")
-        if self._join_receiver is None:
+        join_receiver = self._join_receiver
+        if join_receiver is None:
             raise RefitError("this memory engine was built without a transfer backend (join_receiver)")
         self.close_receivers()
         self._receivers = await _all_ranks(
-            [lambda j=j: self._join_receiver(join, j) for j in range(self._refit_ranks)],
+            [functools.partial(join_receiver, join, j) for j in range(self._refit_ranks)],
             on_partial=lambda joined: [r.close() for r in joined])
 
     async def update_weights(self, info: RefitInfo, *, mode: RefitMode = DEFAULT_REFIT_MODE,
@@ -239,8 +241,7 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         metas = self.weight_metas()
         info.check_against(metas)
         self.sleeper.check_refit_allowed([t.name for t in info.tensors])
-        received = await _all_ranks([lambda r=r: [(name, tensor) for name, tensor in r.receive(info)
-                                                  if not name.startswith(BALLAST_PREFIX)]
+        received = await _all_ranks([functools.partial(_kept_tensors, r, info)
                                      for r in self._receivers])
         staged = {name: as_matrix(name, tensor, metas[name]) for name, tensor in received[0]}
         for rank, tensors in enumerate(received[1:], start=1):
@@ -361,6 +362,12 @@ class MemoryEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
         return ServedRollout(tokens, logprobs, finish, Usage(len(prompt), len(tokens)),
                              weight_version=self._version, weight_versions=versions,
                              top_logprobs=tuple(tops) if top_n else None)
+
+
+def _kept_tensors(receiver: WeightReceiver, info: RefitInfo) -> list[tuple[str, Any]]:
+    """What one rank receives, ballast dropped as it arrives."""
+    return [(name, tensor) for name, tensor in receiver.receive(info)
+            if not name.startswith(BALLAST_PREFIX)]
 
 
 async def _all_ranks(calls: list[Callable[[], Any]], on_partial: Callable[[list], Any] | None = None

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from rollout_fleet.core.errors import EngineRejected, InvalidValue, WeightMismatch
+from rollout_fleet.core.errors import EngineRejected, InvalidValue, RefitError, WeightMismatch
 from rollout_fleet.core.refit import TensorMeta, dtype_name
 from rollout_fleet.core.rollout import SamplingSpec
 
@@ -53,8 +53,9 @@ class TinyBigramModel:
     """Weights and the math of the tiny model; no state about requests."""
 
     def __init__(self, embed: list[list[float]], lm_head: list[list[float]]) -> None:
-        self.embed = embed
-        self.lm_head = lm_head
+        # None once a level-2 sleep dropped them, until a refit loads new ones
+        self.embed: list[list[float]] | None = embed
+        self.lm_head: list[list[float]] | None = lm_head
         self._logprob_rows: dict[int, list[float]] = {}  # the "prefix cache": prev token -> row
 
     @classmethod
@@ -65,15 +66,30 @@ class TinyBigramModel:
         lm_head[EOS_TOKEN_ID] = [0.5 * w for w in lm_head[EOS_TOKEN_ID]]  # keep EOS uncommon
         return cls(embed, lm_head)
 
+    @property
+    def holds_weights(self) -> bool:
+        return self.embed is not None and self.lm_head is not None
+
+    def forget_weights(self) -> None:
+        """What a level-2 sleep does: the weights are gone until a refit loads new ones."""
+        self.embed = self.lm_head = None
+        self.clear_cache()
+
+    def _weights(self) -> tuple[list[list[float]], list[list[float]]]:
+        if self.embed is None or self.lm_head is None:
+            raise RefitError("the weights were dropped by a level-2 sleep: a refit loads them")
+        return self.embed, self.lm_head
+
     def state_dict(self) -> dict[str, list[list[float]]]:
-        return {"embed.weight": [row[:] for row in self.embed],
-                "lm_head.weight": [row[:] for row in self.lm_head]}
+        embed, lm_head = self._weights()
+        return {"embed.weight": [row[:] for row in embed],
+                "lm_head.weight": [row[:] for row in lm_head]}
 
     def logprobs_after(self, prev: int) -> list[float]:
         row = self._logprob_rows.get(prev)
         if row is None:
-            e = self.embed[prev]
-            logits = [sum(a * b for a, b in zip(e, u)) for u in self.lm_head]
+            embed, lm_head = self._weights()
+            logits = [sum(a * b for a, b in zip(embed[prev], u)) for u in lm_head]
             top = max(logits)
             log_z = top + math.log(sum(math.exp(x - top) for x in logits))
             row = [x - log_z for x in logits]

@@ -53,7 +53,7 @@ class MemorySleep(Sleeper):
                 await asyncio.sleep(_DRAIN_POLL_S)
         engine.model.clear_cache()  # the KV cache is freed (kept rollouts recompute)
         if level >= 2:
-            engine.model.embed = engine.model.lm_head = None  # the weights are forgotten
+            engine.model.forget_weights()
         return self.tracker.state
 
     async def wake_up(self, tags: Sequence[str] = WAKE_TAGS) -> SleepState:
@@ -68,8 +68,7 @@ class MemorySleep(Sleeper):
 
     def resident(self) -> dict[str, bool]:
         """What the engine holds now: its weights, and its KV cache (tests read it)."""
-        model = self.engine.model
-        return {"weights": model.embed is not None and model.lm_head is not None,
+        return {"weights": self.engine.model.holds_weights,
                 "kv_cache": "kv_cache" not in self.tracker.state.asleep}
 
     # -- what serving and refit ask of it -------------------------------------------------------
