@@ -171,6 +171,10 @@ class LoopClients:
     """The pooled client of each running event loop, created on first use in that loop."""
 
     def __init__(self, settings: HttpSettings) -> None:
+        self._start_empty(settings)
+
+    def _start_empty(self, settings: HttpSettings) -> None:
+        """No client yet: each loop makes its own on first use."""
         self.settings = settings
         self._clients: dict[asyncio.AbstractEventLoop, LoopClient] = {}
         self._keepers: dict[asyncio.AbstractEventLoop, Any] = {}
@@ -218,7 +222,7 @@ class LoopClients:
         return {"settings": self.settings}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["settings"])
+        self._start_empty(state["settings"])
 
 
 def _close_with_the_loop(client: LoopClient):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 from rollout_fleet.core.attempt_timeout import AttemptTimeout
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
@@ -19,6 +21,10 @@ class ClientKind(Vocabulary):
 
 
 CLIENT_KINDS = tuple(kind.value for kind in ClientKind)
+
+
+def _client_kind(value: Any) -> ClientKind:
+    return ClientKind.parse(value, "http.client")
 
 
 @attrs.frozen
@@ -57,7 +63,7 @@ class HttpSettings:
             finite_at_least("http.attempt_per_token_s")))
     keepalive_s: float = attrs.field(default=120.0, validator=finite_at_least("http.keepalive_s", strictly=True))
     client: ClientKind = attrs.field(default=ClientKind.AIOHTTP,
-                                     converter=ClientKind.converter("http.client"))
+                                     converter=_client_kind)
 
     @property
     def max_connections(self) -> int:

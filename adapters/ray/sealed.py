@@ -19,7 +19,6 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 _KEY_BYTES = 32
 _NONCE_BYTES = 12
 _CONTEXT = b"rollout-fleet control secret"
-_RAW = {"encoding": serialization.Encoding.Raw, "format": serialization.PublicFormat.Raw}
 
 
 class SecretOpener:
@@ -29,7 +28,7 @@ class SecretOpener:
         self._key = X25519PrivateKey.generate()
 
     def public_key(self) -> bytes:
-        return self._key.public_key().public_bytes(**_RAW)
+        return _raw(self._key.public_key())
 
     def open(self, sealed: bytes) -> str:
         """The secret, or ``cryptography.exceptions.InvalidTag`` when not sealed for this key."""
@@ -42,7 +41,7 @@ class SecretOpener:
 def seal(secret: str, public_key: bytes) -> bytes:
     """``secret`` readable only by the holder of ``public_key``'s private half."""
     one_time = X25519PrivateKey.generate()
-    one_time_public = one_time.public_key().public_bytes(**_RAW)
+    one_time_public = _raw(one_time.public_key())
     key = _derive(one_time.exchange(X25519PublicKey.from_public_bytes(public_key)))
     nonce = os.urandom(_NONCE_BYTES)
     return one_time_public + nonce + ChaCha20Poly1305(key).encrypt(nonce, secret.encode(), one_time_public)
@@ -50,3 +49,8 @@ def seal(secret: str, public_key: bytes) -> bytes:
 
 def _derive(shared: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_CONTEXT).derive(shared)
+
+
+def _raw(public_key: X25519PublicKey) -> bytes:
+    """A public key's 32 bytes as they travel."""
+    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
