@@ -248,12 +248,9 @@ def _check_context(engine: "VllmEngineConfig", fleet: FleetFacts) -> None:
 
 
 def _tiny_model(run_dir: Path, seed: int) -> str:
-    from rollout_fleet.adapters.tiny_model import build_tiny_model
+    from rollout_fleet.adapters.tiny_model import tiny_model_folder
 
-    folder = run_dir / f"model-tiny-{seed}"
-    if not (folder / "config.json").exists():
-        build_tiny_model(folder, seed=seed)
-    return str(folder)
+    return tiny_model_folder(run_dir / f"model-tiny-{seed}", seed)
 
 
 def cores_for_worker(cores: list[int], num_workers: int, index: int) -> list[int]:

@@ -38,12 +38,9 @@ def model_folder(config: FleetConfig, run_dir: Path) -> str:
     own = config.engine_choice.model_folder(run_dir)
     if own is not None:
         return own
-    from rollout_fleet.adapters.tiny_model import build_tiny_model
+    from rollout_fleet.adapters.tiny_model import tiny_model_folder
 
-    folder = run_dir / "tiny-model"
-    if not (folder / "config.json").exists():
-        build_tiny_model(folder)
-    return str(folder)
+    return tiny_model_folder(run_dir / "tiny-model")
 
 
 def collective_backend(config: FleetConfig) -> str:

@@ -8,7 +8,8 @@ files, so tests can build two models and compare outputs against a plain transfo
 from rollout_fleet.adapters.tiny_model.build import (
     TinyModelSpec,
     build_tiny_model,
+    tiny_model_folder,
     tiny_state_dict,
 )
 
-__all__ = ["TinyModelSpec", "build_tiny_model", "tiny_state_dict"]
+__all__ = ["TinyModelSpec", "build_tiny_model", "tiny_model_folder", "tiny_state_dict"]

@@ -128,6 +128,15 @@ def _add_chat_template(path: Path, template: str) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def tiny_model_folder(directory: str | os.PathLike, seed: int = 0) -> str:
+    """The tiny model of ``seed`` in ``directory``, built there unless it already is (whoever
+    hands the folder to workers builds it first, so that they do not race to write it)."""
+    folder = Path(directory)
+    if not (folder / "config.json").exists():
+        build_tiny_model(folder, seed=seed)
+    return str(folder)
+
+
 def build_tiny_model(directory: str | os.PathLike, seed: int = 0,
                      spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write the model folder and return its path. Same seed, same bytes."""
