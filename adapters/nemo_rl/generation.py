@@ -23,6 +23,7 @@ from rollout_fleet.adapters.nemo_rl.refit import FleetRefit
 from rollout_fleet.adapters.nemo_rl.worker_metrics import MetricTimelines
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.refit_service import RefitCoordinator
 from rollout_fleet.core.rollout import GREEDY, RolloutRequest, RolloutResult
@@ -30,7 +31,6 @@ from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
 from rollout_fleet.core.sleep_state import SleepState
 from rollout_fleet.core.staleness import StalenessGate
 from rollout_fleet.ports.completions import CompletionsTransport
-from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.control import WorkerControl
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 log = logging.getLogger(__name__)

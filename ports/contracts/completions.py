@@ -15,11 +15,11 @@ from typing import Any
 
 import attrs
 
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.core.retry import is_transient_status
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 from rollout_fleet.ports.completions import CompletionsTransport, TransportResponse
-from rollout_fleet.ports.contracts.loop import LoopThread
 
 
 @attrs.define

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import pytest
 from rollout_fleet.core.errors import ControlRefused
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.ports.control import WorkerControl
 
 

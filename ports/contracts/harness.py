@@ -9,8 +9,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import attrs
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.core.rollout import SamplingSpec, ServedRollout
-from rollout_fleet.ports.contracts.loop import LoopThread
 from rollout_fleet.ports.engine import EngineFacts, EnginePort
 
 GREEDY = SamplingSpec()

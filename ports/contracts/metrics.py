@@ -16,7 +16,7 @@ from collections.abc import Callable
 import attrs
 import pytest
 from rollout_fleet.core.errors import TransportError
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from rollout_fleet.core.wire import REQUEST_ID_HEADER
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from tests.http.loopback_frontend import Fault
 
 

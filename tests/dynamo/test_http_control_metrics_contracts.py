@@ -12,7 +12,7 @@ from rollout_fleet.ports.contracts.metrics import MetricsContract, MetricsUnderT
 from tests.dynamo.conftest import SERVED_MODEL
 from tests.support import free_port
 from rollout_fleet.ports.contracts.control import ControlUnderTest, SecretControlContract
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from tests.dynamo.conftest import CONTROL_SECRET
 
 pytestmark = pytest.mark.dynamo

@@ -23,7 +23,7 @@ from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout_client import RolloutClient
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from tests.dynamo.conftest import CONTEXT_LENGTH, ENGINE_SEED
 from tests.support import free_port
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from rollout_fleet.adapters.memory import MemoryEngine
 from rollout_fleet.core.wire import REQUEST_ID_HEADER, ROLLOUT_ANNOTATION_PREFIX, find_annotation
 from rollout_fleet.core.worker_service import serve_annotated_rollout, status_of_engine_error
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 
 MODEL = "memory"
 SECRET = "s3cret"

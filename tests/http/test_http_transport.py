@@ -20,7 +20,7 @@ from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.rollout_client import RolloutClient
 from rollout_fleet.core.validate import Vocabulary
 from rollout_fleet.ports.contracts.completions import CompletionsContract, CompletionsUnderTest
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from tests.http.loopback_frontend import MODEL, Fault, LoopbackFrontend
 
 POLICY = RetryPolicy(max_attempts=4, base_delay_s=0.1, backoff=2.0, max_delay_s=5.0, jitter=0.0)

@@ -6,7 +6,7 @@ from rollout_fleet.adapters.memory import EngineWorkerMetrics, LocalWorkerContro
 from rollout_fleet.core.refit_service import WorkerRefit
 from rollout_fleet.core.rollout import GREEDY
 from rollout_fleet.ports.contracts.control import ControlContract, ControlUnderTest
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.ports.contracts.metrics import MetricsContract, MetricsUnderTest
 
 

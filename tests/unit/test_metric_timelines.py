@@ -5,7 +5,7 @@ import threading
 import time
 
 from rollout_fleet.adapters.memory import EngineWorkerMetrics, MemoryEngine
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.adapters.nemo_rl.worker_metrics import MetricTimelines
 
 ONE_SAMPLE_ONLY_S = 3600.0  # the periodic sampler's interval: it samples once, then waits

@@ -15,7 +15,7 @@ from rollout_fleet.core.rollout import FinishReason, SamplingSpec
 from rollout_fleet.core.rollout_client import RolloutClient, RolloutLimits
 from rollout_fleet.ports.completions import TransportResponse
 from rollout_fleet.ports.contracts.completions import CompletionsContract, CompletionsUnderTest
-from rollout_fleet.ports.contracts.loop import LoopThread
+from rollout_fleet.core.loop_thread import LoopThread
 
 LIMITS = RolloutLimits(max_model_len=64, max_new_tokens=10)
 

@@ -2,8 +2,8 @@
 
 Engines such as vLLM's async engine are bound to the loop they started on: a fresh
 ``asyncio.run`` per call (per test, per driver method) would strand them. One loop, started on
-first use, serves them all: the contract suites' tests and the NeMo-RL driver's synchronous
-methods (adapters/nemo_rl) run their coroutines here.
+first use, serves them all: the NeMo-RL driver's synchronous methods (adapters/nemo_rl) and
+the ports' contract suites run their coroutines here.
 """
 
 from __future__ import annotations
