@@ -8,12 +8,14 @@ and any the engine kind adds; the first successful refit lets a held worker serv
 from __future__ import annotations
 
 import collections
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
+from rollout_fleet.adapters.shared.control_secret import (  # noqa: F401 - the field: public here
+    CONTROL_SECRET_FIELD, secret_refusal, without_secret,
+)
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit_service import WorkerWeights
 from rollout_fleet.ports.engine import EnginePort, RefitTarget
@@ -21,7 +23,6 @@ from rollout_fleet.ports.engine import EnginePort, RefitTarget
 logger = logging.getLogger(__name__)
 
 ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-CONTROL_SECRET_FIELD = "control_secret"
 # The controls whose first success lets a worker that joined late serve (a refit completed).
 _FIRST_REFIT_CONTROLS = ("update_weights", "colocated_finish")
 _RECENT_ABORTS_KEPT = 256
@@ -87,7 +88,7 @@ class WorkerControls:
 
     async def _run_control(self, control: str, handler: ControlHandler,
                            body: dict[str, Any]) -> dict[str, Any]:
-        args = {k: v for k, v in body.items() if k != CONTROL_SECRET_FIELD}
+        args = without_secret(body)
         self.ledger.controls_running += 1
         try:
             answer = await handler(args)
@@ -105,12 +106,7 @@ class WorkerControls:
     def _secret_refusal(self, body: Any) -> str | None:
         if self._control_secret is None:
             return None
-        given = body.get(CONTROL_SECRET_FIELD) if isinstance(body, Mapping) else None
-        if not isinstance(given, str):
-            return f"the body has no {CONTROL_SECRET_FIELD!r} string"
-        if not hmac.compare_digest(given.encode(), self._control_secret.encode()):
-            return f"{CONTROL_SECRET_FIELD!r} does not match this worker's"
-        return None
+        return secret_refusal(body, self._control_secret, "this worker's")
 
     def _builtin_controls(self) -> dict[str, ControlHandler]:
         controls: dict[str, ControlHandler] = {"stats": self._stats,

@@ -10,6 +10,7 @@ from typing import Any
 from rollout_fleet.adapters.http.pool import JSON_CONTENT_TYPE, LoopClients, dumps
 from rollout_fleet.adapters.http.settings import HttpSettings
 from rollout_fleet.adapters.http.transport import check_base_url
+from rollout_fleet.adapters.shared.control_secret import CONTROL_SECRET_FIELD
 from rollout_fleet.core.errors import (
     ControlRefused,
     HttpStatusError,
@@ -19,7 +20,6 @@ from rollout_fleet.core.errors import (
 )
 from rollout_fleet.ports.control import WorkerControl
 
-SECRET_FIELD = "control_secret"
 _CONTROL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -36,7 +36,7 @@ class HttpWorkerControl(WorkerControl):
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidValue("worker_id", worker_id, "must be a non-empty string")
         if not isinstance(secret, str):
-            raise InvalidValue(SECRET_FIELD, "<hidden>", "must be a string")
+            raise InvalidValue(CONTROL_SECRET_FIELD, "<hidden>", "must be a string")
         self.worker_id = worker_id
         self.control_url = check_base_url("control_url", control_url)
         self.secret = secret
@@ -53,7 +53,7 @@ class HttpWorkerControl(WorkerControl):
         if not isinstance(body, Mapping):
             raise InvalidValue(f"body of control {name!r}", body, "must be a JSON object (a mapping)")
         payload = dict(body)
-        payload[SECRET_FIELD] = self.secret
+        payload[CONTROL_SECRET_FIELD] = self.secret
         answer = await self.clients.current().post_json(
             url, dumps(payload), {"content-type": JSON_CONTENT_TYPE}, timeout_s)
         return self._read(name, answer.status, answer.body)
