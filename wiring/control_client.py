@@ -8,11 +8,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from rollout_fleet.adapters.shared.control_secret import CONTROL_SECRET_FIELD
+
 
 def call_control(control_url: str, name: str, secret: str, body: dict | None = None,
                  timeout_s: float = 30.0) -> dict[str, Any]:
     """A blocking control call (start-up checks, the CLI); the driver uses the http adapter."""
-    payload = json.dumps({**(body or {}), "control_secret": secret}).encode()
+    payload = json.dumps({**(body or {}), CONTROL_SECRET_FIELD: secret}).encode()
     request = urllib.request.Request(f"{control_url}/engine/control/{name}", data=payload,
                                      headers={"content-type": "application/json"})
     try:
