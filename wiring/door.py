@@ -29,11 +29,14 @@ from typing import Any
 
 import attrs
 
+from rollout_fleet.adapters.agent_door.cuts import SOCKET_GLOB, sibling_socket
 from rollout_fleet.adapters.shared import PortsTaken, read_tail
 from rollout_fleet.adapters.shared.processes import interrupts_held, signal_group
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.retry import RetryPolicy
+from rollout_fleet.core.sampling_guard import SamplingProfiles
 from rollout_fleet.core.validate import finite_at_least, positive_int
+from rollout_fleet.wiring.door_control_client import DoorControlClient
 
 
 def default_door_processes() -> int:
@@ -61,6 +64,9 @@ class DoorSettings:
                                  validator=finite_at_least("door.start_s", strictly=True))
     stop_s: float = attrs.field(default=10.0,
                                 validator=finite_at_least("door.stop_s", strictly=True))
+    # The trainer's sampling profiles every chat request must match (None: no guard until a
+    # token-capture setup gives them).
+    sampling: SamplingProfiles | None = None
 
 
 class DoorStartError(RolloutFleetError):
@@ -77,6 +83,7 @@ class DoorProcesses:
     settings: DoorSettings
     _spec: Path
     _ports: PortsTaken
+    _secret: str | None = attrs.field(default=None, repr=False)
     _slots: list[subprocess.Popen[bytes] | None] = attrs.field(factory=list)
     _stopped: bool = False
 
@@ -94,6 +101,13 @@ class DoorProcesses:
     def process_groups(self) -> list[int]:
         return self.pids
 
+    def controls(self, timeout_s: float = 120.0) -> DoorControlClient:
+        """A client of the door's controls (token capture's setup, the weight version)."""
+        if self._secret is None:
+            raise DoorStartError("this door was started without a control secret: it takes "
+                                 "no control")
+        return DoorControlClient(self.url, self._secret, timeout_s)
+
     def alive(self) -> list[int]:
         return [p.pid for p in self._slots if p is not None and p.poll() is None]
 
@@ -103,6 +117,9 @@ class DoorProcesses:
             return []
         dead = [i for i, p in enumerate(self._slots) if p is not None and p.poll() is not None]
         for index in dead:
+            gone = self._slots[index]
+            if gone is not None:
+                sibling_socket(self.folder, gone.pid).unlink(missing_ok=True)
             self._launch(index)
         self._wait_ready(dead)
         return [process.pid for i, process in enumerate(self._slots)
@@ -126,8 +143,8 @@ class DoorProcesses:
         for process in processes:  # the leader may be gone while others in its group linger
             signal_group(process.pid, signal.SIGKILL)
             process.wait()
-        for ready in self.folder.glob("ready-*"):
-            ready.unlink(missing_ok=True)
+        for left in [*self.folder.glob("ready-*"), *self.folder.glob(SOCKET_GLOB)]:
+            left.unlink(missing_ok=True)
         self._ports.release()
 
     def start(self) -> "DoorProcesses":
@@ -146,9 +163,15 @@ class DoorProcesses:
         command = [sys.executable, "-m", "rollout_fleet.wiring.door_process", str(self._spec)]
         log = self.folder / f"door-{index}.log"
         with interrupts_held(), open(log, "ab") as out:
-            self._slots[index] = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            process = self._slots[index] = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                 process_group=0, cwd=self.folder)
+        assert process.stdin is not None
+        try:  # the secret on its standard input, never in its arguments or the spec file
+            process.stdin.write(f"{self._secret or ''}\n".encode())
+            process.stdin.close()
+        except OSError:  # it exited already: _wait_ready says so, with its log
+            pass
 
     def _wait_ready(self, indexes: Any) -> None:
         deadline = time.monotonic() + self.settings.start_s
@@ -169,11 +192,14 @@ class DoorProcesses:
 def start_door(frontend_url: str, model_path: str, served_model_name: str,
                chat: Mapping[str, Any] | None = None, *, max_model_len: int,
                host: str = "127.0.0.1", port: int = 0, processes: int | None = None,
-               run_dir: str | Path, settings: DoorSettings | None = None) -> DoorProcesses:
+               run_dir: str | Path, settings: DoorSettings | None = None,
+               control_secret: str | None = None) -> DoorProcesses:
     """Start the door's processes on ``host:port`` (0: a free port) and wait until each
     serves; DoorStartError (with the log's tail) if one does not. ``processes`` overrides
     ``settings.processes``. A store left in ``run_dir`` by an earlier door is removed first:
-    its trajectories' workers are gone."""
+    its trajectories' workers are gone, and its token-capture setup with them.
+    ``control_secret`` (the fleet's): what every control call must carry (None: the door
+    takes no control)."""
     settings = settings or DoorSettings()
     if processes is not None:
         settings = attrs.evolve(settings, processes=processes)
@@ -193,8 +219,9 @@ def start_door(frontend_url: str, model_path: str, served_model_name: str,
         "trajectories": settings.trajectories, "idle_s": settings.idle_s,
         "connect_s": settings.connect_s, "read_s": settings.read_s,
         "retry": attrs.asdict(settings.retry), "render_threads": settings.render_threads,
-        "stop_s": settings.stop_s, "ready_folder": str(folder)}))
-    return DoorProcesses(host, port, folder, settings, spec, ports).start()
+        "stop_s": settings.stop_s, "ready_folder": str(folder),
+        "sampling": settings.sampling.to_wire() if settings.sampling else None}))
+    return DoorProcesses(host, port, folder, settings, spec, ports, control_secret).start()
 
 
 def main(argv: list[str] | None = None) -> int:

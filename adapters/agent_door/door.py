@@ -18,7 +18,10 @@ message, and vLLM's ``prompt_token_ids`` / ``token_ids`` when asked ``return_tok
 turn's tokens are in the store before the client reads the chunk that carries them. A request
 for ``n > 1`` samples is served as one rollout group (``groups.py``). A rollout the fleet's own
 driver sends (``/v1/completions`` with the rollout annotation) is passed on as its bytes are.
-Every prompt is checked first: its IDs inside the vocabulary, its budget inside the context.
+Every prompt is checked first: its IDs inside the vocabulary, its budget inside the context;
+and, where the trainer set its sampling profiles, every chat request's sampling is checked
+against them (``core.sampling_guard``). A request carrying NeMo-Gym's ``ng_capture`` is a
+captured call (``captured.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from rollout_fleet.adapters.agent_door.groups import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, chat_answer, completion_answer, group_request, group_size,
     stream_events,
 )
+from rollout_fleet.adapters.agent_door.capture import DoorCapture
+from rollout_fleet.adapters.agent_door.captured import CapturedChat
 from rollout_fleet.adapters.agent_door.hop import FrontendHop
 from rollout_fleet.adapters.agent_door.prompts import (
     chat_prompt, check_context, check_known_vocabulary, completion_prompts, max_tokens_asked,
@@ -51,6 +56,7 @@ from rollout_fleet.adapters.agent_door.requests import (
     with_latest_turn,
 )
 from rollout_fleet.core.agent_turns import RecordedTurn, TurnTokens, check_trajectory_held
+from rollout_fleet.core.capture_admission import CAPTURE_FIELD
 from rollout_fleet.core.errors import HttpStatusError, InvalidValue, WireError
 from rollout_fleet.core.wire import (
     ROLLOUT_ANNOTATION_PREFIX, TURN_TOKENS_ANNOTATION, completion_body, find_annotation,
@@ -65,10 +71,13 @@ class AgentDoor:
     """The chat and completions routes of one door process."""
 
     def __init__(self, hop: FrontendHop, renderer: Renderer, records: TurnRecords, *,
-                 max_model_len: int) -> None:
+                 max_model_len: int, capture: DoorCapture | None = None) -> None:
         self.hop, self.renderer, self.records = hop, renderer, records
         self.max_model_len = max_model_len
         self.template = renderer.template
+        self.capture = capture or DoorCapture(None, None)
+        self.captured = CapturedChat(hop, renderer, records, self.capture, self._capture_prompt,
+                                     _with_token_data, max_model_len=max_model_len)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(CHAT, self.chat)
@@ -77,6 +86,12 @@ class AgentDoor:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
         trajectory = trajectory_name(request, body)
+        settings, version = await self.capture.settings()
+        profiles = self.capture.sampling(settings)
+        if profiles is not None:
+            profiles.check(body)
+        if CAPTURE_FIELD in body:
+            return await self.captured.answer(body, settings, version)
         wants = token_wishes(body)
         messages, roles, known = known_turns(body)
         check_known_vocabulary(known, self.template.vocab_size)
@@ -126,6 +141,13 @@ class AgentDoor:
         prompt = await self.renderer.run(lambda t: chat_prompt(t, body, messages, known))
         check_context("messages", len(prompt), budget, self.max_model_len)
         return prompt
+
+    async def _capture_prompt(self, body: dict[str, Any]
+                              ) -> tuple[list[dict[str, Any]], list[int]]:
+        """A captured call's messages and prompt (its admitted prefix spliced in)."""
+        messages, _roles, known = known_turns(body)
+        check_known_vocabulary(known, self.template.vocab_size)
+        return messages, await self._chat_prompt(body, messages, known, max_tokens_asked(body))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
