@@ -123,7 +123,14 @@ def started_together(run_dir: Path, model: Path, args, facts: Path, running: lis
         pool.shutdown(wait=False)
     started = {}
     for way, future in starts.items():
-        (url, processes, log), seconds = future.result()  # raises the first failure
+        try:
+            (url, processes, log), seconds = future.result()
+        except (Exception, SystemExit) as failure:
+            if way == FLEET:
+                raise
+            # An anchor that does not start is named and left out; the others still run.
+            print(f"{label} {way}: failed to start, left out: {str(failure)[-2000:]}", flush=True)
+            continue
         record_facts(facts, f"{label} {way}", log, seconds)
         started[way] = Server(url, leaders_of(processes))
     return started
@@ -243,7 +250,7 @@ class Sweep:
     def interleaved(self, started: dict[str, Server], arrangement: str) -> None:
         """Every shape that fits, ``--rounds`` rounds, the servers' order reversed every other
         round."""
-        ways = self.args.ways
+        ways = [way for way in self.args.ways if way in started]
         for shape in self.shapes:
             if not self.admit(shape, len(ways) * self.args.rounds):
                 continue
