@@ -6,8 +6,10 @@ loses nothing. What the composition root calls:
 
     door = start_door(fleet.frontend_url, fleet.model_path, config.served_model_name,
                       config.chat, max_model_len=config.max_model_len, host=config.bind_host,
-                      port=0, processes=None, run_dir=fleet.run_dir)
+                      port=0, processes=None, run_dir=fleet.run_dir,
+                      control_secret=fleet.secret)
     door.url            # http://host:port (OpenAI clients: door.url + "/v1")
+    door.controls()     # the trainer's token-capture controls (DoorControlClient)
     door.replace_dead() # a new process in place of each that died (e.g. in a watch loop)
     door.stop()         # every process group, then the port's claim; safe to repeat
 

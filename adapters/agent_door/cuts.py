@@ -82,7 +82,7 @@ class GenerationCuts:
         key = (inventory.checkpoint_id, inventory.inventory_digest)
         answer: dict[str, Any] | None = None
         try:
-            answer = receipt(inventory, await self._acks(inventory, settings, deadline))
+            answer = receipt(inventory, await self.all_acks(inventory, settings, deadline))
         finally:
             await shared.run(shared.state.finish_cut, *key, answer)
         return web.json_response(answer)
@@ -105,8 +105,9 @@ class GenerationCuts:
                                                       "another door process")
             await asyncio.sleep(_CLAIM_POLL_S)
 
-    async def _acks(self, inventory: CutInventory, settings: CaptureSettings,
-                    deadline: float) -> WireAcks:
+    async def all_acks(self, inventory: CutInventory, settings: CaptureSettings,
+                       deadline: float) -> WireAcks:
+        """The acknowledgements of every call held by this process or a sibling."""
         asked = [self._siblings_acks(inventory, path, deadline) for path in self._siblings()]
         answers = await asyncio.gather(self.cut_here(inventory, settings), *asked)
         acks: WireAcks = {}
