@@ -12,17 +12,17 @@ import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-import attrs
 from rollout_fleet.adapters.nemo_rl.colocated import ColocatedPhases
 from rollout_fleet.adapters.nemo_rl.batch import grouped, like, read_batch, sample_output, seeded_for
 from rollout_fleet.adapters.nemo_rl.config import GenerationConfig
 from rollout_fleet.adapters.nemo_rl.hold import GenerationHold
+from rollout_fleet.adapters.nemo_rl.membership import FleetMembership, JoinedWorker
 from rollout_fleet.adapters.nemo_rl.refit import FleetRefit
 from rollout_fleet.adapters.nemo_rl.worker_metrics import MetricTimelines
 from rollout_fleet.core.clock import Clock
-from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, WireError, WorkerFailures
 from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.refit_service import RefitCoordinator
@@ -35,14 +35,7 @@ from rollout_fleet.ports.control import WorkerControl
 from rollout_fleet.ports.metrics import WorkerLoad, WorkerMetrics
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class JoinedWorker:
-    """A worker that joined the running fleet, as the driver reaches it."""
-
-    control: WorkerControl
-    metrics: WorkerMetrics | None = None
+T = TypeVar("T")
 
 
 class FleetGeneration:
@@ -66,23 +59,18 @@ class FleetGeneration:
         self.config = config
         self.frontend_url = frontend_url
         self._transport = transport
-        self._controls = tuple(controls)
         self._owned = tuple(owned)
-        # Asked before each refit step: who is gone, and who joined (given the ids known here).
-        self._lost_workers = lost_workers
-        self._joined_workers = joined_workers
-        self._left: set[str] = set()  # forgotten for good: a lost worker never comes back
         self.is_copy = False
         self._limits = RolloutLimits(config.max_model_len, config.max_new_tokens,
                                      config.stop_strings, config.context_limit_policy,
                                      config.stop_token_ids)
         self._sampling = config.sampling
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
-        self._refit = RefitCoordinator(self._controls, ranks_per_worker=config.ranks_per_worker,
+        self._refit = RefitCoordinator(controls, ranks_per_worker=config.ranks_per_worker,
                                        timeout_s=config.control_timeout_s)
         self._helper = LoopThread("dynamo-generation", timeout_s=None)
         self._colocated = ColocatedPhases(
-            self._controls, config.colocated_workers, level=config.sleep_level,
+            controls, config.colocated_workers, level=config.sleep_level,
             mode=config.sleep_mode, timeout_s=config.control_timeout_s, run=self._helper.run)
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
@@ -91,6 +79,10 @@ class FleetGeneration:
         self._fleet_refit = FleetRefit(self._refit, self._helper, config.sender_spec, self._gate)
         self._metrics = MetricTimelines(metrics, self._helper,
                                         interval_s=config.metrics_interval_s)
+        self._metrics.start()  # once, here: not a step of every rollout
+        self._members = FleetMembership(controls, refit=self._refit, colocated=self._colocated,
+                                        metrics=self._metrics, lost_workers=lost_workers,
+                                        joined_workers=joined_workers)
         self._hold = GenerationHold(self.invalidate_kv_cache, self.retried_attempts)
         self._shut_down = False
 
@@ -107,7 +99,6 @@ class FleetGeneration:
             raise InvalidValue("greedy", greedy, "must be a bool")
         batch = read_batch(data)
         requests = self._requests(batch, GREEDY if greedy else self._sampling)
-        self._metrics.start()
         semaphore = self._semaphore()
         finished: asyncio.Queue = asyncio.Queue()
         units = grouped(requests)  # a GRPO group's repeated prompt: one request of n samples
@@ -183,8 +174,7 @@ class FleetGeneration:
     def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
         """Flush every worker's prefix/KV cache; WorkerFailures names each worker that failed."""
         self._check_open()
-        self._forget_lost()
-        self._helper.run(self.ainvalidate_kv_cache())
+        self._on_survivors(lambda: self._helper.run(self.ainvalidate_kv_cache()))
         return True
 
     async def ainvalidate_kv_cache(self) -> bool:
@@ -210,7 +200,8 @@ class FleetGeneration:
 
     async def _close_connections(self) -> None:
         await self._transport.aclose()
-        for closeable in {id(c): c for c in (*self._controls, *self._metrics.sources)}.values():
+        for closeable in {id(c): c for c in (*self._members.controls,
+                                             *self._metrics.sources)}.values():
             clients = getattr(closeable, "clients", None)
             if clients is not None:
                 await clients.aclose()
@@ -219,55 +210,41 @@ class FleetGeneration:
         if self._shut_down:
             raise RolloutFleetError("this FleetGeneration was shut down")
 
+    def _on_survivors(self, step: Callable[[], T]) -> T:
+        """``step()`` over every worker; one that failed only on workers the fleet reports lost
+        runs again without them (membership.py: the fleet is asked only after a failure)."""
+        try:
+            return step()
+        except WorkerFailures as failed:
+            if not self._members.left_out_after(failed):
+                raise
+        return step()
+
     # -- facts --------------------------------------------------------------------------------
     @property
     def worker_ids(self) -> tuple[str, ...]:
-        return tuple(c.worker_id for c in self._controls)
+        return self._members.worker_ids
 
     def forget_workers(self, worker_ids: Collection[str]) -> tuple[str, ...]:
         """Leave lost workers out of every later refit, cache flush and metrics sample: the next
         ``init_collective`` forms the group with the survivors (world size shrinks, ranks are
-        laid out again). A fleet that reports its lost workers has this done before each step."""
-        lost = self._refit.forget_workers(set(worker_ids))
-        if lost:
-            log.warning("leaving out lost worker(s) %s; serving on %s", list(lost),
-                        list(self._refit.worker_ids))
-            self._controls = tuple(c for c in self._controls if c.worker_id not in lost)
-            self._metrics.keep_only(self.worker_ids)
-        return lost
+        laid out again). A fleet that reports its lost workers has this done where the trainer
+        forms its group and after a step failed on one (membership.py)."""
+        return self._members.forget(worker_ids)
 
     def add_workers(self, workers: Sequence[JoinedWorker]) -> tuple[str, ...]:
         """Workers that joined the running fleet (a replacement, or one more): the next
         ``init_collective`` forms the group with them too (world size grows), and the next
         update loads the current weights on them, before which they serve nothing. A fleet
         that reports who joined has this done in ``get_inference_world_size``."""
-        workers = [w for w in workers if w.control.worker_id not in self._left]
-        added = self._refit.add_workers([w.control for w in workers])
-        if added:
-            log.warning("worker(s) %s joined; the next init_collective forms the group with "
-                        "%d worker(s)", list(added), len(self._refit.worker_ids))
-            joined = [w for w in workers if w.control.worker_id in added]
-            self._controls = (*self._controls, *(w.control for w in joined))
-            self._metrics.add([w.metrics for w in joined if w.metrics is not None])
-        return added
-
-    def _forget_lost(self) -> None:
-        if self._lost_workers is not None:
-            self._left.update(self.forget_workers(self._lost_workers()))
-            self._colocated.keep_only(self.worker_ids)
-
-    def _take_in_joined(self) -> None:
-        # Only where the trainer sizes its group: a worker that became ready between
-        # init_collective and the update would otherwise void a refit under way.
-        if self._joined_workers is not None:
-            self.add_workers(self._joined_workers(frozenset(self.worker_ids) | self._left))
+        return self._members.add(workers)
 
     def get_inference_world_size(self) -> int:
         """Ranks of the live workers: lost ones left out, those that joined taken in (what the
         trainer asks before it forms the group)."""
-        self._forget_lost()
-        self._take_in_joined()
-        return len(self._controls) * self.config.ranks_per_worker
+        self._members.forget_lost()
+        self._members.take_in_joined()
+        return len(self._members.controls) * self.config.ranks_per_worker
 
     def get_collective_sender_spec(self) -> CollectiveSenderSpec:
         return self.config.sender_spec
@@ -305,9 +282,7 @@ class FleetGeneration:
         and, once all is back, wait until each serves. False when one cannot serve yet (its
         level-2 sleep dropped its weights: a refit must load them first)."""
         self._check_open()
-        self._metrics.start()
-        self._forget_lost()
-        return self._colocated.wake(tags)
+        return self._on_survivors(lambda: self._colocated.wake(tags))
 
     def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
         """The end of a generation phase: no rollout may be served from stale cache after it,
@@ -315,14 +290,13 @@ class FleetGeneration:
         trainer does not need the devices, so they stay awake), as NeMo-RL's loop asks."""
         self.invalidate_kv_cache()
         if release_gpu:
-            self._colocated.sleep()
+            self._on_survivors(self._colocated.sleep)
         return True
 
     def sleep_states(self) -> dict[str, SleepState]:
         """Each colocated worker's sleep state."""
         self._check_open()
-        self._forget_lost()
-        return self._colocated.states()
+        return self._on_survivors(self._colocated.states)
 
     # -- refit --------------------------------------------------------------------------------
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
@@ -330,7 +304,7 @@ class FleetGeneration:
         future per worker at once, so the trainer can join while they wait (Ray ObjectRefs when
         Ray runs in the driver, else concurrent futures). The world size is checked first."""
         self._check_open()
-        self._forget_lost()
+        self._members.forget_lost()
         return self._fleet_refit.init_collective(ip, port, world_size,
                                                  train_world_size=train_world_size)
 
@@ -338,8 +312,7 @@ class FleetGeneration:
         """NeMo-RL's ``{name: (shape, dtype)}``; every worker refuses unknown names, wrong shapes
         or dtypes before any transfer. Returns the RefitInfo (its order is the wire order)."""
         self._check_open()
-        self._forget_lost()
-        return self._fleet_refit.prepare_refit_info(state_dict_info)
+        return self._on_survivors(lambda: self._fleet_refit.prepare_refit_info(state_dict_info))
 
     def update_weights_from_collective(self, refit_timeout_s: float | None = None, *,
                                        mode: str | None = None) -> list:
@@ -349,8 +322,8 @@ class FleetGeneration:
         (docs/async-rl.md). With ``max_staleness``, this first waits for the bound (call it
         from the trainer's thread, not from a loop that runs ``generate_async``)."""
         self._check_open()
-        self._forget_lost()
-        return self._fleet_refit.update_weights_from_collective(mode, refit_timeout_s)
+        return self._on_survivors(
+            lambda: self._fleet_refit.update_weights_from_collective(mode, refit_timeout_s))
 
     def get_refit_payload_mode(self) -> str:
         return "hf_export"  # the workers check and load Hugging Face names (prepare_refit_info)
@@ -375,19 +348,17 @@ class FleetGeneration:
         """Worker id -> the version of the weights it serves (0 = as started, +1 per refit;
         a worker that joined takes the fleet's version at its first refit)."""
         self._check_open()
-        self._forget_lost()
-        return self._fleet_refit.weight_versions()
+        return self._on_survivors(self._fleet_refit.weight_versions)
 
     def update_weights_via_ipc_zmq(self, *, mode: str | None = None) -> list:
         """NeMo-RL's colocated refit (core/ipc_stream.py): a future per worker, True once done."""
         self._check_open()
-        self._forget_lost()
-        return self._fleet_refit.update_weights_via_ipc_zmq(mode)
+        return self._on_survivors(lambda: self._fleet_refit.update_weights_via_ipc_zmq(mode))
 
     # -- pickling -----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "frontend_url": self.frontend_url,
-                "transport": self._transport, "controls": self._controls}
+                "transport": self._transport, "controls": self._members.controls}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         FleetGeneration.__init__(self, state["config"], frontend_url=state["frontend_url"],

@@ -41,11 +41,13 @@ class MetricTimelines:
             self.sources = tuple(m for m in self.sources if m.worker_id in worker_ids)
 
     def add(self, sources: Sequence[WorkerMetrics]) -> None:
+        """Sampled from now on too (the sampler starts here if it had no worker to sample)."""
         with self._membership:
             self.sources = (*self.sources, *sources)
             for per_worker in self._timelines.values():
                 for source in sources:
                     per_worker.setdefault(source.worker_id, [])
+        self.start()
 
     def timelines(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
         with self._membership:
@@ -74,7 +76,8 @@ class MetricTimelines:
         return self._helper.run(self._sample_once())
 
     def start(self) -> None:
-        """Sample every ``interval_s`` from now on (once started, it runs until ``stop``)."""
+        """Sample every ``interval_s`` from now on (once started, it runs until ``stop``); the
+        driver starts it once, as it is built."""
         if self._sampler is not None or not self.sources or self._interval_s <= 0:
             return
         self._sampler = self._helper.spawn(self._sample_forever())

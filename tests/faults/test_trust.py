@@ -178,7 +178,7 @@ def test_a_pickled_copy_carries_the_secret_and_works(start_fleet):
     finally:
         copy.shutdown()
         owner.shutdown()
-    assert fleet.secret not in repr(copy) and fleet.secret not in repr(copy._controls)
+    assert fleet.secret not in repr(copy) and fleet.secret not in repr(copy._members.controls)
 
 
 def test_a_local_fleet_listens_on_loopback_only_and_shows_its_secret_nowhere(start_fleet):
