@@ -1,5 +1,6 @@
 """The optional ports an engine may implement besides the engine port (``core.engine``):
-refit (``RefitTarget``), sleep (``Sleeper``) and colocated refit (``ColocatedTarget``).
+refit (``RefitTarget``), reload from disk (``DiskReloadTarget``), sleep (``Sleeper``) and
+colocated refit (``ColocatedTarget``).
 Declared in core, where the worker's services drive them; ``rollout_fleet.ports.engine`` and
 ``rollout_fleet.ports.colocated`` export them with the other ports."""
 
@@ -9,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollout_fleet.core.checkpoint_check import CheckpointSummary
 from rollout_fleet.core.colocated_refit import BufferHandle, ColocatedManifest
 from rollout_fleet.core.refit import (
     DEFAULT_REFIT_MODE,
@@ -58,6 +60,34 @@ class RefitTarget(ABC):
     @abstractmethod
     async def reset_cache(self) -> None:
         """Drop every cached prefix/KV block, so nothing computed under old weights is reused."""
+
+
+class DiskReloadTarget(ABC):
+    """Optional port: an engine that replaces its weights from a checkpoint folder (Hugging
+    Face names, ``*.safetensors``) through its own loader, while it serves. Driven by
+    ``core.disk_reload.WorkerDiskReload``; the folder must be readable where the engine runs."""
+
+    @abstractmethod
+    def weight_version(self) -> int:
+        """The version the weights serve at (the refit port's, where the engine implements
+        both): a reload sets a higher one."""
+
+    @abstractmethod
+    async def check_checkpoint(self, path: str) -> CheckpointSummary:
+        """Refuse, naming the file or tensor (``IncompleteCheckpoint``, ``WeightMismatch``), a
+        folder this engine could not load whole (``core.checkpoint_check``); nothing is paused,
+        nothing changes."""
+
+    @abstractmethod
+    async def reload_from_disk(self, path: str, *, mode: RefitMode = RefitMode.KEEP,
+                               version: int | None = None, deadline_s: float | None = None) -> int:
+        """Check the folder as ``check_checkpoint`` does (refused before anything is paused),
+        then pause as ``mode`` says (keep: rollouts in flight freeze and continue after on the
+        new weights), load, drop the prefix cache (or set it apart from blocks kept rollouts
+        hold), set the version (``version``, else the previous + 1), resume; return it. Past
+        ``deadline_s`` before loading began: ``RefitError``, the previous weights serve. A load
+        that fails or is abandoned half way leaves the weights as a failed refit does (the
+        previous ones, or refused rollouts until a refit succeeds) and raises ``RefitError``."""
 
 
 class Sleeper(ABC):

@@ -36,6 +36,11 @@ class WeightMismatch(InvalidValue):
     """Weights offered to an engine do not match its parameters."""
 
 
+class IncompleteCheckpoint(InvalidValue):
+    """A checkpoint folder that cannot be loaded whole: still being written, a file truncated
+    or missing, a header that cannot be read."""
+
+
 # -- An answer the driver cannot read (each told apart by the retry rules).
 class WireError(RolloutFleetError):
     """An answer from the fleet could not be read as a rollout."""

@@ -8,6 +8,8 @@ One walk, one name per step, from the driver down to the engine:
     update_weights       ... -> RefitTarget.update_weights(info): receive every bucket and load
                          it where the weights live, reset the prefix cache, version + 1
     flush_cache, weight_version
+    reload_weights       ... -> control "check_checkpoint" on every worker, then "reload_weights"
+                         -> DiskReloadTarget.reload_from_disk(path): a folder instead of a group
 
 Driver: ``RefitCoordinator`` fans every step out to all workers' control channels (each a
 ``ports.control.WorkerControl``), bounded by a timeout, and aggregates failures (naming each
@@ -29,6 +31,7 @@ from rollout_fleet.core.control_fanout import (
     gather_workers,
     run_control_call,
 )
+from rollout_fleet.core.disk_reload import DiskReload
 from rollout_fleet.core.engine_ports import RefitTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import (
@@ -192,6 +195,29 @@ class RefitCoordinator:
         try:
             answers = await gather_workers("update_weights", {
                 c.worker_id: run_control_call(c, self.control_timeout_s) for c in plan})
+        except BaseException:
+            self.updated(False)
+            raise
+        self.updated()
+        return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
+
+    async def reload_weights(self, path: str, *, mode: str | None = None,
+                             deadline_s: float | None = None) -> dict[str, int]:
+        """Every worker loads the checkpoint folder ``path`` (one each can read) in ``mode``
+        (keep when None); versions as ``update_weights`` sets them. Each checks the folder
+        first: one refused anywhere pauses no worker (WorkerFailures names each). Past
+        ``deadline_s`` each worker abandons it (``RefitDeadline``)."""
+        reload = DiskReload(path, mode=mode or "keep",
+                            deadline_s=None if deadline_s is None else worker_deadline_s(deadline_s))
+        deadline = None if deadline_s is None else RefitDeadline(deadline_s, self.worker_ids)
+        await self._everywhere("check_checkpoint", {"path": reload.path})
+        body = DiskReload(reload.path, reload.mode, await self.next_weight_version(),
+                          reload.deadline_s).to_wire()
+        calls = [ControlCall(c, "reload_weights", body) for c in self._controls]
+        try:
+            answers = await gather_workers("reload_weights", {
+                c.worker_id: run_control_call(c, self.control_timeout_s) if deadline is None
+                else deadline.run(c) for c in calls})
         except BaseException:
             self.updated(False)
             raise

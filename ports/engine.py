@@ -1,6 +1,7 @@
-"""The engine port and the optional ports an engine may also implement: refit (``RefitTarget``)
-and sleep (``Sleeper``); all declared in core (``rollout_fleet.core.engine``,
-``rollout_fleet.core.engine_ports``), where the services that drive them live."""
+"""The engine port and the optional ports an engine may also implement: refit (``RefitTarget``),
+reload from disk (``DiskReloadTarget``) and sleep (``Sleeper``); all declared in core
+(``rollout_fleet.core.engine``, ``rollout_fleet.core.engine_ports``), where the services that
+drive them live."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from rollout_fleet.core.engine import (
     offered_keywords,
     streams_without_logprobs,
 )
-from rollout_fleet.core.engine_ports import RefitTarget, Sleeper
+from rollout_fleet.core.engine_ports import DiskReloadTarget, RefitTarget, Sleeper
 from rollout_fleet.core.sleep_state import SleepState
 
-__all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "EngineFacts", "EnginePort",
-           "KvEventSource", "RefitTarget", "RolloutPiece", "Sleeper", "SleepState",
+__all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "DiskReloadTarget", "EngineFacts",
+           "EnginePort", "KvEventSource", "RefitTarget", "RolloutPiece", "Sleeper", "SleepState",
            "offered_keywords", "streams_without_logprobs"]

@@ -37,6 +37,9 @@ WORKER_EXTENSION = "rollout_fleet.adapters.vllm.inside.worker_extension.RolloutF
 REFIT_STATS_RPC = "rollout_fleet_refit_stats"
 RELEASE_BUFFERS_RPC = "rollout_fleet_release_buffers"
 PRECISION_RPC = "rollout_fleet_precision"
+DISK_RELOADED_RPC = "rollout_fleet_disk_reloaded"
+# vLLM's own worker method: reload the weights in place from a folder (``weights_path``).
+VLLM_RELOAD_RPC = "reload_weights"
 
 
 def _fields(wire: Any, what: str, required: Sequence[str], optional: Sequence[str] = ()

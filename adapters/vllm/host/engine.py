@@ -31,16 +31,19 @@ from rollout_fleet.adapters.vllm.host.config import KV_EVENTS_TOPIC, VllmEngineC
 from rollout_fleet.adapters.vllm.host.convert import (
     check_vocabulary, piece_of, served_rollout, to_sampling_params, to_served,
 )
+from rollout_fleet.adapters.vllm.host.disk_reload import VllmDiskReload
 from rollout_fleet.adapters.vllm.host.refit import VllmRefit
 from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
 from rollout_fleet.adapters.vllm.host.sleep import VllmSleep
 from rollout_fleet.core.errors import EngineDead, EngineError, EngineRejected
+from rollout_fleet.core.checkpoint_check import CheckpointSummary
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, RefitMode, TensorMeta
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.colocated import ColocatedByPart
 from rollout_fleet.ports.engine import (
-    SAMPLING_OPTIONS, EngineFacts, EnginePort, KvEventSource, RefitTarget, RolloutPiece, Sleeper,
+    SAMPLING_OPTIONS, DiskReloadTarget, EngineFacts, EnginePort, KvEventSource, RefitTarget,
+    RolloutPiece, Sleeper,
 )
 
 _EARLY_ABORTS_KEPT = 4096
@@ -54,14 +57,16 @@ class _Live:
     aborted: bool = False
 
 
-class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
+class VllmEngine(EnginePort, RefitTarget, DiskReloadTarget, Sleeper, ColocatedByPart):
     """The vLLM backend of a rollout-fleet worker: serves rollouts itself and hands refit,
-    sleep and colocated refit to its parts (``refit``, ``sleeper``, ``colocated``)."""
+    reload from disk, sleep and colocated refit to its parts (``refit``, ``disk``,
+    ``sleeper``, ``colocated``)."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
         self.runtime = VllmRuntime(config)
         self.refit = VllmRefit(self.runtime)
+        self.disk = VllmDiskReload(self.runtime)
         self.sleeper = VllmSleep(self.runtime)
         self.colocated = VllmColocated(self.runtime)
         self._live: dict[str, _Live] = {}
@@ -254,6 +259,15 @@ class VllmEngine(EnginePort, RefitTarget, Sleeper, ColocatedByPart):
 
     async def reset_cache(self) -> None:
         await self.refit.reset_cache()
+
+    # -- disk reload port: ``disk_reload.py`` --------------------------------------------------
+    async def check_checkpoint(self, path: str) -> CheckpointSummary:
+        return await self.disk.check_checkpoint(path)
+
+    async def reload_from_disk(self, path: str, *, mode: RefitMode = RefitMode.KEEP,
+                               version: int | None = None, deadline_s: float | None = None) -> int:
+        return await self.disk.reload_from_disk(path, mode=mode, version=version,
+                                                deadline_s=deadline_s)
 
     # -- sleep port: ``sleep.py`` -------------------------------------------------------------
     async def sleep(self, level: int = 1, *, mode: str = DEFAULT_SLEEP_MODE) -> SleepState:

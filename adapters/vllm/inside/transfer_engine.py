@@ -220,6 +220,11 @@ class TransferEngine(Generic[R]):
         account.reset_peak()
         return memory
 
+    def forget_last_good(self) -> None:
+        """The weights were replaced another way (vLLM's reload from a folder): the copy kept
+        is older than them, so a failed refit restores the model folder's instead."""
+        self._last_good = None
+
     def finish_weight_update(self) -> None:
         if self._updating:
             self._updating = False

@@ -18,6 +18,7 @@ class RolloutFleetWorkerExtension:
     # an extension that defines a name of the worker's).
     weight_transfer_engine: Any
     get_model: Callable[[], Any]
+    vllm_config: Any
 
     def rollout_fleet_refit_stats(self) -> dict:
         """How this rank's last refit ended (the project's weight-transfer engine keeps it);
@@ -29,6 +30,19 @@ class RolloutFleetWorkerExtension:
         """Close the trainer's buffers this rank keeps open across colocated refits; how many."""
         release = getattr(self.weight_transfer_engine, "release_kept_buffers", None)
         return release() if release is not None else 0
+
+    def rollout_fleet_disk_reloaded(self, failed: bool) -> None:
+        """vLLM's own ``reload_weights`` replaced the weights from a folder, which this rank's
+        model config names from then on. The transfer engine's rollback copy holds older
+        weights: forgotten, so a refit that fails later restores the folder's. After a failed
+        reload, vLLM's layerwise reload is ended: every layer back on its own tensors."""
+        forget = getattr(self.weight_transfer_engine, "forget_last_good", None)
+        if forget is not None:
+            forget()
+        if failed:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.get_model(), self.vllm_config.model_config)
 
     def rollout_fleet_precision(self) -> dict[str, str]:
         """What this rank computes in: its parameters' dtype and float32 matmul settings."""
