@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 
-from rollout_fleet.adapters.shared import (free_port, release_ports, stop_process_group,
-                                           sweep_stale_claims)
+from rollout_fleet.adapters.shared import free_port, release_ports, sweep_stale_claims
 from rollout_fleet.adapters.shared.processes import (hand_over_secret, interrupts_held,
                                                     secret_stdin, signal_group)
 from rollout_fleet.adapters.shared.shm import SegmentWatch
@@ -89,8 +89,11 @@ class LocalPlacement(Placement):
         for process in processes:  # all at once first: each drains in parallel
             for sig in (signal.SIGCONT, signal.SIGTERM):
                 signal_group(process.pid, sig)
+        deadline = time.monotonic() + self._stop_grace_s
         for process in processes:
-            stop_process_group(process, self._stop_grace_s)
+            # Waited for, not sent SIGTERM again: a second one a moment after the first at
+            # times left Dynamo's drain in a worker hanging until its exit deadline (15 s).
+            _wait_then_kill_group(process, max(0.0, deadline - time.monotonic()))
         for name in self._processes:
             self._segments.release(name)
         self._segments.close()
@@ -105,3 +108,14 @@ class LocalPlacement(Placement):
             return self._processes[name]
         except KeyError:
             raise RolloutFleetError(f"no worker named {name!r}; workers: {sorted(self._processes)}") from None
+
+
+def _wait_then_kill_group(process: subprocess.Popen, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for a group leader signalled already, then SIGKILL its group
+    (the leader may be gone while others in its group linger)."""
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(process.pid, signal.SIGKILL)
+    process.wait()
