@@ -326,9 +326,10 @@ def build_model(folder: Path, args) -> Path:
         from rollout_fleet.adapters.tiny_model import build_tiny_model
 
         return build_tiny_model(folder, seed=0)
-    from support.gpu_models import LLAMA_1B, build_llama
+    from support.gpu_models import LLAMA_1B, LLAMA_8B, build_llama
 
-    return build_llama(folder, LLAMA_1B, "bfloat16", seed=0, max_positions=args.max_model_len)
+    shape = {"1b": LLAMA_1B, "8b": LLAMA_8B}[args.model_size]
+    return build_llama(folder, shape, "bfloat16", seed=0, max_positions=args.max_model_len)
 
 
 def check_lengths(shapes: list[Shape], args) -> None:
@@ -363,6 +364,8 @@ def parse_args(argv):
                              " vLLM worker behind Dynamo's frontend); each shape's ratio is to the best")
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--gpu", action="store_true", help="one GPU, a 1B-class bf16 Llama")
+    parser.add_argument("--model-size", choices=("1b", "8b"), default="1b",
+                        help="--gpu: a Llama-3.2-1B- or a Llama-3.1-8B-shaped model (random bf16)")
     parser.add_argument("--gpu-memory-share", type=float, default=0.35, help="--gpu: each server's")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="--gpu: a fixed KV cache for both (default: vLLM sizes it)")

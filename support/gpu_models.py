@@ -4,6 +4,8 @@ model's (so any token the model samples decodes), a chat template for Dynamo's m
 
     LLAMA_1B: Llama-3.2-1B's shapes (16 layers, 2048 hidden, 32/8 heads, 8192 MLP, 128,256
               vocabulary, tied embedding), bf16 - the throughput model
+    LLAMA_8B: Llama-3.1-8B's shapes (32 layers, 4096 hidden, 32/8 heads, 14336 MLP, 128,256
+              vocabulary, untied), bf16 - the size RL runs
     SMALL:    4 layers, 256 hidden, 1,024 vocabulary - the fidelity model (float32 or bf16)
 """
 
@@ -14,6 +16,9 @@ from pathlib import Path
 
 LLAMA_1B = dict(vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                init_std=0.02)
+LLAMA_8B = dict(vocab_size=128_256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
                 init_std=0.02)
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
