@@ -2,14 +2,15 @@
 front of a real vLLM worker behind the real frontend, staging into a real TransferQueue
 (SimpleStorage) on a local Ray, set up through the door's controls (the fleet's secret) as
 NeMo-RL's driver sets up its workers. Two agent trajectories of three turns each, interleaved
-(a text root, then a continuation whose prefix comes inline, then one whose prefix is read back
-from its staging chain): the rows staged are the turns' exact prompt and generated tokens and
-logprobs, the agents' answers carry only commit coordinates, and a broken chain is refused by
-its place. A greedy turn cut mid-generation (the cut reaching the other door process) and then
-resumed from its cut stages the same row as the same turn never cut (its logprobs past the
-cut to float32's last bits). The sampling guard refuses off-policy requests by field; the cut
-route answers 404 while cuts are off and 401 to a wrong bearer, and the same inventory twice
-gets the same receipt. The fleet, the door and TransferQueue start once for the module."""
+(a text root, then a continuation whose prefix comes inline, read from the frontend as a stream
+as with cuts on, then one whose prefix is read back from its staging chain): the rows staged
+are the turns' exact prompt and generated tokens and logprobs, the agents' answers carry only
+commit coordinates, and a broken chain is refused by its place. A greedy turn cut
+mid-generation (the cut reaching the other door process) and then resumed from its cut stages
+the same row as the same turn never cut (its logprobs past the cut to float32's last bits).
+The sampling guard refuses off-policy requests by field; the cut route answers 404 while cuts
+are off and 401 to a wrong bearer, and the same inventory twice gets the same receipt. The
+fleet, the door and TransferQueue start once for the module."""
 
 from __future__ import annotations
 
@@ -125,12 +126,12 @@ def assert_token_free(answer):
 
 
 def test_two_interleaved_trajectories_stage_their_exact_turns(stack):
-    fleet, door, staging = stack
-    set_up(door, cuts=False)
+    _fleet, door, staging = stack
     talks = {name: [{"role": "user", "content": f"Weather in {city}?"}]
              for name, city in (("traj-a", "Paris"), ("traj-b", "Oslo"))}
     coords: dict[str, list[dict]] = {name: [] for name in talks}
     for turn in range(3):
+        set_up(door, cuts=turn == 1)  # the door reads the turn whole, or as a stream for cuts
         for name, messages in talks.items():
             earlier = coords[name]
             keys = [c["staging_key"] for c in earlier]
