@@ -1,9 +1,15 @@
 """``rollout-fleet refit``: push a safetensors checkpoint into a running fleet.
 
-This process becomes the trainer (rank 0) of a refit group: every worker checks the tensor
-names, shapes and dtypes first (a mismatch is refused before any transfer), then joins the
-group, receives the packed weights and loads them; then every cache is invalidated and the
-new weight versions are printed.
+With ``--checkpoint DIR`` this process becomes the trainer (rank 0) of a refit group: every
+worker checks the tensor names, shapes and dtypes first (a mismatch is refused before any
+transfer), then joins the group, receives the packed weights and loads them; then every cache
+is invalidated and the new weight versions are printed.
+
+With ``--from-disk DIR`` nothing is sent: every worker reads the folder itself with its
+engine's own loader (vLLM's reload), so DIR must be readable where each worker runs. Every
+worker checks it first (a truncated or missing file, a missing tensor, a wrong shape or dtype
+is refused by name, and no worker changes); then each reloads it in keep mode (rollouts in
+flight freeze, then go on with the new weights) and the new versions are printed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     refit = documented_command(commands, "refit", doc=__doc__,
                                summary="push a safetensors checkpoint into a running fleet")
     add_required_fleet_file(refit)
-    refit.add_argument("--checkpoint", required=True, help="a folder of *.safetensors files")
+    source = refit.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a folder of *.safetensors files, sent over the"
+                                             " refit group")
+    source.add_argument("--from-disk", metavar="DIR", help="a checkpoint folder every worker"
+                                                           " reads and reloads itself")
     add_frontend_url(refit)
     refit.add_argument("--host", default=None,
                        help="address the workers reach this process on for the refit group "
@@ -41,6 +51,8 @@ def run_refit(args: argparse.Namespace) -> int:
     check_fleet_running(fleet)
     if not args.timeout > 0:
         raise InvalidValue("--timeout", args.timeout, "must be > 0")
+    if args.from_disk is not None:
+        return _reload_from_disk(fleet, args)
     state = load_checkpoint(args.checkpoint)
     url = args.url or fleet.frontend_url
     host = args.host or urlsplit(url).hostname or "127.0.0.1"
@@ -50,6 +62,21 @@ def run_refit(args: argparse.Namespace) -> int:
     finally:
         generation.shutdown()
     print(f"refit {len(state)} tensors into {len(versions)} worker(s) in {seconds:.2f} s")
+    for name, version in sorted(versions.items()):
+        print(f"{name}: weight version {version}")
+    return 0
+
+
+def _reload_from_disk(fleet, args: argparse.Namespace) -> int:
+    folder = Path(args.from_disk).absolute()  # the workers resolve it from their own folders
+    generation = _generation(fleet, args.url or fleet.frontend_url, args.timeout)
+    started = time.monotonic()
+    try:
+        versions = generation.reload_weights(str(folder), refit_timeout_s=args.timeout)
+    finally:
+        generation.shutdown()
+    print(f"reloaded {folder} on {len(versions)} worker(s) in"
+          f" {time.monotonic() - started:.2f} s")
     for name, version in sorted(versions.items()):
         print(f"{name}: weight version {version}")
     return 0

@@ -225,6 +225,7 @@ class DynamoGeneration:
         self.refit_info = self.native.prepare_refit_info(state_dict_info)
 
     update_weights_from_collective = AsNative(lambda native: native.update_weights_from_collective)
+    reload_weights = AsNative(lambda native: native.reload_weights)
     get_refit_payload_mode = AsNative(lambda native: native.get_refit_payload_mode)
     pause_generation_for_refit = AsNative(lambda native: native.pause_generation_for_refit)
     resume_generation_after_refit = AsNative(lambda native: native.resume_generation_after_refit)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 # The controls whose first success lets a worker that joined late serve (a refit completed).
-_FIRST_REFIT_CONTROLS = ("update_weights", "colocated_finish")
+_FIRST_REFIT_CONTROLS = ("update_weights", "colocated_finish", "reload_weights")
 _RECENT_ABORTS_KEPT = 256
 
 

@@ -325,6 +325,17 @@ class FleetGeneration:
         return self._on_survivors(
             lambda: self._fleet_refit.update_weights_from_collective(mode, refit_timeout_s))
 
+    def reload_weights(self, weights_path: str, *, mode: str | None = None,
+                       refit_timeout_s: float | None = None) -> dict[str, int]:
+        """A refit from a checkpoint folder that every worker can read (NeMo-RL's disk refit):
+        each checks it, then loads it with its engine's own loader, in ``mode`` (``keep`` by
+        default: rollouts in flight freeze, then go on); blocks until all did and returns
+        each worker's version. A folder any worker refuses changes none (WorkerFailures names
+        each). Past ``refit_timeout_s`` each worker abandons it."""
+        self._check_open()
+        return self._on_survivors(
+            lambda: self._fleet_refit.reload_weights(weights_path, mode, refit_timeout_s))
+
     def get_refit_payload_mode(self) -> str:
         return "hf_export"  # the workers check and load Hugging Face names (prepare_refit_info)
 

@@ -72,6 +72,23 @@ class FleetRefit:
         plan = self._coordinator.ipc_stream_plan(self.refit_info, checked, weight_version=version)
         return self._update(plan, None, true_when_done=True)
 
+    def reload_weights(self, path: str, mode: str | None = None,
+                       refit_timeout_s: float | None = None) -> dict[str, int]:
+        """Every worker reloads the checkpoint folder ``path`` (``RefitCoordinator.
+        reload_weights``: checked everywhere first); blocks until all did. The staleness
+        bound's version advances once every worker loaded it."""
+        if self._gate.bounded:
+            self._gate.begin_refit(timeout_s=self._coordinator.control_timeout_s)
+        loaded = False
+        try:
+            versions = self._helper.run(self._coordinator.reload_weights(
+                path, mode=mode, deadline_s=refit_timeout_s))
+            loaded = True
+            return versions
+        finally:
+            if self._gate.bounded:
+                self._gate.end_refit(loaded)
+
     def _update(self, plan: list[ControlCall], deadline: RefitDeadline | None, *,
                 true_when_done: bool = False) -> list:
         """Launch an update's calls; the versions advance once every one succeeded."""
