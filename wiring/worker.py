@@ -116,6 +116,17 @@ def sleep_controls(engine: Any) -> dict[str, Control]:
     return dict(WorkerSleep(engine).controls()) if isinstance(engine, Sleeper) else {}
 
 
+def disk_reload_controls(engine: Any, config: WorkerConfig) -> dict[str, Control]:
+    """``check_checkpoint`` and ``reload_weights`` (core/disk_reload.py) of an engine that
+    reloads its weights from a checkpoint folder; for any other, both refuse naming its kind."""
+    from rollout_fleet.core.disk_reload import WorkerDiskReload, refusing_disk_reload
+    from rollout_fleet.ports.engine import DiskReloadTarget
+
+    if isinstance(engine, DiskReloadTarget):
+        return dict(WorkerDiskReload(engine).controls())
+    return dict(refusing_disk_reload(str(config.engine.get("kind", type(engine).__name__))))
+
+
 def worker_env(config: WorkerConfig | Mapping[str, Any]) -> dict[str, str]:
     """The DYN_* environment of this worker (the Dynamo runtime reads it once, at start), and
     where vLLM puts its socket files."""
@@ -154,7 +165,8 @@ async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
                            "so nothing would ever end the hold")
     adapter = DynamoEngineAdapter(built.engine, control_secret=secret, hold_until_refit=held,
                                   controls={**built.controls, **refit,
-                                            **sleep_controls(built.engine)},
+                                            **sleep_controls(built.engine),
+                                            **disk_reload_controls(built.engine, config)},
                                   worker_name=config.worker_id)
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
