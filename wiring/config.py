@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rollout_fleet.adapters.dynamo.env import check_bind_host
 from rollout_fleet.adapters.shared import is_loopback
 from rollout_fleet.core.device import Device
-from rollout_fleet.core.attempt_timeout import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
+from rollout_fleet.core.budget import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
 from rollout_fleet.core.retry import RetryPolicy

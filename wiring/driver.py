@@ -22,7 +22,7 @@ from rollout_fleet.adapters.http import (
 )
 from rollout_fleet.adapters.http.transport import check_base_url
 from rollout_fleet.adapters.nemo_rl import FleetGeneration, GenerationConfig, JoinedWorker
-from rollout_fleet.core.attempt_timeout import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
+from rollout_fleet.core.budget import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit_service import RefitCoordinator, WorkerRefit
@@ -88,7 +88,7 @@ class FrontendClient:
 def build_frontend_client(frontend_url: str, *, model: str, max_in_flight: int,
                           http: HttpSettings | None = None) -> FrontendClient:
     """Rollouts to ``frontend_url``; each attempt bounded by its token budget (the default
-    allowances of ``core.attempt_timeout``) unless ``http`` says otherwise."""
+    allowances of ``core.budget``) unless ``http`` says otherwise."""
     settings = http or HttpSettings(max_in_flight=max_in_flight,
                                     attempt_fixed_s=DEFAULT_ATTEMPT_FIXED_S,
                                     attempt_per_token_s=DEFAULT_ATTEMPT_PER_TOKEN_S)

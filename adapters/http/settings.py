@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from rollout_fleet.core.attempt_timeout import AttemptTimeout
+from rollout_fleet.core.budget import AttemptTimeout
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.core.validate import Vocabulary, finite_at_least, int_at_least, positive_int
 

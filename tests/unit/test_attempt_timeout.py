@@ -3,7 +3,7 @@
 import pytest
 
 from rollout_fleet.adapters.http import HttpCompletionsTransport, HttpSettings
-from rollout_fleet.core.attempt_timeout import AttemptTimeout
+from rollout_fleet.core.budget import AttemptTimeout
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.wire import completion_body
