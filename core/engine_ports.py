@@ -1,6 +1,6 @@
 """The optional ports an engine may implement besides the engine port (``core.engine``):
-refit (``RefitTarget``), reload from disk (``DiskReloadTarget``), sleep (``Sleeper``) and
-colocated refit (``ColocatedTarget``).
+refit (``RefitTarget``; ``RefitByPart`` for an engine whose part answers it), reload from
+disk (``DiskReloadTarget``), sleep (``Sleeper``) and colocated refit (``ColocatedTarget``).
 Declared in core, where the worker's services drive them; ``rollout_fleet.ports.engine`` and
 ``rollout_fleet.ports.colocated`` export them with the other ports."""
 
@@ -60,6 +60,38 @@ class RefitTarget(ABC):
     @abstractmethod
     async def reset_cache(self) -> None:
         """Drop every cached prefix/KV block, so nothing computed under old weights is reused."""
+
+
+class RefitByPart(RefitTarget):
+    """The refit port of an engine composed of parts: every call goes to the engine's ``refit``
+    part, which the worker's refit controls are handed themselves (``refit_target``)."""
+
+    refit: RefitTarget
+
+    def weight_metas(self) -> Mapping[str, TensorMeta]:
+        return self.refit.weight_metas()
+
+    def refit_ranks(self) -> int:
+        return self.refit.refit_ranks()
+
+    async def init_collective(self, join: GroupJoin) -> None:
+        await self.refit.init_collective(join)
+
+    async def update_weights(self, info: RefitInfo, *, mode: RefitMode = DEFAULT_REFIT_MODE,
+                             version: int | None = None) -> int:
+        return await self.refit.update_weights(info, mode=mode, version=version)
+
+    def weight_version(self) -> int:
+        return self.refit.weight_version()
+
+    async def reset_cache(self) -> None:
+        await self.refit.reset_cache()
+
+
+def refit_target(engine: RefitTarget) -> RefitTarget:
+    """What answers ``engine``'s refit port: its ``refit`` part where it is composed of parts
+    (the worker's controls call it without a hop through the engine), else the engine."""
+    return engine.refit if isinstance(engine, RefitByPart) else engine
 
 
 class DiskReloadTarget(ABC):

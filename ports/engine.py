@@ -15,9 +15,15 @@ from rollout_fleet.core.engine import (
     offered_keywords,
     streams_without_logprobs,
 )
-from rollout_fleet.core.engine_ports import DiskReloadTarget, RefitTarget, Sleeper
+from rollout_fleet.core.engine_ports import (
+    DiskReloadTarget,
+    RefitByPart,
+    RefitTarget,
+    Sleeper,
+    refit_target,
+)
 from rollout_fleet.core.sleep_state import SleepState
 
 __all__ = ["OPTIONAL_ROLLOUT_KEYWORDS", "SAMPLING_OPTIONS", "DiskReloadTarget", "EngineFacts",
-           "EnginePort", "KvEventSource", "RefitTarget", "RolloutPiece", "Sleeper", "SleepState",
-           "offered_keywords", "streams_without_logprobs"]
+           "EnginePort", "KvEventSource", "RefitByPart", "RefitTarget", "RolloutPiece", "Sleeper",
+           "SleepState", "offered_keywords", "refit_target", "streams_without_logprobs"]

@@ -87,11 +87,11 @@ def refit_controls(engine: Any, config: WorkerConfig) -> dict[str, Control]:
     """The refit controls (init_collective, prepare_refit_info, update_weights) of an engine
     that implements the refit port; the cache flush and weight version are the adapter's."""
     from rollout_fleet.core.refit_service import WorkerRefit
-    from rollout_fleet.ports.engine import RefitTarget
+    from rollout_fleet.ports.engine import RefitTarget, refit_target
 
     if not isinstance(engine, RefitTarget):
         return {}
-    controls = WorkerRefit(engine, config.collective_backend).controls()
+    controls = WorkerRefit(refit_target(engine), config.collective_backend).controls()
     picked = {name: controls[name] for name in ("init_collective", "prepare_refit_info", "update_weights")}
     return {**picked, **colocated_controls(engine), **ipc_stream_controls(
         engine, run_dir=config.run_dir, worker_id=config.worker_id or "worker")}

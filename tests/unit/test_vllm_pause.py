@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rollout_fleet.adapters.vllm.host.pause import paused_for_refit
+from rollout_fleet.adapters.vllm.host.runtime import paused_for_refit
 
 
 class OutputProcessor:

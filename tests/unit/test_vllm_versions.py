@@ -171,15 +171,16 @@ def engine_over(fake, completion_cls) -> VllmEngine:
     engine = VllmEngine(VllmEngineConfig(model="m"))
     engine.runtime.engine = fake
     engine.runtime.features = detect_features(fake, completion_cls)
+    engine.runtime.standing.labels_tokens(engine.runtime.features.per_engine_versions)  # as start
     return engine
 
 
 def test_without_per_engine_versions_nothing_is_sent_to_vllm():
     fake = AsyncLLM025()
-    asyncio.run(engine_over(fake, Completion025).runtime.label_weight_version())
+    asyncio.run(engine_over(fake, Completion025).runtime.standing.label(fake))
     assert fake.calls == []
     fake = AsyncLLM032()
-    asyncio.run(engine_over(fake, Completion032).runtime.label_weight_version())
+    asyncio.run(engine_over(fake, Completion032).runtime.standing.label(fake))
     assert fake.calls == ["update_weight_version 0"]
 
 

@@ -21,8 +21,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.shared.errors import first_line
-from rollout_fleet.adapters.vllm.host.pause import paused_for_refit
-from rollout_fleet.adapters.vllm.host.process import refit_priority
 from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
 from rollout_fleet.adapters.vllm.host.weights import check_complete
 from rollout_fleet.adapters.vllm.messages import (
@@ -76,9 +74,7 @@ class VllmColocated(ColocatedTarget):
         await stack.enter_async_context(self.runtime.weight_lock)
         started = False
         try:
-            await stack.enter_async_context(paused_for_refit(engine, mode))
-            await stack.enter_async_context(refit_priority(self.config.refit_nice,
-                                                           self.runtime.processes))
+            await stack.enter_async_context(self.runtime.paused_for_refit(engine, mode))
             await engine.start_weight_update()
             started = True
             await self._request(ColocatedUpdate(ColocatedStep.BEGIN, begin=ColocatedBegin(
@@ -124,7 +120,6 @@ class VllmColocated(ColocatedTarget):
         engine = self.runtime.require_engine()
         await self._request(ColocatedUpdate(ColocatedStep.END))
         await engine.finish_weight_update()
-        self.runtime.sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
         version = await self.runtime.standing.commit(engine, self._mode, version)
         self._stack = None
         try:

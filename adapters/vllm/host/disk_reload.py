@@ -29,8 +29,7 @@ from typing import Any, TypeVar
 import attrs
 from rollout_fleet.adapters.shared.checkpoint_files import read_checkpoint
 from rollout_fleet.adapters.shared.errors import first_line
-from rollout_fleet.adapters.vllm.host.pause import paused_for_refit
-from rollout_fleet.adapters.vllm.host.process import in_thread, refit_priority
+from rollout_fleet.adapters.vllm.host.process import in_thread
 from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
 from rollout_fleet.adapters.vllm.messages import DISK_RELOADED_RPC, VLLM_RELOAD_RPC
 from rollout_fleet.core.checkpoint_check import CheckpointSummary, check_checkpoint
@@ -105,20 +104,18 @@ class VllmDiskReload(DiskReloadTarget):
             raise InvalidValue("mode", mode, "this vLLM labels no token with the weights it was"
                                " sampled under: only drain keeps labels exact")
         next_version(self.weight_version(), version)
-        self.runtime.sleep.check_refit_allowed()  # the weights' memory must be back
+        self.runtime.standing.check_refit_allowed()  # the weights' memory must be back
         folder = os.path.abspath(path)
         summary = await deadline.within(self.check_checkpoint(folder), "checking the folder")
         self._note_start_source(engine)
         lock = self.runtime.weight_lock
         await deadline.within(lock.acquire(), "waiting for the weight change before it")
         try:
-            async with paused_for_refit(engine, mode), \
-                    refit_priority(self.runtime.config.refit_nice, self.runtime.processes):
+            async with self.runtime.paused_for_refit(engine, mode):
                 deadline.check("pausing the rollouts in flight")
                 started = time.perf_counter()
                 await self._load(engine, folder, deadline)
                 loaded = time.perf_counter()
-                self.runtime.sleep.refit_loaded()
                 version = await self.runtime.standing.commit(engine, mode, version)
                 self._source = _Source(folder, version)
         finally:

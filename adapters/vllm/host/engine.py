@@ -5,9 +5,10 @@ engine-core and worker processes. Rollouts are token-ID prompts in, every genera
 its logprob out, exactly as a native ``generate`` would answer them.
 
 The engine is composed of parts around one ``VllmRuntime`` (``runtime.py``: the started engine
-and the weights' standing): serving, here; refit (``refit.py``), sleep and wake (``sleep.py``)
-and colocated refit (``colocated.py``), each a class with its own state. ``VllmEngine``
-implements each port by handing the call to its part.
+and the weights' standing): serving, here; refit (``refit.py``), sleep and wake (``sleep.py``),
+colocated refit (``colocated.py``) and reload from disk (``disk_reload.py``), each a class
+with its own state. ``VllmEngine`` implements each port by handing the call to its part (the
+worker's refit controls call the refit part itself: ``core.engine_ports.refit_target``).
 
 Refits are received inside vLLM's worker processes, where the weights live: each engine rank's
 weight-transfer engine (the project's packed protocol, ``transfer_engine.py``, registered with
@@ -37,12 +38,12 @@ from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
 from rollout_fleet.adapters.vllm.host.sleep import VllmSleep
 from rollout_fleet.core.errors import EngineDead, EngineError, EngineRejected
 from rollout_fleet.core.checkpoint_check import CheckpointSummary
-from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, GroupJoin, RefitInfo, RefitMode, TensorMeta
+from rollout_fleet.core.refit import RefitMode
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec, ServedRollout
 from rollout_fleet.core.sleep_state import DEFAULT_SLEEP_MODE, WAKE_TAGS, SleepState
 from rollout_fleet.ports.colocated import ColocatedByPart
 from rollout_fleet.ports.engine import (
-    SAMPLING_OPTIONS, DiskReloadTarget, EngineFacts, EnginePort, KvEventSource, RefitTarget,
+    SAMPLING_OPTIONS, DiskReloadTarget, EngineFacts, EnginePort, KvEventSource, RefitByPart,
     RolloutPiece, Sleeper,
 )
 
@@ -57,7 +58,7 @@ class _Live:
     aborted: bool = False
 
 
-class VllmEngine(EnginePort, RefitTarget, DiskReloadTarget, Sleeper, ColocatedByPart):
+class VllmEngine(EnginePort, RefitByPart, DiskReloadTarget, Sleeper, ColocatedByPart):
     """The vLLM backend of a rollout-fleet worker: serves rollouts itself and hands refit,
     reload from disk, sleep and colocated refit to its parts (``refit``, ``disk``,
     ``sleeper``, ``colocated``)."""
@@ -92,11 +93,12 @@ class VllmEngine(EnginePort, RefitTarget, DiskReloadTarget, Sleeper, ColocatedBy
             stop_token_ids, extra_sampling, with_logprobs)
         if output is None:  # aborted before it came
             return served_rollout([], [] if with_logprobs else None, FinishReason.ABORT,
-                                  prompt_len, self.weight_version())
+                                  prompt_len, self.runtime.standing.version)
         # vLLM labels each step's tokens with the weight version set while it was paused for
         # the swap (``WeightsStanding.commit``): per-token versions, exact whatever the pause
         # mode.
-        return to_served(output, prompt_len, self.weight_version(), top_logprobs, with_logprobs)
+        return to_served(output, prompt_len, self.runtime.standing.version, top_logprobs,
+                         with_logprobs)
 
     async def serve_group(self, prompt_token_ids: Sequence[int], *, request_id: str, n: int,
                           max_new_tokens: int, sampling: SamplingSpec,
@@ -121,13 +123,15 @@ class VllmEngine(EnginePort, RefitTarget, DiskReloadTarget, Sleeper, ColocatedBy
             prompt_token_ids, request_id, max_new_tokens, sampling, stop_strings, top_logprobs,
             stop_token_ids, {**(extra_sampling or {}), "n": n}, with_logprobs)
         if output is None:
+            version = self.runtime.standing.version
             return tuple(served_rollout([], [] if with_logprobs else None, FinishReason.ABORT,
-                                        prompt_len, self.weight_version()) for _ in range(n))
+                                        prompt_len, version) for _ in range(n))
         samples = sorted(output.outputs, key=lambda completion: completion.index)
         if len(samples) != n:
             raise EngineError(f"vLLM answered request {request_id!r} with {len(samples)} of its"
                               f" {n} samples")
-        return tuple(to_served(_one_sample(output, completion), prompt_len, self.weight_version(),
+        version = self.runtime.standing.version
+        return tuple(to_served(_one_sample(output, completion), prompt_len, version,
                                top_logprobs, with_logprobs) for completion in samples)
 
     async def _final_output(self, prompt_token_ids: Sequence[int], request_id: str,
@@ -192,8 +196,7 @@ class VllmEngine(EnginePort, RefitTarget, DiskReloadTarget, Sleeper, ColocatedBy
     def _admissible(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
                     stop_token_ids: Sequence[int] = (),
                     extra_sampling: Mapping[str, Any] | None = None) -> list[int]:
-        self.runtime.sleep.check_serving()  # asleep, or woke without weights: EngineAsleep
-        self.runtime.standing.health.check_serving()  # torn by a refit that died half way
+        self.runtime.standing.check_serving()  # asleep, woken without weights, or torn
         prompt = list(prompt_token_ids)
         self._check_input(prompt, max_new_tokens)
         if stop_token_ids or extra_sampling:
@@ -240,25 +243,7 @@ class VllmEngine(EnginePort, RefitTarget, DiskReloadTarget, Sleeper, ColocatedBy
         """Stop vLLM's engine-core and worker processes; safe to call twice."""
         await self.runtime.close()
 
-    # -- refit port: ``refit.py`` -------------------------------------------------------------
-    def weight_metas(self) -> Mapping[str, TensorMeta]:
-        return self.refit.weight_metas()
-
-    def refit_ranks(self) -> int:
-        return self.refit.refit_ranks()
-
-    async def init_collective(self, join: GroupJoin) -> None:
-        await self.refit.init_collective(join)
-
-    async def update_weights(self, info: RefitInfo, *, mode: RefitMode = DEFAULT_REFIT_MODE,
-                             version: int | None = None) -> int:
-        return await self.refit.update_weights(info, mode=mode, version=version)
-
-    def weight_version(self) -> int:
-        return self.refit.weight_version()
-
-    async def reset_cache(self) -> None:
-        await self.refit.reset_cache()
+    # -- refit port: its ``refit`` part (``refit.py``), through ``RefitByPart`` -----------------
 
     # -- disk reload port: ``disk_reload.py`` --------------------------------------------------
     async def check_checkpoint(self, path: str) -> CheckpointSummary:

@@ -30,10 +30,12 @@ class VllmFeatures:
     per_token_versions: bool
     per_engine_versions: bool
     kv_event_sources: bool
+    # The refit modes whose per-token labels this vLLM can keep exact: found with the rest,
+    # once, not at every refit.
+    refit_modes: tuple[str, ...] = attrs.field(init=False)
 
-    @property
-    def refit_modes(self) -> tuple[str, ...]:
-        """The refit modes whose per-token labels this vLLM can keep exact."""
+    @refit_modes.default
+    def _exact_refit_modes(self) -> tuple[str, ...]:
         return ("drain", "keep", "recompute") if self.per_token_versions else ("drain",)
 
 

@@ -1,8 +1,8 @@
-"""The processes vLLM starts under a worker, and this process while it starts them: the
-environment and CPU binding the engine core inherits, which children are vLLM's (not
-multiprocessing's resource tracker), their nice (lowered while a refit is received), their
-/dev/shm queues, blocking calls in a thread that keeps no reference to the engine, and the
-garbage collector's frozen generation around the engine's life."""
+"""This process while it starts vLLM and stops it: the environment and CPU binding the engine
+core inherits, the folder of its IPC sockets, the /dev/shm queues of the processes it started
+(which those are, and their priority: ``runtime.py``), blocking calls in a thread that keeps
+no reference to the engine, and the garbage collector's frozen generation around the engine's
+life."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
@@ -98,66 +98,6 @@ def ipc_environment() -> tuple[str | None, dict[str, str]]:
         return None, {}
     folder = tempfile.mkdtemp(prefix=ENGINE_FOLDER_PREFIX)
     return folder, {RPC_BASE_PATH: folder}
-
-
-def child_pids() -> set[int]:
-    """This process's children; those that appear while the engine starts are vLLM's engine
-    core(s). Found by place, not by their ``VLLM::*`` titles (a title was missing in some
-    runs); multiprocessing's resource tracker, started on first use, is not vLLM's."""
-    import psutil
-
-    return {child.pid for child in psutil.Process().children() if not _resource_tracker(child)}
-
-
-def _resource_tracker(process: Any) -> bool:
-    import psutil
-
-    try:
-        return any("resource_tracker" in part for part in process.cmdline())
-    except psutil.Error:
-        return False
-
-
-def set_worker_priority(nice: int, engine_processes: Collection[int]) -> int:
-    """Set ``nice`` on every thread of vLLM's engine-core processes and of every process under
-    them (the model workers); threads they start later inherit it. Both busy-poll their
-    shared-memory queues: lowering only one lets the other's polling take its core. Raising a
-    priority back needs the right to (root, or CAP_SYS_NICE); without it the threads keep
-    their nice. Returns the threads changed."""
-    import psutil
-
-    changed = 0
-    for pid in engine_processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            root = psutil.Process(pid)
-            for process in (root, *root.children(recursive=True)):
-                if _resource_tracker(process):
-                    continue
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    for thread in process.threads():
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.setpriority(os.PRIO_PROCESS, thread.id, nice)  # one thread's
-                            changed += 1
-    if not changed:
-        log.warning("could not set any vLLM process to nice %d", nice)
-    return changed
-
-
-@contextlib.asynccontextmanager
-async def refit_priority(nice: int | None, engine_processes: Collection[int]
-                         ) -> AsyncIterator[None]:
-    """On the CPU vLLM's processes run niced (``nice``: ``VllmEngineConfig.refit_nice``; they
-    busy-poll between steps), but a refit is received inside them now: at nice 10 on a busy
-    host the receive waited for cores (a 200 MiB refit took 1-8 s against 0.2 s for the flat
-    broadcast). Normal priority while the refit runs; niced again after."""
-    if not nice:
-        yield
-        return
-    set_worker_priority(0, engine_processes)
-    try:
-        yield
-    finally:
-        set_worker_priority(nice, engine_processes)
 
 
 def track_segments(engine_processes: set[int]) -> list[SharedMemoryTracker]:

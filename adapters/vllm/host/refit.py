@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout_fleet.adapters.shared.errors import first_line
-from rollout_fleet.adapters.vllm.host.pause import paused_for_refit
-from rollout_fleet.adapters.vllm.host.process import refit_priority
 from rollout_fleet.adapters.vllm.host.runtime import VllmRuntime
 from rollout_fleet.adapters.vllm.host.weights import check_complete
 from rollout_fleet.adapters.vllm.messages import (
@@ -38,6 +36,7 @@ class VllmRefit(RefitTarget):
         self.config = runtime.config
         self._joined = False
         self._sent = RefitInfoOnce()  # the refit info the engine's ranks hold
+        self._complete: RefitInfo | None = None  # the last refit info found complete
 
     def weight_metas(self) -> Mapping[str, TensorMeta]:
         return self.runtime.weight_metas()
@@ -83,11 +82,10 @@ class VllmRefit(RefitTarget):
                                f" {', '.join(modes)} keeps labels exact")
         if not self._joined:
             raise RefitError("update_weights before init_collective")
-        check_complete(info, self.runtime.metas, self.runtime.ignored)
-        self.runtime.sleep.check_refit_allowed()  # the weights' memory must be back (wake_up)
+        self._check_complete(info)
         standing = self.runtime.standing
-        async with (self.runtime.weight_lock, paused_for_refit(engine, mode),
-                    refit_priority(self.config.refit_nice, self.runtime.processes)):
+        standing.check_refit_allowed()  # the weights' memory must be back (wake_up)
+        async with self.runtime.weight_lock, self.runtime.paused_for_refit(engine, mode):
             started = time.perf_counter()
             try:
                 await self._load(engine, info)
@@ -106,7 +104,6 @@ class VllmRefit(RefitTarget):
                                     if standing.health.torn else "; the previous weights serve")
                                  ) from error
             loaded = time.perf_counter()
-            self.runtime.sleep.refit_loaded()  # weights dropped by a level-2 sleep are loaded again
             version = await standing.commit(engine, mode, version)
         reset = time.perf_counter()
         ranks = [RefitStats.from_wire(rank) for rank in await engine.collective_rpc(REFIT_STATS_RPC)]
@@ -124,6 +121,13 @@ class VllmRefit(RefitTarget):
         await engine.update_weights(WeightTransferUpdateRequest(
             update_info=self._update_info(info)))
         await engine.finish_weight_update()
+
+    def _check_complete(self, info: RefitInfo) -> None:
+        """``weights.check_complete``, once per refit info: the engine's parameters never
+        change, and a trainer sends the same info refit after refit."""
+        if info != self._complete:
+            check_complete(info, self.runtime.metas, self.runtime.ignored)
+            self._complete = info
 
     def _left_group(self) -> None:
         self._joined = False

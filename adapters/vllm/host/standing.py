@@ -1,17 +1,18 @@
 """The served weights' standing, as the engine's parts change it: their version, the cache salt
-new rollouts get, and whether they are whole. Each piece is owned here and changed only
-through these methods: the refit commits (``WeightsStanding.commit``) or tears them, the
-colocated refit the same, sleep drops the cache; serving reads them."""
+new rollouts get, whether they are whole, and whether they may serve at all. Each piece is
+owned here and changed only through these methods: the refit commits (``WeightsStanding.commit``)
+or tears them, the colocated refit the same, sleep drops the cache (and keeps its own state in
+the ``SleepTracker`` the standing reads); serving asks ``check_serving``, once per rollout."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_fleet.adapters.shared.errors import first_line
 from rollout_fleet.adapters.vllm.messages import REFIT_STATS_RPC, RefitStats
 from rollout_fleet.core.errors import EngineError
 from rollout_fleet.core.refit import DEFAULT_REFIT_MODE, RefitMode, next_version
+from rollout_fleet.core.sleep import SleepTracker
 
 
 class WeightsHealth:
@@ -60,30 +61,59 @@ class CacheSalt:
 
 
 class WeightsStanding:
-    """The weights' version, health and cache salt, and the steps that change them together.
-    ``label(version)`` tells the engine the version to label tokens with."""
+    """The weights' version, health and cache salt, and the steps that change them together;
+    ``sleep`` is the engine's sleep state, which says whether the weights are there to serve.
+    The engine labels every token with the version it is told (``label``), where its vLLM
+    takes one (``labels_tokens``, found as the engine starts); an older vLLM has none, and
+    this count alone is the version (features.py)."""
 
-    def __init__(self, label: Callable[[int], Awaitable[None]]) -> None:
+    def __init__(self, sleep: SleepTracker) -> None:
         self.health = WeightsHealth()
         self.salt = CacheSalt()
         self._version = 0
-        self._label = label
+        self._sleep = sleep
+        self._labels_tokens = False
 
     @property
     def version(self) -> int:
         return self._version
 
+    def labels_tokens(self, per_engine_versions: bool) -> None:
+        """Whether the engine takes the version to label tokens with (found as it starts)."""
+        self._labels_tokens = per_engine_versions
+
+    async def label(self, engine: Any) -> None:
+        """Tell ``engine`` the version to label tokens with from now on."""
+        if self._labels_tokens:
+            await engine.update_weight_version(str(self._version))
+
+    def check_serving(self) -> None:
+        """Refuse a rollout while asleep or woken without weights (``EngineAsleep``) or torn by
+        a refit that died half way. The tracker's ``serving`` field first: a serving engine
+        pays one look at it."""
+        if not self._sleep.serving:
+            self._sleep.check_serving()
+        self.health.check_serving()
+
+    def check_refit_allowed(self) -> None:
+        """A refit needs the weights' memory back (``wake_up(tags=["weights"])`` first)."""
+        if not self._sleep.serving:
+            self._sleep.check_refit_allowed()
+
     async def commit(self, engine: Any, mode: RefitMode = DEFAULT_REFIT_MODE,
                      version: int | None = None) -> int:
-        """New weights are loaded (the engine still paused): whole again, the cache dropped as
-        ``mode`` says, and every token from now on labelled with the new version."""
+        """New weights are loaded (the engine still paused): whole again (weights a level-2
+        sleep dropped are back), the cache dropped as ``mode`` says, and every token from now
+        on labelled with the new version."""
         self.health.mark_whole()
+        if not self._sleep.serving:
+            self._sleep.refit_loaded()
         if mode == RefitMode.KEEP:
             await self.keep_running_kv(engine)
         else:  # drained: nothing runs; recompute: running rollouts are preempted and recompute
             await self.reset_cache(engine)
         self._version = next_version(self._version, version)
-        await self._label(self._version)
+        await self.label(engine)
         return self._version
 
     async def reset_cache(self, engine: Any) -> None:
