@@ -71,19 +71,22 @@ class MemorySleep(Sleeper):
         return {"weights": self.engine.model.holds_weights,
                 "kv_cache": "kv_cache" not in self.tracker.state.asleep}
 
-    # -- what serving and refit ask of it -------------------------------------------------------
+    # -- what serving and refit ask of it (a serving engine: one look at the tracker's field) ---
     def check_serving(self) -> None:
         self.tracker.check_serving()
 
     def check_refit_allowed(self, names: Sequence[str]) -> None:
+        if self.tracker.serving:  # awake, with its weights
+            return
         self.tracker.check_refit_allowed()
         if self.tracker.state.weights_lost and set(names) != {"embed.weight", "lm_head.weight"}:
             raise RefitError("this engine's weights were dropped by a level-2 sleep: a refit"
                              " must carry every weight (embed.weight, lm_head.weight)")
 
     def loaded_by_refit(self) -> None:
-        self.tracker.refit_loaded()
-        self._open_if_serving()
+        if not self.tracker.serving:  # weights a level-2 sleep dropped are back
+            self.tracker.refit_loaded()
+            self._open_if_serving()
 
     def _open_if_serving(self) -> None:
         if self.tracker.state.serving:
