@@ -45,8 +45,9 @@ def build_generation(generation: GenerationConfig, *, frontend_url: str,
                      joined_workers: Callable[[], Sequence[WorkerEndpoint]] | None = None,
                      ) -> FleetGeneration:
     """A driver over an existing frontend and workers; the pool holds one connection per
-    allowed in-flight rollout unless ``http`` says otherwise. ``lost_workers`` and
-    ``joined_workers`` (the fleet's workers now) are asked before each refit step."""
+    allowed in-flight rollout unless ``http`` says otherwise. ``lost_workers`` is asked where
+    the trainer forms its group and after a step failed, ``joined_workers`` (the fleet's
+    workers now) where it sizes the group (adapters/nemo_rl/membership.py)."""
     workers = tuple(workers)
     ids = [w.worker_id for w in workers]
     if len(set(ids)) != len(ids):
