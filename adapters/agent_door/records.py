@@ -23,10 +23,7 @@ class TurnRecords:
 
     async def latest(self, trajectory: str | None) -> RecordedTurn | None:
         """The trajectory's last turn; None for none named, its first, or one forgotten."""
-        if trajectory is None:
-            return None
-        name = trajectory
-        return await self._run(lambda now: self.store.latest(name, now))
+        return await self._read_named(trajectory, self.store.latest)
 
     async def record(self, trajectory: str, turn: RecordedTurn) -> None:
         await self._run(lambda now: self.store.record(trajectory, turn, now))
@@ -35,13 +32,18 @@ class TurnRecords:
         return await self._run(lambda _now: self.store.end(trajectory))
 
     async def pinned_worker(self, session: str | None) -> int | None:
-        if session is None:
-            return None
-        name = session
-        return await self._run(lambda now: self.store.pinned_worker(name, now))
+        return await self._read_named(session, self.store.pinned_worker)
 
     async def pin(self, session: str, worker: int) -> None:
         await self._run(lambda now: self.store.pin(session, worker, now))
+
+    async def _read_named(self, name: str | None,
+                          read: Callable[[str, float], _Result]) -> _Result | None:
+        """``read(name, now)`` in the store's thread; None where no name was given."""
+        if name is None:
+            return None
+        named = name
+        return await self._run(lambda now: read(named, now))
 
     async def _run(self, call: Callable[[float], _Result]) -> _Result:
         now = self.clock.monotonic()
