@@ -1,5 +1,7 @@
 """End to end with a real vLLM worker: `serve` a 1-worker vLLM fleet (the tiny model, seed 0),
-`refit` it with the seed-1 checkpoint, and `generate` shows the new model's greedy answers."""
+`refit` it with the seed-1 checkpoint, and `generate` shows the new model's greedy answers;
+`refit --from-disk` reloads the same folder in the worker itself (version 2, the same
+answers), and refuses a wrong one by name."""
 
 from __future__ import annotations
 
@@ -70,6 +72,17 @@ def test_refit_a_vllm_fleet_from_a_checkpoint(tmp_path):
         assert all(r["weight_version"] == 1 for r in after)
         assert [r["token_ids"] for r in after] != [r["token_ids"] for r in before]
         assert _greedy(tmp_path, fleet_file, "again") == after  # greedy: repeatable
+
+        # from disk: every worker reads the folder itself; a wrong one is refused by name first
+        assert_one_line_error(run_cli("refit", "--fleet-file", fleet_file, "--from-disk",
+                                      tmp_path / "wrong"), "check_checkpoint", "shape of")
+        reloaded = run_cli("refit", "--fleet-file", fleet_file, "--from-disk", seed_1,
+                           timeout_s=300)
+        assert reloaded.returncode == 0, reloaded.stderr[-3000:]
+        assert "worker-0: weight version 2" in reloaded.stdout
+        from_disk = _greedy(tmp_path, fleet_file, "from-disk")
+        assert all(r["weight_version"] == 2 for r in from_disk)
+        assert [r["token_ids"] for r in from_disk] == [r["token_ids"] for r in after]
 
         process.send_signal(signal.SIGINT)
         assert process.wait(120) == 0, log.read_text()[-3000:]
