@@ -155,6 +155,9 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
     assert [r["token_ids"] for r in after] == [list(a.token_ids) for a in want_1]
     assert [r["token_ids"] for r in after] != [r["token_ids"] for r in before]
     assert {r["weight_version"] for r in after} == {1}
+    # the memory engine reloads nothing from disk: refused naming it, the weights stay
+    assert_one_line_error(run_cli("refit", "--fleet-file", fleet_file, "--from-disk", good),
+                          "check_checkpoint", "the memory engine does not reload")
 
     # a prompt the engine refuses: every other result is written, one error line for it, exit 2
     (tmp_path / "e").mkdir()
