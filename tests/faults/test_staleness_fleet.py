@@ -37,7 +37,9 @@ def stream(generation, data, samples: list, errors: list) -> None:
 
 
 def refit_while(generation, streaming: threading.Thread, port: int) -> int:
-    """Keep-mode refits, one after another, until the stream ends (at most REFITS)."""
+    """Join the refit group, then start the stream and refit in keep mode, one refit after
+    another, until the stream ends (at most REFITS). The group is formed first: a worker's
+    first join loads the collective (torch), which may take longer than the whole stream."""
     world_size = 1 + generation.get_inference_world_size()
     joining = generation.init_collective("127.0.0.1", port, world_size, train_world_size=1)
     refits = 0
@@ -45,6 +47,7 @@ def refit_while(generation, streaming: threading.Thread, port: int) -> int:
                              spec=generation.get_collective_sender_spec()) as trainer:
         for future in joining:
             future.result(timeout=60)
+        streaming.start()
         while streaming.is_alive() and refits < REFITS:
             weights = {name: torch.tensor(matrix, dtype=torch.float32) for name, matrix in
                        TinyBigramModel.from_seed(refits + 1).state_dict().items()}
@@ -67,7 +70,6 @@ def test_refits_under_load_never_let_a_rollout_fall_behind_the_bound(start_fleet
     samples, errors = [], []
     streaming = threading.Thread(target=stream, args=(generation, data, samples, errors))
     try:
-        streaming.start()
         refits = refit_while(generation, streaming, free_port())
         streaming.join(timeout=300)
         assert not streaming.is_alive() and errors == [], errors

@@ -48,6 +48,7 @@ ENGINES = {"vllm": {"kind": "vllm"},
 SETTLE_S = 1.0  # how long a window stays open after its call returned
 WORKER_MODULE = "rollout_fleet.wiring.worker"
 COMMANDS = "commands"  # the worker's trace takes "start" and "stop NAME" lines from this fifo
+RECORDING = "recording"  # written by the worker once its window is open
 
 
 class FileTrace:
@@ -117,6 +118,7 @@ def _take_commands(trace: FileTrace, trace_dir: Path) -> None:
             words = line.split()
             if words == ["start"]:
                 trace.start()
+                (trace_dir / RECORDING).touch()  # the driver sends nothing before it sees this
             elif words[:1] == ["stop"]:
                 partial = trace_dir / f"{words[1]}.json.partial"
                 partial.write_text(json.dumps(trace.stop()))
@@ -149,9 +151,18 @@ class WorkerTrace:
         self.trace_dir = trace_dir
         self._commands = open(trace_dir / COMMANDS, "w")  # blocks until the worker reads it
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 30) -> None:
+        """Open the worker's window and wait until it is open: on a busy machine its command
+        thread may read the line after a fast rollout has come and gone."""
+        recording = self.trace_dir / RECORDING
+        recording.unlink(missing_ok=True)
         self._commands.write("start\n")
         self._commands.flush()
+        deadline = time.monotonic() + timeout_s
+        while not recording.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the worker's trace did not open its window")
+            time.sleep(0.01)
 
     def stop(self, name: str, timeout_s: float = 30) -> list[str]:
         self._commands.write(f"stop {name}\n")
