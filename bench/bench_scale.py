@@ -184,30 +184,33 @@ def run_client(fleet, in_flight: int, rollouts: int, seed: int, deadline: float)
     done = subprocess.run([sys.executable, __file__, "--client", json.dumps(spec)],
                           capture_output=True, text=True,
                           timeout=max(30.0, deadline - time.monotonic()))
-    load = load_between(before_load, snapshot(leaders))
+    after_load = snapshot(leaders)
+    load = load_between(before_load, after_load)
     if done.returncode != 0:
         raise RuntimeError(f"the driver's child failed:\n{done.stderr[-3000:]}")
     after = served_counts(fleet)
     shares = [after[name] - before_served.get(name, 0) for name in after]
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    cores = cores_by_role(load)  # the child had ended by the last snapshot: its own figure
+    cores = cores_by_role(load, after_load["t"] - before_load["t"])
+    # The child had ended by the last snapshot: its own figure.
     cores["driver"] = round(cores.get("driver", 0.0) + row["driver_cores"], 2)
     cores["total"] = round(cores["total"] + row["driver_cores"], 2)
     return {**row, "in_flight": in_flight, "rollouts": rollouts, "load": load[:4],
             "cores": cores, "per_worker": shares, "spread": spread(shares)}
 
 
-def cores_by_role(load: list[dict]) -> dict[str, float]:
+def cores_by_role(load: list[dict], wall_s: float) -> dict[str, float]:
     """Cores over a round (CPU seconds per wall second), summed by role: every worker
-    together, the frontend, the driver (this bench and its child), and all of them."""
+    together, the frontend, the driver (this bench and its child), and all of them. From
+    each process's CPU seconds, not its rounded cores: 128 workers' roundings add up."""
     roles: collections.Counter = collections.Counter()
     for row in load:
         title = row["process"]
         role = ("workers" if "rollout_fleet.wiring.worker" in title else
                 "frontend" if "dynamo.frontend" in title else
                 "driver" if "bench_scale" in title else "other")
-        roles[role] += row["cores"]
-    roles["total"] = sum(row["cores"] for row in load)
+        roles[role] += row["cpu_s"] / wall_s
+    roles["total"] = sum(row["cpu_s"] for row in load) / wall_s
     return {role: round(cores, 2) for role, cores in roles.items()}
 
 
@@ -218,7 +221,8 @@ def idle_cores(fleet, seconds: float = 5.0) -> dict[str, float]:
     leaders = fleet.process_groups()
     before = snapshot(leaders)
     time.sleep(seconds)
-    return cores_by_role(load_between(before, snapshot(leaders)))
+    after = snapshot(leaders)
+    return cores_by_role(load_between(before, after), after["t"] - before["t"])
 
 
 # -- refit -------------------------------------------------------------------------------------------
@@ -488,8 +492,9 @@ def run_fleet(kind: str, n: int, args, budget: Budget, bandwidth: float) -> dict
                 result["refit"] = guarded("refit", budget, 300, lambda: refit_if_it_fits(
                     fleet, generation, args, bandwidth))
             if kind == "rr" and "churn" in parts:
-                result["churn"] = guarded("churn", budget, 240, lambda: measure_churn(
-                    fleet, generation, args))
+                # Its refit brings torch into every worker, as the refit part's does.
+                result["churn"] = guarded("churn", budget, 240, lambda: refit_fits(fleet, args) or
+                                          measure_churn(fleet, generation, args))
                 print(f"    churn: {_churn_line(result['churn'])}", flush=True)
         finally:
             if generation is not None:
@@ -507,13 +512,20 @@ def guarded(part: str, budget: Budget, needs_s: float, measure) -> dict:
 
 
 def refit_if_it_fits(fleet, generation, args, bandwidth: float) -> dict:
+    return refit_fits(fleet, args) or measure_refit(fleet, generation, args, bandwidth)
+
+
+def refit_fits(fleet, args) -> dict | None:
+    """None when a refit to every worker fits this machine's free memory, else why not: it
+    brings torch and the receive blocks into every worker (about 300 MiB of each's own)."""
     n = len(fleet.workers)
     need = n * (REFIT_WORKER_MIB - IDLE_WORKER_MIB + 2 * (REFIT_BUFFER_BYTES >> 20)) \
         + 2 * max(args.refit_mib, default=0)
-    if free_mib() < need:
-        return {"skipped": f"a refit to {n} workers needs ~{need / 1024:.1f} GiB more free "
-                           f"(torch in every worker), {free_mib() / 1024:.1f} available"}
-    return measure_refit(fleet, generation, args, bandwidth)
+    if free_mib() >= need:
+        return None
+    return {"skipped": f"a refit to {n} workers needs ~{need / 1024:.1f} GiB more free "
+                       f"(torch and receive blocks in every worker), {free_mib() / 1024:.1f} "
+                       "available"}
 
 
 def measure_throughput(fleet, args, budget: Budget) -> list[dict]:

@@ -72,10 +72,13 @@ def _refit_lines(results: dict) -> list[str]:
         lines.append(f"{n:>4}  {fixed}\n      {sizes}\n      per worker after it: RSS "
                      f"{after['rss_mib']['median']:.0f} MiB, USS {after['uss_mib']['median']:.0f},"
                      f" PSS {after['pss_mib']['median']:.0f} (median)")
-    skipped = [(n, v["refit"]["skipped"]) for n, v in results["by_n"].items()
-               if "skipped" in v.get("rr", {}).get("refit", {})]
-    lines += [f"{n:>4}  skipped: {why}" for n, why in skipped]
-    return lines
+    return lines + _skipped(results, "refit")
+
+
+def _skipped(results: dict, part: str) -> list[str]:
+    return [f"{n:>4}  skipped: {by_kind['rr'][part]['skipped']}"
+            for n, by_kind in results["by_n"].items()
+            if "skipped" in by_kind.get("rr", {}).get(part, {})]
 
 
 def _churn_lines(results: dict) -> list[str]:
@@ -87,7 +90,7 @@ def _churn_lines(results: dict) -> list[str]:
                      f"{churn['refit_s']:.1f} s, versions equal {churn['versions_equal']}; every "
                      f"replacement served {all(churn['replacements_served'].values())} "
                      f"({churn['serving_s']:.1f} s after the refit)")
-    return lines
+    return lines + _skipped(results, "churn")
 
 
 def _ratio_lines(results: dict) -> list[str]:
