@@ -9,18 +9,27 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from rollout_fleet.core.errors import RolloutFleetError
+from rollout_fleet.core.errors import InvalidValue, RolloutFleetError
 from rollout_fleet.wiring.progress import progress_bar
+
+
+def _at_least_one(_settings: Any, field: "attrs.Attribute[int]", value: int) -> None:
+    if value < 1:
+        raise InvalidValue(field.name, value, "the demo needs at least one")
 
 
 @attrs.frozen
 class DemoSettings:
-    steps: int = 6
-    prompts: int = 8
-    group_size: int = 8
-    prompt_len: int = 8
-    max_new_tokens: int = 16
-    workers: int = 2
+    """What the demo runs; the CLI's flags set these (``rollout-fleet demo --help``)."""
+
+    # Each step: `prompts` random prompts of `prompt_len` tokens, `group_size` samples each.
+    steps: int = attrs.field(default=6, validator=_at_least_one)
+    prompts: int = attrs.field(default=8, validator=_at_least_one)
+    group_size: int = attrs.field(default=8, validator=_at_least_one)
+    prompt_len: int = attrs.field(default=8, validator=_at_least_one)
+    max_new_tokens: int = attrs.field(default=16, validator=_at_least_one)
+    # The fleet it runs on.
+    workers: int = attrs.field(default=2, validator=_at_least_one)
     learning_rate: float = 1e-2
     seed: int = 0
     mismatch_bound: float = 1e-3  # float32 noise between two implementations of one model
