@@ -1,11 +1,13 @@
 """A blocking client of the door's controls (``adapters/agent_door/controls.py``): what the
-NeMo-RL drop-in calls for NeMo-RL's ``setup_token_capture`` and ``set_rollout_weight_version``.
-One call reaches one door process; what it sets holds for all of them.
+NeMo-RL drop-in calls for NeMo-RL's ``setup_token_capture`` and ``set_rollout_weight_version``
+and for a checkpoint's generation fence (``adapters/agent_door/fence.py``). One call reaches
+one door process; what it sets holds for all of them.
 
     door = start_door(..., control_secret=fleet.secret)
     controls = door.controls()              # or DoorControlClient(door.url, fleet.secret)
     controls.setup_token_capture(dp_cfg, "staging", sampling={"temperature": 1.0, "top_p": 1.0})
     controls.set_rollout_weight_version(0)
+    controls.fence("pause_generation_for_checkpoint", timeout_s=30)  # ... then a release
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.sampling_guard import SamplingProfiles
 
 CONTROL_PATH = "/door/control/"
+FENCE_CONTROLS = ("pause_generation_for_checkpoint", "resume_generation_after_cut",
+                  "finish_generation_checkpoint", "resume_generation_after_checkpoint")
+# What a fence control may take beyond its own timeout: the HTTP round trip.
+_FENCE_MARGIN_S = 10.0
 
 
 class DoorControlError(RolloutFleetError):
@@ -78,12 +84,21 @@ class DoorControlClient:
     def token_capture_status(self) -> dict[str, Any]:
         return self.call("token_capture_status", {})
 
-    def call(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    def fence(self, name: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """One of the fence's controls (``FENCE_CONTROLS``); a pause waits up to
+        ``timeout_s`` (the door's default: 60 s) for the door to drain, else HTTP 504."""
+        if name not in FENCE_CONTROLS:
+            raise ValueError(f"{name!r} is not a fence control: {', '.join(FENCE_CONTROLS)}")
+        waited = self.timeout_s if timeout_s is None else timeout_s + _FENCE_MARGIN_S
+        return self.call(name, {"timeout_s": timeout_s}, timeout_s=waited)
+
+    def call(self, name: str, body: Mapping[str, Any],
+             timeout_s: float | None = None) -> dict[str, Any]:
         payload = json.dumps({**body, "control_secret": self._secret}).encode()
         request = urllib.request.Request(f"{self.door_url}{CONTROL_PATH}{name}", data=payload,
                                          headers={"content-type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as answer:
                 status, raw = answer.status, answer.read()
         except urllib.error.HTTPError as refused:
             status, raw = refused.code, refused.read()

@@ -1,6 +1,7 @@
 """One door process's web application: the chat and completions routes (``door.py``), the rest
-(``tools.py``), the trainer's controls (``controls.py``) and NeMo-Gym's generation cuts
-(``cuts.py``), over one hop to the frontend, one render pool and the trajectory store; every
+(``tools.py``), the trainer's controls (``controls.py``, with a checkpoint's generation fence:
+``fence.py``) and NeMo-Gym's generation cuts (``cuts.py``), over one hop to the frontend, one
+render pool and the trajectory store; every
 answer names the door process that gave it. Its siblings reach it on a second application
 (``DoorApps.siblings``), served on a Unix socket of the door's folder only."""
 
@@ -16,10 +17,12 @@ from rollout_fleet.adapters.agent_door.controls import DoorControls
 from rollout_fleet.adapters.agent_door.cuts import GenerationCuts
 from rollout_fleet.adapters.agent_door.door import AgentDoor
 from rollout_fleet.adapters.agent_door.door_state import SharedState
+from rollout_fleet.adapters.agent_door.fence import CheckpointControls
 from rollout_fleet.adapters.agent_door.hop import FrontendHop, HopSettings
 from rollout_fleet.adapters.agent_door.records import TurnRecords
 from rollout_fleet.adapters.agent_door.render import Renderer
 from rollout_fleet.adapters.agent_door.replies import door_middleware, name_the_door_process
+from rollout_fleet.adapters.agent_door.siblings import Siblings
 from rollout_fleet.adapters.agent_door.template import ChatTemplate
 from rollout_fleet.adapters.agent_door.tools import DoorTools
 from rollout_fleet.core.agent_turns import TrajectoryStore
@@ -59,16 +62,20 @@ def door_apps(frontend_url: str, template: ChatTemplate, store: TrajectoryStore,
     renderer = Renderer(template, render_threads)
     records = TurnRecords(store, clock)
     capturing = DoorCapture(parts.shared, parts.staging_factory, parts.sampling)
-    cuts = GenerationCuts(capturing, renderer, parts.folder, parts.own_socket)
+    siblings = Siblings(parts.folder, parts.own_socket)
+    cuts = GenerationCuts(capturing, renderer, siblings)
+    fence_controls = (CheckpointControls(parts.shared, capturing.fence, siblings).handlers()
+                      if parts.shared is not None else {})
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[door_middleware])
     AgentDoor(frontend, renderer, records, max_model_len=max_model_len,
               capture=capturing).add_routes(app)
     DoorTools(frontend, renderer, records, max_model_len=max_model_len).add_routes(app)
-    DoorControls(capturing, parts.control_secret).add_routes(app)
+    DoorControls(capturing, parts.control_secret, fence_controls).add_routes(app)
     cuts.add_routes(app)
     app.on_response_prepare.append(name_the_door_process)
-    siblings = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[door_middleware])
-    cuts.add_sibling_routes(siblings)
+    sibling_app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[door_middleware])
+    cuts.add_sibling_routes(sibling_app)
+    capturing.fence.add_sibling_routes(sibling_app)
 
     async def close(_app: web.Application) -> None:
         await frontend.close()
@@ -79,7 +86,7 @@ def door_apps(frontend_url: str, template: ChatTemplate, store: TrajectoryStore,
             parts.shared.close()
 
     app.on_cleanup.append(close)
-    return DoorApps(app, siblings)
+    return DoorApps(app, sibling_app)
 
 
 def door_app(frontend_url: str, template: ChatTemplate, store: TrajectoryStore, *,

@@ -1,7 +1,8 @@
 """One door process's side of token capture: its staging, attached lazily when it first sees a
 setup (a process that never serves a captured call never joins the trainer's Ray cluster),
-the blocking capture work run in a pool of its own off the event loop, and the captured calls
-it has in flight (``LiveCalls``: what a generation cut reads)."""
+the blocking capture work run in a pool of its own off the event loop, the captured calls
+it has in flight (``LiveCalls``: what a generation cut reads) and its side of a checkpoint's
+generation fence (``fence.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 import attrs
 
 from rollout_fleet.adapters.agent_door.door_state import CaptureSettings, SharedState
+from rollout_fleet.adapters.agent_door.fence import CheckpointFence
 from rollout_fleet.core.capture_records import StagingUnavailable
 from rollout_fleet.core.cut_prefix import CutProgress
 from rollout_fleet.core.sampling_guard import SamplingProfiles
@@ -70,6 +72,7 @@ class DoorCapture:
         self._staging: tuple[int, TokenStaging] | None = None
         self._attaching = asyncio.Lock()
         self.live = LiveCalls()
+        self.fence = CheckpointFence(shared)
 
     async def settings(self) -> tuple[CaptureSettings | None, int]:
         """The setup in force and the rollout weight version, read now."""

@@ -9,7 +9,8 @@ the call began. The answer carries ``ng_commit_coords`` and no token field. With
 cuts served, the door reads the turn from the frontend as a stream and keeps its tokens as
 they come (a cut stages them, ``cuts.py``); the client still gets one whole answer. A
 restored call's staged prefix follows its prompt, its budget shrinks by as much, and its row
-covers the whole generation.
+covers the whole generation. A checkpoint's generation fence (``fence.py``) holds a new call
+before it is forwarded while frozen, and a finished turn before it is staged until it opens.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class CapturedChat:
         capture = TokenCapture(staging, lambda: version)
         call = await self.capture.run(capture.admit, wire)
         turn = await self._turn(body, call, continuation, staging, version)
+        await self.capture.fence.hold_new_call()
         pin = f"ng-capture:{call.admission.rollout_id}"
         pinned = await self.records.pinned_worker(pin) if call.admission.prev_len else None
         forward = self._forward({**body, "max_tokens": turn.budget, "logprobs": True},
@@ -171,8 +173,9 @@ class CapturedChat:
         generated = [*(restored.token_ids if restored else ()), *tokens.generation_token_ids]
         logprobs = [*(restored.logprobs if restored else ()), *tokens.generation_log_probs]
         if tokens.generation_token_ids:
-            coords = await self.capture.run(capture.complete, turn.call, turn.prompt,
-                                            generated, logprobs)
+            async with self.capture.fence.terminal_write():
+                coords = await self.capture.run(capture.complete, turn.call, turn.prompt,
+                                                generated, logprobs)
         else:
             coords = capture.fail(turn.call, "the worker returned no generated token IDs")
         nvext = answer.get("nvext")

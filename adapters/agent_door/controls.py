@@ -1,9 +1,11 @@
 """The door's controls, ``POST /door/control/<name>``, for the trainer: NeMo-RL's
-``setup_token_capture`` and ``set_rollout_weight_version`` (and ``token_capture_status``).
+``setup_token_capture`` and ``set_rollout_weight_version`` (and ``token_capture_status``), and
+the checkpoint fence's four (``fence.py``).
 
 Checked as a worker's controls are: the body's ``control_secret`` first (401 for a missing or
 wrong one, whatever the name or the body; a door started without a secret takes no control),
 then 404 for an unknown name, 400 for a body that is no object or a field at fault (named);
+503 for staging out of reach, 504 for a fence that did not drain in time;
 else 200 with ``status: ok``. What a control sets is kept in the store every door process
 reads (``door_state.py``): it holds for every process, whichever one the call reached.
 """
@@ -13,13 +15,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
 from rollout_fleet.adapters.agent_door.capture import DoorCapture
 from rollout_fleet.adapters.agent_door.door_state import CaptureSettings, token_digest
+from rollout_fleet.adapters.agent_door.fence import FenceNotDrained, Handler
 from rollout_fleet.core.capture_records import StagingUnavailable
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.sampling_guard import SamplingProfiles
@@ -27,7 +30,6 @@ from rollout_fleet.core.sampling_guard import SamplingProfiles
 logger = logging.getLogger(__name__)
 CONTROL_ROUTE = "/door/control/{name}"
 CONTROL_SECRET_FIELD = "control_secret"
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 _SETUP_FIELDS = ("dp_cfg", "staging_partition", "capture_media",
                  "generation_prefix_cuts_enabled", "generation_cut_control_token",
                  "generation_cut_control_timeout_s", "generation_prefix_batch_size",
@@ -40,13 +42,14 @@ def _status(status: int, message: str, field: str | None = None) -> web.Response
 
 
 class DoorControls:
-    def __init__(self, capture: DoorCapture, secret: str | None) -> None:
+    def __init__(self, capture: DoorCapture, secret: str | None,
+                 more: Mapping[str, Handler] | None = None) -> None:
         self.capture = capture
         self._secret = secret
         self._handlers: dict[str, Handler] = {
             "setup_token_capture": self.setup_token_capture,
             "set_rollout_weight_version": self.set_rollout_weight_version,
-            "token_capture_status": self.token_capture_status}
+            "token_capture_status": self.token_capture_status, **(more or {})}
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(CONTROL_ROUTE, self.control)
@@ -75,6 +78,8 @@ class DoorControls:
             return _status(400, str(exc), exc.field)
         except StagingUnavailable as exc:
             return _status(503, str(exc))
+        except FenceNotDrained as exc:
+            return _status(504, str(exc))
 
     def _secret_refusal(self, body: Any) -> str | None:
         if self._secret is None:

@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from rollout_fleet.adapters.agent_door.capture import DoorCapture, LiveCall
@@ -29,6 +27,9 @@ from rollout_fleet.adapters.agent_door.door_state import CaptureSettings
 from rollout_fleet.adapters.agent_door.render import Renderer
 from rollout_fleet.adapters.agent_door.replies import error
 from rollout_fleet.adapters.agent_door.requests import parsed_json
+from rollout_fleet.adapters.agent_door.siblings import (  # noqa: F401 - the door's names for them
+    SOCKET_GLOB, Siblings, sibling_socket,
+)
 from rollout_fleet.core.cut_prefix import chunk_row, prefix_digest
 from rollout_fleet.core.generation_cut import (
     CUT_ROUTE, CutInventory, CutPrefix, DurablePrefix, PrefixAck, receipt,
@@ -37,7 +38,6 @@ from rollout_fleet.core.token_capture import TokenStaging
 
 logger = logging.getLogger(__name__)
 SIBLING_ROUTE = "/door/sibling/generation-cut"
-SOCKET_GLOB = "cut-*.sock"
 _CLAIM_POLL_S = 0.02
 # A multi-byte character spans at most four byte-level tokens: a tail this long shows whether
 # the generated text ends inside one (a cut there would restore as a broken character).
@@ -45,18 +45,12 @@ _TAIL_TOKENS = 8
 WireAcks = dict[str, dict[str, Any]]
 
 
-def sibling_socket(folder: Path, pid: int) -> Path:
-    return folder / f"cut-{pid}.sock"
-
-
 class GenerationCuts:
-    """The cut routes of one door process; ``folder`` holds every process's socket (None:
-    this process has no siblings)."""
+    """The cut routes of one door process, which asks its ``siblings`` for their calls."""
 
-    def __init__(self, capture: DoorCapture, renderer: Renderer, folder: Path | None,
-                 own_socket: Path | None) -> None:
+    def __init__(self, capture: DoorCapture, renderer: Renderer, siblings: Siblings) -> None:
         self.capture, self.renderer = capture, renderer
-        self._folder, self._own = folder, own_socket
+        self._siblings = siblings
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(CUT_ROUTE, self.cut)
@@ -108,32 +102,14 @@ class GenerationCuts:
     async def all_acks(self, inventory: CutInventory, settings: CaptureSettings,
                        deadline: float) -> WireAcks:
         """The acknowledgements of every call held by this process or a sibling."""
-        asked = [self._siblings_acks(inventory, path, deadline) for path in self._siblings()]
-        answers = await asyncio.gather(self.cut_here(inventory, settings), *asked)
-        acks: WireAcks = {}
-        for held in answers:
-            acks.update(held)
+        here, held = await asyncio.gather(
+            self.cut_here(inventory, settings),
+            self._siblings.ask_all(SIBLING_ROUTE, inventory.to_wire(), deadline))
+        acks: WireAcks = dict(here)
+        for answer in held:
+            acks.update({ticket: ack for ticket, ack in (answer.get("acks") or {}).items()
+                         if isinstance(ack, dict)})
         return acks
-
-    def _siblings(self) -> list[Path]:
-        if self._folder is None:
-            return []
-        return sorted(path for path in self._folder.glob(SOCKET_GLOB) if path != self._own)
-
-    async def _siblings_acks(self, inventory: CutInventory, path: Path,
-                             deadline: float) -> WireAcks:
-        timeout = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
-        try:
-            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)),
-                                             timeout=timeout) as session:
-                async with session.post(f"http://door{SIBLING_ROUTE}",
-                                        json=inventory.to_wire()) as answer:
-                    held = await answer.json() if answer.status == 200 else {}
-        except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            logger.info("sibling %s did not answer the cut: %s", path.name, exc)
-            return {}
-        return {ticket: ack for ticket, ack in (held.get("acks") or {}).items()
-                if isinstance(ack, dict)}
 
     async def sibling(self, request: web.Request) -> web.Response:
         """A sibling's cut: the acknowledgements of the calls this process holds."""

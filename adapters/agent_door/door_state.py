@@ -1,7 +1,9 @@
 """What every process of the door must agree on, kept in the door's SQLite file beside the
 trajectories: the token-capture setup (``CaptureSettings``, set by the trainer's
 ``setup_token_capture``), the rollout weight version turns are stamped with (its
-``set_rollout_weight_version``) and the receipts of generation cuts. A control reaches one
+``set_rollout_weight_version``), the phase of a checkpoint's generation fence (its
+``pause_generation_for_checkpoint`` and the calls that release it, ``fence.py``) and the
+receipts of generation cuts. A control reaches one
 door process; each process reads the setup and the version once per call (one indexed read),
 so every process stamps the same version and a call keeps the one in force when it began.
 
@@ -34,7 +36,12 @@ CREATE TABLE IF NOT EXISTS generation_cuts (
     receipt TEXT, PRIMARY KEY (checkpoint_id, inventory_digest));
 """
 _CAPTURE, _VERSION = "token_capture", "rollout_weight_version"
+_FENCE = "generation_checkpoint_phase"
 CutClaim = Literal["ours", "pending", "done"]
+# A checkpoint's generation fence: ``open`` (no checkpoint), ``frozen`` (new calls held and
+# finished turns kept from staging), ``cut`` (calls decode again, finished turns still kept).
+FencePhase = Literal["open", "frozen", "cut"]
+FENCE_PHASES: tuple[FencePhase, ...] = ("open", "frozen", "cut")
 
 
 @attrs.frozen
@@ -129,6 +136,32 @@ class DoorState:
             raise InvalidValue("version", version, "a rollout weight version is an integer >= 0")
         with self._lock:
             self._put(_VERSION, str(version))
+
+    def fence_phase(self) -> FencePhase:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM door_settings WHERE name = ?",
+                                   (_FENCE,)).fetchone()
+        phase = row[0] if row else "open"
+        return phase if phase in FENCE_PHASES else "open"
+
+    def move_fence(self, to: FencePhase, allowed_from: tuple[FencePhase, ...]
+                   ) -> tuple[FencePhase, FencePhase]:
+        """Set the phase to ``to`` where it is one of ``allowed_from`` (else leave it);
+        ``(phase before, phase after)``, read and written in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT value FROM door_settings WHERE name = ?",
+                                       (_FENCE,)).fetchone()
+                before: FencePhase = row[0] if row and row[0] in FENCE_PHASES else "open"
+                after = to if before in allowed_from else before
+                if after != before:
+                    self._put(_FENCE, after)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return before, after
 
     def _put(self, name: str, value: str) -> None:
         self._db.execute("INSERT INTO door_settings VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
