@@ -37,7 +37,12 @@ WHEELS=(
   # the project's own needs and the tier's test runner
   redis==6.4.0  # imported by Dynamo's own vLLM worker (python -m dynamo.vllm) at its start
   attrs==26.1.0 psutil pytest pluggy iniconfig pytest-timeout
+  # token capture's staging as NeMo-RL runs it: TransferQueue on Ray
+  ray==2.60.0 transferqueue==0.1.11 tensordict==0.15.3 hydra-core==1.3.8 omegaconf==2.3.1
+  pyvers==0.2.3 msgpack==1.2.4 cloudpickle==3.1.3 click==8.5.1 protobuf==7.36.2
 )
+# Published as a source archive only (pure Python): built into a wheel here.
+SOURCE_ONLY=(antlr4-python3-runtime==4.9.3)
 PLATFORMS=(manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64
            manylinux_2_28_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64
            manylinux1_x86_64 linux_x86_64)
@@ -53,6 +58,7 @@ build() {
       --implementation cp "${platform_args[@]}" -d "$dir/wheels" "$wheel" \
       || { echo "no wheel for $wheel" >&2; exit 1; }
   done
+  python3 -m pip wheel -q --no-deps -w "$dir/wheels" "${SOURCE_ONLY[@]}"
   rm -f "$dir"/part-*
   (cd "$dir/wheels" && tar -cf - *.whl) | split -b "${part_mib}M" -d -a 2 - "$dir/part-"
   (cd "$dir" && sha256sum part-* > SHA256SUMS)
