@@ -94,6 +94,7 @@ class TurnStream:
         self._first = True
         self.tokens: TurnTokens | None = None  # once the chunk with the worker's data passed
         self.worker: int | None = None
+        self._engine: dict[str, Any] = {}  # the worker's data, once its chunk passed
 
     def line(self, raw: bytes) -> bytes:
         """One line of the frontend's event stream, as the client gets it."""
@@ -122,10 +123,12 @@ class TurnStream:
             if not self._wants_logprobs:
                 choice["logprobs"] = None
         if engine:
-            self.tokens = turn_tokens(engine, self._prompt)
-            write_cached_tokens(chunk, engine)
+            self.tokens, self._engine = turn_tokens(engine, self._prompt), engine
             for choice in choices:
                 _write_delta_tokens(choice, self.tokens, wants_ids=self._wants_ids)
+        # The usage (``stream_options.include_usage``) comes in a chunk of its own, after the
+        # worker's data: the prefix-cache hit goes there.
+        write_cached_tokens(chunk, self._engine)
 
 
 def _write_delta_tokens(choice: dict[str, Any], tokens: TurnTokens, *, wants_ids: bool) -> None:
