@@ -2,8 +2,8 @@
 # The project's test command: installs what it needs (.venv, idempotent), then runs every tier.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x); a run that names no test
 # path runs the type checker first (scripts/typecheck.sh), then every test. Two pytest-xdist workers
-# (TEST_WORKERS), each taking whole modules (tests/conftest.py) in a network namespace of its own;
-# `-n 0` (or TEST_WORKERS=0) runs everything in one process.
+# (TEST_WORKERS): whatever starts vLLM engines or Ray clusters runs one test at a time on one of
+# them (tests/conftest.py), every other module beside it; `-n 0` runs everything in one process.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -18,17 +18,7 @@ if [ "$partial" = 0 ]; then
   PYTHON="$python" "$root/scripts/typecheck.sh"
   set -- "$@" tests
 fi
-# Each pytest-xdist worker runs in a network namespace of its own (scripts/own-network-python),
-# and the controller in one more (loopback only): Ray's daemons bind every interface.
-export ROLLOUT_FLEET_TEST_PYTHON="$python"
-ROLLOUT_FLEET_TEST_TMP=$(mktemp -d /tmp/rft-XXXXXX)  # short: see scripts/own-network-python
-export ROLLOUT_FLEET_TEST_TMP
-trap 'rm -rf "$ROLLOUT_FLEET_TEST_TMP"' EXIT
-workers=${TEST_WORKERS:-2}
-distribute=()
-if [ "$workers" -gt 0 ]; then
-  distribute=(--dist loadgroup --tx "$workers*popen//python=$root/scripts/own-network-python")
-fi
-unshare -n -- sh -c 'ip link set lo up && exec "$@"' sh \
+# Inside a private network namespace (loopback only): Ray's daemons bind every interface.
+exec unshare -n -- sh -c 'ip link set lo up && exec "$@"' sh \
   "$python" -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 -ra \
-  "${distribute[@]}" "$@"
+  -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -20,32 +20,26 @@ _SCAN_EVERY_S = 2.0
 pytest_plugins = ["tests.support.startup_counts"]
 
 _TESTS = Path(__file__).parent
+# What starts vLLM engines or Ray clusters runs one test at a time, on one pytest-xdist worker
+# (group "engines"): two vLLM starts at once would only share the same cores, and two Ray
+# clusters in one network namespace would share its ports. Every other module is a group of
+# its own, so its module- and session-scoped fixtures start once, on the worker that takes it.
+_ENGINE_TIERS = {"nodes", "refit", "vllm", "fleet"}
+_ENGINE_MARKS = {"vllm", "ray"}
 
 
-def module_group(item) -> str:
-    """Each module is a pytest-xdist group of its own, so its module- and session-scoped
-    fixtures (a fleet, a Ray cluster) start once, on the worker that takes it. Two modules that
-    start engines may run at once: each worker has a network namespace and a temporary folder
-    of its own (scripts/own-network-python), so their ports, sockets and Ray sessions never meet."""
+def engines_group(item) -> str:
+    """Read as the test is collected, before the tiers' own collection hooks add marks: their
+    rules are repeated here (a tier's folder; tests/cli's ``fleet`` fixture: a Ray cluster)."""
+    tier = Path(str(item.path)).relative_to(_TESTS).parts[0]
+    marks = {mark.name for mark in item.iter_markers()}
+    if tier in _ENGINE_TIERS or marks & _ENGINE_MARKS or "fleet" in item.fixturenames:
+        return "engines"
     return str(Path(str(item.path)).relative_to(_TESTS))
 
 
 def pytest_itemcollected(item):  # as each is collected: before pytest-xdist reads the groups
-    item.add_marker(pytest.mark.xdist_group(module_group(item)))
-
-
-# The tiers whose modules take longest (minutes: whole fleets), in that order, go first: the
-# workers hand out modules in collection order, and a long one taken last is a run's tail.
-_LONGEST_TIERS_FIRST = ("fleet", "cli", "refit", "vllm", "faults")
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        tier = Path(str(item.path)).relative_to(_TESTS).parts[0]
-        return _LONGEST_TIERS_FIRST.index(tier) if tier in _LONGEST_TIERS_FIRST \
-            else len(_LONGEST_TIERS_FIRST)
-
-    items.sort(key=rank)  # stable: a module's tests keep their order
+    item.add_marker(pytest.mark.xdist_group(engines_group(item)))
 
 
 @pytest.fixture(scope="session", autouse=True)
