@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import random
+import time
 
 import pytest
 
@@ -173,9 +174,18 @@ def test_an_attempt_past_its_request_timeout_is_a_transport_error(kind):
             rollout(transport, RolloutRequest("r-deadline", [3], 2),
                     policy=RetryPolicy(max_attempts=2, jitter=0.0))
         assert isinstance(caught.value.last_error, TransportError)
+        # The client gave up on the second attempt after 0.2 s: on a loaded machine the server's
+        # thread may log its arrival later than that.
+        _wait_for(lambda: len(slow.attempt_ids) >= 2, timeout_s=30.0)
         assert slow.attempt_ids == ["r-deadline", "r-deadline"]
     finally:
         slow.close()
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
