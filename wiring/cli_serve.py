@@ -15,9 +15,11 @@ from rollout_fleet.ports.placement import PlacementKind
 def add_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve", help="start a fleet and keep it up until Ctrl-C",
-        description="Start a fleet (workers on Ray, a Dynamo frontend), print the frontend URL and "
-                    "the workers' control endpoints, write a fleet file for `generate` and "
-                    "`refit`, and serve until Ctrl-C or SIGTERM; then stop everything.")
+        description="Start a fleet (workers on Ray, a Dynamo frontend, the door in front of "
+                    "it), print the fleet's URL (the door's: every client's, OpenAI base URL "
+                    "URL/v1) and the workers' control endpoints, write a fleet file for "
+                    "`generate` and `refit`, and serve until Ctrl-C or SIGTERM; then stop "
+                    "everything. A door process that dies is replaced.")
     serve.add_argument("--config", required=True, help="the fleet config (TOML or JSON); see "
                                                        "docs/running-a-fleet.md")
     serve.add_argument("--fleet-file", default=None,
@@ -41,7 +43,7 @@ def run_serve(args: argparse.Namespace) -> int:
         fleet_file = Path(args.fleet_file or fleet.run_dir / "fleet.json").resolve()
         try:
             FleetFile.of_fleet(fleet).write(fleet_file)
-            print(f"frontend: {fleet.frontend_url}")
+            _print_urls(fleet)
             for name, url in fleet.control_urls.items():
                 print(f"control {name}: {url}/engine/control/<name>")
             print(f"fleet file: {fleet_file}")
@@ -57,6 +59,15 @@ def run_serve(args: argparse.Namespace) -> int:
             ray.shutdown()
     print("fleet stopped", flush=True)
     return 0
+
+
+def _print_urls(fleet) -> None:
+    if fleet.door is not None:
+        print(f"url: {fleet.door_url} (OpenAI base URL {fleet.door_url}/v1; "
+              f"{len(fleet.door.pids)} door processes)")
+        print(f"frontend (internal: the driver's rollouts): {fleet.frontend_url}")
+    else:
+        print(f"url: {fleet.frontend_url} (the frontend: no door, [door] processes = 0)")
 
 
 def _start_ray(config) -> bool:
@@ -97,8 +108,8 @@ _WATCH_INTERVAL_S = 1.0  # how often `serve` looks for lost and joined workers
 
 
 def _serve_until(stop: threading.Event, fleet, fleet_file: Path) -> None:
-    """Report each lost worker and each that joined (``replace_lost_workers``); the fleet file
-    lists the live workers."""
+    """Report each lost worker and each that joined (``replace_lost_workers``), replace each
+    door process that died; the fleet file lists the live workers and door processes."""
     from rollout_fleet.wiring.fleet_file import FleetFile
 
     _serving.set()
@@ -116,5 +127,27 @@ def _serve_until(stop: threading.Event, fleet, fleet_file: Path) -> None:
             print(f"warning: {name} joined; it serves once the next refit has loaded the "
                   f"current weights on it", file=sys.stderr, flush=True)
         known.update(joined)
-        if newly_lost or joined:
+        if _replace_dead_door_processes(fleet) or newly_lost or joined:
             FleetFile.of_fleet(fleet).write(fleet_file)
+
+
+def _replace_dead_door_processes(fleet) -> bool:
+    """A new door process in place of each that died (tried again next time if one fails to
+    start); whether any was replaced."""
+    from rollout_fleet.wiring.door import DoorStartError
+
+    door = fleet.door
+    if door is None:
+        return False
+    dead = sorted(set(door.pids) - set(door.alive()))
+    if not dead:
+        return False
+    try:
+        started = door.replace_dead()
+    except DoorStartError as exc:
+        print(f"warning: door process(es) {dead} died; a replacement failed to start: "
+              f"{str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        return True
+    print(f"warning: door process(es) {dead} died; replaced by {started}", file=sys.stderr,
+          flush=True)
+    return True

@@ -28,6 +28,7 @@ from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.ports.engine_kind import FleetFacts
 from rollout_fleet.ports.placement import PlacementKind
 from rollout_fleet.wiring.colocation import ColocationConfig
+from rollout_fleet.wiring.door_config import DoorSection
 from rollout_fleet.wiring.engines import EngineChoice
 
 
@@ -155,6 +156,7 @@ class FleetConfig(_Strict):
     colocation: ColocationConfig = Field(
         default_factory=ColocationConfig, description="workers that share their devices with "
         "trainer ranks and sleep between generation phases (wiring/colocation.py)")
+    door: DoorSection = DoorSection()
     chat: dict[str, Any] = Field(
         default_factory=dict, description="how each worker registers its model for chat: "
         "tool_call_parser and reasoning_parser (names Dynamo offers), custom_jinja_template "
@@ -222,6 +224,11 @@ class FleetConfig(_Strict):
             raise ValueError("refit.backend='nccl' needs device='gpu'")
         if self.frontend_port and port_in_use(self.bind_host, self.frontend_port):
             raise ValueError(f"frontend_port={self.frontend_port} is already in use on {self.bind_host}")
+        if self.door.processes and self.door.port:
+            if self.door.port == self.frontend_port:
+                raise ValueError(f"door.port={self.door.port}: frontend_port is the same port")
+            if port_in_use(self.bind_host, self.door.port):
+                raise ValueError(f"door.port={self.door.port} is already in use on {self.bind_host}")
         return self
 
     @functools.cached_property

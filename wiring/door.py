@@ -2,11 +2,16 @@
 each binding it with SO_REUSEPORT, so the kernel spreads new connections over them; each in a
 process group of its own, stopped by that group. They share one trajectory store (SQLite, in
 ``<run_dir>/door/``): a turn any of them recorded is continued by any other, and one that dies
-loses nothing. What the composition root calls:
+loses nothing. Each process loads the model's tokenizer at the first request that needs it
+(``adapters/agent_door/template.py``), so a door starts in well under a second a process.
+
+``Fleet.start`` starts the fleet's door once its workers are registered (``[door]`` in its
+config; ``fleet.door``, ``fleet.door_url``) and its shutdown stops it first
+(``wiring/fleet_services.py``). By hand, in front of any frontend:
 
     door = start_door(fleet.frontend_url, fleet.model_path, config.served_model_name,
                       config.chat, max_model_len=config.max_model_len, host=config.bind_host,
-                      port=0, processes=None, run_dir=fleet.run_dir,
+                      port=0, processes=None, run_dir=some_folder,
                       control_secret=fleet.secret)
     door.url            # http://host:port (OpenAI clients: door.url + "/v1")
     door.controls()     # the trainer's token-capture controls (DoorControlClient)
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,11 +42,8 @@ from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.sampling_guard import SamplingProfiles
 from rollout_fleet.core.validate import finite_at_least, positive_int
+from rollout_fleet.wiring.door_config import default_door_processes
 from rollout_fleet.wiring.door_control_client import DoorControlClient
-
-
-def default_door_processes() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 @attrs.frozen
@@ -202,6 +203,19 @@ def start_door(frontend_url: str, model_path: str, served_model_name: str,
     its trajectories' workers are gone, and its token-capture setup with them.
     ``control_secret`` (the fleet's): what every control call must carry (None: the door
     takes no control)."""
+    return door_processes(frontend_url, model_path, served_model_name, chat,
+                          max_model_len=max_model_len, host=host, port=port, processes=processes,
+                          run_dir=run_dir, settings=settings,
+                          control_secret=control_secret).start()
+
+
+def door_processes(frontend_url: str, model_path: str, served_model_name: str,
+                   chat: Mapping[str, Any] | None = None, *, max_model_len: int,
+                   host: str = "127.0.0.1", port: int = 0, processes: int | None = None,
+                   run_dir: str | Path, settings: DoorSettings | None = None,
+                   control_secret: str | None = None) -> DoorProcesses:
+    """The door as ``start_door`` starts it, not started yet (its spec written, its port
+    claimed): a caller records it first, then calls ``start``."""
     settings = settings or DoorSettings()
     if processes is not None:
         settings = attrs.evolve(settings, processes=processes)
@@ -223,7 +237,7 @@ def start_door(frontend_url: str, model_path: str, served_model_name: str,
         "retry": attrs.asdict(settings.retry), "render_threads": settings.render_threads,
         "stop_s": settings.stop_s, "ready_folder": str(folder),
         "sampling": settings.sampling.to_wire() if settings.sampling else None}))
-    return DoorProcesses(host, port, folder, settings, spec, ports, control_secret).start()
+    return DoorProcesses(host, port, folder, settings, spec, ports, control_secret)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """The fleet: N workers started by a placement, one Dynamo frontend owned by the driver,
-discovery between them, and a shutdown that leaves nothing behind. The one composition root:
+discovery between them, the door in front of the frontend (the fleet's one URL for clients:
+``fleet.door_url``), and a shutdown that leaves nothing behind. The one composition root:
 the CLI, the demo, the benches and the tests all start their fleets here.
 
     fleet = Fleet.start(parse_config({...}))     # or load_config("fleet.toml")
@@ -53,6 +54,7 @@ from rollout_fleet.wiring.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
     from rollout_fleet.adapters.nemo_rl import FleetGeneration
+    from rollout_fleet.wiring.door import DoorProcesses
     from rollout_fleet.wiring.driver import WorkerEndpoint
 
 # call_control and http_settings are imported from here too (the CLI, tests, benches).
@@ -129,6 +131,7 @@ class Fleet:
         for worker in self.workers:
             self._wait_worker_ready(worker, deadline)
         self._services.wait_until_routed(self._instances.values(), deadline)
+        self._services.start_door(self.model_path, self.secret)
         cleanup = LostWorkerCleanup(self._instances, kill=self.placement.kill,
                                     forget=self._services.forgetter())
         replace = self.replace_lost_workers if self.config.replace_lost_workers else None
@@ -195,6 +198,15 @@ class Fleet:
         return self._services.started_frontend().url
 
     @property
+    def door(self) -> "DoorProcesses | None":  # None with [door] processes = 0
+        return self._services.door
+
+    @property
+    def door_url(self) -> str:
+        """The fleet's URL for every client (OpenAI: ``+ "/v1"``); the frontend is internal."""
+        return self._services.started_door().url
+
+    @property
     def collective_backend(self) -> str:
         """NCCL between GPUs, gloo between CPUs, or as ``refit.backend`` says."""
         return collective_backend(self.config)
@@ -250,15 +262,12 @@ class Fleet:
         return dict(self._instances)
 
     def process_groups(self) -> list[int]:
-        """The process group of every worker and of the frontend (each leads its own)."""
-        groups = [w.pid for w in self.workers]
-        if self.frontend is not None and self.frontend.process is not None:
-            groups.append(self.frontend.process.pid)
-        return groups
+        """The process group of each worker, of the frontend and of each door process."""
+        return [w.pid for w in self.workers] + self._services.process_groups()
 
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the frontend, the workers and their engines, the placement, etcd. Idempotent."""
+        """Stop the door, frontend, workers (their engines), placement, etcd. Idempotent."""
         if self._stopped:
             return
         self._stopped = True

@@ -22,7 +22,7 @@ _FLAG = "--fleet-file"
 
 @attrs.frozen
 class FleetFile:
-    frontend_url: str
+    frontend_url: str  # the driver's rollouts (generate, refit); internal to the fleet
     control_urls: dict[str, str]
     secret: str = attrs.field(repr=False)
     serve_pid: int  # the `serve` process that owns the fleet
@@ -35,7 +35,9 @@ class FleetFile:
     device: str = "cpu"
     # What the workers' receivers use (NCCL on GPU fleets); the trainer side must match it.
     collective_backend: str = "gloo"
-    processes: dict[str, int] = attrs.field(factory=dict)  # name -> pid (frontend, workers)
+    # name -> pid of each process group the fleet runs here: frontend, workers, door-<i>
+    processes: dict[str, int] = attrs.field(factory=dict)
+    door_url: str = ""  # the fleet's URL for every other client ("": no door)
 
     @classmethod
     def of_fleet(cls, fleet: Any) -> "FleetFile":
@@ -44,13 +46,15 @@ class FleetFile:
         processes = {w.name: w.pid for w in fleet.workers if w.name in live}
         if fleet.frontend is not None and fleet.frontend.process is not None:
             processes["frontend"] = fleet.frontend.process.pid
+        door = fleet.door
+        processes.update({f"door-{i}": pid for i, pid in enumerate(door.pids if door else [])})
         return cls(frontend_url=fleet.frontend_url, control_urls=live,
                    secret=fleet.secret, serve_pid=os.getpid(),
                    served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                    max_new_tokens=config.max_new_tokens, buffer_bytes=config.refit.buffer_bytes,
                    num_buffers=config.refit.num_buffers, ranks_per_worker=config.ranks_per_worker,
                    device=config.device, collective_backend=fleet.collective_backend,
-                   processes=processes)
+                   processes=processes, door_url=door.url if door else "")
 
     def write(self, path: str | Path) -> Path:
         """Write the file readable by its owner only (it carries the control secret); a reader
@@ -88,7 +92,7 @@ class FleetFile:
 
 
 def _check_types(path: str | Path, data: dict[str, Any]) -> None:
-    checks = {"frontend_url": str, "secret": str, "serve_pid": int, "control_urls": dict,
+    checks = {"frontend_url": str, "door_url": str, "secret": str, "serve_pid": int, "control_urls": dict,
               "served_model_name": str, "max_model_len": int, "max_new_tokens": int}
     for key, kind in checks.items():
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], kind)):

@@ -94,7 +94,7 @@ class AgentDoor:
             return await self.captured.answer(body, settings, version)
         wants = token_wishes(body)
         messages, roles, known = known_turns(body)
-        check_known_vocabulary(known, self.template.vocab_size)
+        check_known_vocabulary(known, await self.renderer.vocab_size())
         budget = max_tokens_asked(body)
         if group_size(body) > 1:
             if trajectory is not None:
@@ -146,7 +146,7 @@ class AgentDoor:
                               ) -> tuple[list[dict[str, Any]], list[int]]:
         """A captured call's messages and prompt (its admitted prefix spliced in)."""
         messages, _roles, known = known_turns(body)
-        check_known_vocabulary(known, self.template.vocab_size)
+        check_known_vocabulary(known, await self.renderer.vocab_size())
         return messages, await self._chat_prompt(body, messages, known, max_tokens_asked(body))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

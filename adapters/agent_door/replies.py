@@ -1,8 +1,8 @@
 """What the door answers besides a served turn: a refusal of the request (400, or 409 for a
 trajectory the fleet no longer holds) naming the field and the value, the frontend's own error
 passed on with its status, the frontend unreachable (502, 504 past the read deadline), token
-staging unavailable (503). Every route goes through ``door_middleware``, which also names the
-door process in each answer."""
+staging unavailable or the model's tokenizer not loadable (503). Every route goes through
+``door_middleware``, which also names the door process in each answer."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from rollout_fleet.adapters.agent_door.hop import Answer, FrontendUnreachable
+from rollout_fleet.adapters.agent_door.template import TokenizerUnavailable
 from rollout_fleet.core.agent_turns import TrajectoryNotHeld
 from rollout_fleet.core.capture_records import StagingUnavailable
 from rollout_fleet.core.errors import InvalidValue
@@ -50,6 +51,8 @@ async def door_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return error(str(exc), 504 if exc.timed_out else 502)
     except StagingUnavailable as exc:  # token capture's staging: the trainer's store
         return error(f"token staging is unavailable: {exc}", 503)
+    except TokenizerUnavailable as exc:  # what needs no tokenizer is still served
+        return error(str(exc), 503)
 
 
 async def name_the_door_process(_request: web.Request, response: web.StreamResponse) -> None:

@@ -57,7 +57,7 @@ class DoorTools:
         if "messages" in body:
             trajectory = trajectory_name(request, body)
             messages, roles, known = known_turns(body)
-            check_known_vocabulary(known, self.template.vocab_size)
+            check_known_vocabulary(known, await self.renderer.vocab_size())
             latest = await self.records.latest(trajectory)
             check_trajectory_held(trajectory, latest, roles, known)
             known = with_latest_turn(latest, known, roles)
@@ -82,7 +82,7 @@ class DoorTools:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
             raise InvalidValue("tokens", tokens, "must be a list of token IDs")
-        check_vocabulary("tokens", tokens, self.template.vocab_size)
+        check_vocabulary("tokens", tokens, await self.renderer.vocab_size())
         return web.json_response({"prompt": await self.renderer.run(lambda t: t.decode(tokens))})
 
     async def models(self, _request: web.Request) -> web.Response:
@@ -99,7 +99,7 @@ class DoorTools:
         body = await json_body(request)
         model = self.template.served_model_name
         rollout = generate_request(body, model=model, max_model_len=self.max_model_len,
-                                   vocab_size=self.template.vocab_size)
+                                   vocab_size=await self.renderer.vocab_size())
         session = request.headers.get(SESSION_HEADER) or None
         sent = completion_body(rollout, model)
         sent["nvext"]["extra_fields"].append("worker_id")

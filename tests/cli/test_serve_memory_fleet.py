@@ -1,15 +1,19 @@
-"""End to end on a real fleet (2 memory-engine workers on Ray, the real Dynamo frontend):
-`serve` in a subprocess, `generate`, `sleep` / `wake` and `refit` through its fleet file, then
-Ctrl-C (SIGINT) stops everything: no process of the fleet left, no port still listening."""
+"""End to end on a real fleet (2 memory-engine workers on Ray, the real Dynamo frontend, the
+fleet's door): `serve` in a subprocess, `generate`, `sleep` / `wake` and `refit` through its
+fleet file; the URL `serve` prints is the door's, which answers `generate`'s greedy tokens and
+whose dead processes `serve` replaces; then Ctrl-C (SIGINT) stops everything: no process of the
+fleet left, no port still listening."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.net import in_private_netns
@@ -129,6 +133,32 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
     assert [r["token_ids"] for r in bare] == [r["token_ids"] for r in before]
     assert [r["logprobs"] for r in bare] == [None] * len(before)
 
+    # the URL serve prints is the door's: the same greedy tokens and logprobs as `generate`
+    door_url = _the_door(served, log)
+    for prompt, result in zip(PROMPTS, before):
+        answer = httpx.post(f"{door_url}/inference/v1/generate", timeout=60, json={
+            "token_ids": prompt, "sampling_params": {"max_tokens": MAX_NEW, "temperature": 0,
+                                                     "logprobs": 0}})
+        assert answer.status_code == 200, answer.text
+        (choice,) = answer.json()["choices"]
+        assert choice["token_ids"] == result["token_ids"]
+        assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(
+            result["logprobs"], abs=1e-6)
+    # a door process that dies: serve replaces it and lists the new one in the fleet file
+    dead = served["processes"]["door-0"]
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while f"door process(es) [{dead}] died; replaced by" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while json.loads(fleet_file.read_text())["processes"]["door-0"] == dead:
+        assert time.monotonic() < deadline, fleet_file.read_text()
+        time.sleep(0.2)
+    replaced = json.loads(fleet_file.read_text())["processes"]
+    assert os.path.exists(f"/proc/{replaced['door-0']}")
+    assert httpx.get(f"{door_url}/health", timeout=30).status_code == 200
+
     # text prompts through the model folder's tokenizer, the text of each answer back
     tokenizer_dir = fleet_file.parent / "model-memory"
     (tmp_path / "t").mkdir()
@@ -199,16 +229,31 @@ def test_serve_generate_refit_and_stop_on_ctrl_c(fleet, tmp_path):
     assert [r["token_ids"] for r in again] == [list(a.token_ids) for a in want_2]
 
     # Ctrl-C: serve stops the fleet and exits 0; nothing of it is left
-    ports = [_port(served["frontend_url"])] + [_port(u) for u in (
+    ports = [_port(served["frontend_url"]), _port(door_url)] + [_port(u) for u in (
         *served["control_urls"].values(), *rejoined["control_urls"].values())]
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "fleet stopped" in text and "Traceback" not in text, text[-3000:]
     assert not fleet_file.exists()
-    groups = [process.pid, *served["processes"].values(), *rejoined["processes"].values()]
+    groups = [process.pid, *served["processes"].values(), *replaced.values(),
+              *rejoined["processes"].values()]
     assert leftover_processes(groups, wait_s=15) == []
     assert [p for p in ports if _listening(p)] == []
+
+
+def _the_door(served: dict, log: Path) -> str:
+    """The fleet's URL as serve prints it and the fleet file names it; its door processes
+    (min(4, cores) of them) are in the file's process list."""
+    door_url = served["door_url"]
+    assert door_url.startswith("http://127.0.0.1:") and door_url != served["frontend_url"]
+    assert f"url: {door_url} (OpenAI base URL {door_url}/v1; " in log.read_text()
+    assert f"frontend (internal: the driver's rollouts): {served['frontend_url']}" in \
+        log.read_text()
+    doors = sorted(name for name in served["processes"] if name.startswith("door-"))
+    assert doors == [f"door-{i}" for i in range(min(4, os.cpu_count() or 1))], doors
+    assert httpx.get(f"{door_url}/health", timeout=30).status_code == 200
+    return door_url
 
 
 def _port(url: str) -> int:

@@ -1,4 +1,5 @@
-"""End to end with a real vLLM worker: `serve` a 1-worker vLLM fleet (the tiny model, seed 0),
+"""End to end with a real vLLM worker: `serve` a 1-worker vLLM fleet (the tiny model, seed 0);
+the URL it prints is the fleet's door, whose token-in answers are `generate`'s greedy tokens;
 `refit` it with the seed-1 checkpoint, and `generate` shows the new model's greedy answers;
 `refit --from-disk` reloads the same folder in the worker itself (version 2, the same
 answers), and refuses a wrong one by name."""
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from tests.support.net import in_private_netns
@@ -56,6 +58,7 @@ def test_refit_a_vllm_fleet_from_a_checkpoint(tmp_path):
         served = json.loads(fleet_file.read_text())
         before = _greedy(tmp_path, fleet_file, "before")
         assert all(r["weight_version"] == 0 and r["token_ids"] for r in before)
+        _door_answers_as_generate(served, log.read_text(), before)
 
         # a checkpoint of the wrong model is refused before any transfer
         (tmp_path / "wrong").mkdir()
@@ -90,6 +93,23 @@ def test_refit_a_vllm_fleet_from_a_checkpoint(tmp_path):
         assert leftover_processes([process.pid, *served["processes"].values()], wait_s=20) == []
     finally:
         stop_child(process, sig=signal.SIGINT, timeout_s=60)
+
+
+def _door_answers_as_generate(served, log, results):
+    """The URL serve prints, the door's (the frontend internal): its /inference/v1/generate
+    gives the greedy tokens and logprobs `generate` got through the driver."""
+    door_url = served["door_url"]
+    assert f"url: {door_url} (OpenAI base URL {door_url}/v1; " in log
+    assert any(name.startswith("door-") for name in served["processes"])
+    for prompt, result in zip(PROMPTS, results):
+        answer = httpx.post(f"{door_url}/inference/v1/generate", timeout=120, json={
+            "token_ids": prompt, "sampling_params": {"max_tokens": 8, "temperature": 0,
+                                                     "logprobs": 0}})
+        assert answer.status_code == 200, answer.text
+        (choice,) = answer.json()["choices"]
+        assert choice["token_ids"] == result["token_ids"]
+        assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(
+            result["logprobs"], abs=1e-4)
 
 
 def _truncated_copy(source, target):

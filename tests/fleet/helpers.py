@@ -43,10 +43,12 @@ def _cmdline(pid: int) -> str:
 def fleet_ports(fleet) -> list[int]:
     ports = [fleet.frontend.http_port]
     ports += [w.ports["DYN_SYSTEM_PORT"] for w in fleet.workers]
-    return ports
+    return ports + ([fleet.door.port] if fleet.door is not None else [])
 
 
 def non_loopback_fleet_listeners(fleet) -> list:
-    """Listeners of the frontend and workers (Dynamo's own servers) that are not on loopback."""
+    """Listeners of the frontend and workers (Dynamo's own servers) and of the door's processes
+    that are not on loopback."""
     pids = [fleet.frontend.process.pid] + [w.pid for w in fleet.workers]
+    pids += fleet.door.pids if fleet.door is not None else []
     return [s for s in listening_sockets(pids) if not s.is_loopback]

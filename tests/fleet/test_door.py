@@ -1,13 +1,14 @@
-"""The fleet's door as its own processes: three door processes behind one port
-(``wiring/door.py``: SO_REUSEPORT), a SQLite trajectory store they share, in front of a fleet
-of two real vLLM workers (local processes) behind the real frontend, serving a tiny model that
-writes Hermes-style tool calls. The official ``openai`` client gets completions, chat, streams,
+"""The fleet's door, the URL ``Fleet.start`` hands out (``fleet.door_url``): three door processes
+behind one port (``wiring/door.py``: SO_REUSEPORT, ``[door] processes = 3``), a SQLite
+trajectory store they share, in front of a fleet of two real vLLM workers (local processes)
+behind the real frontend, serving a tiny model that writes Hermes-style tool calls. The official ``openai`` client gets completions, chat, streams,
 ``n = 2`` and logprobs at the door's URL; vLLM's ``return_token_ids`` and its token-in/token-out
 ``/inference/v1/generate`` (the same tokens as the fleet's own rollout client, a session pinned
 to one worker); a tool loop named only by its trajectory stays token-exact while different door
 processes answer its turns, and after the process that answered one is killed; refusals come
-with their status and name what they refuse, and the next request is served. The fleet and the
-door start once for the module; the last test kills a door process."""
+with their status and name what they refuse, and the next request is served. The fleet (its
+door with it) starts once for the module; the last test kills a door process; the fleet's
+shutdown leaves none of them."""
 
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_mo
 from rollout_fleet.core.rollout import RolloutRequest
 from rollout_fleet.core.rollout_client import RolloutClient
 from rollout_fleet.wiring.config import parse_config
-from rollout_fleet.wiring.door import start_door
 from rollout_fleet.wiring.fleet import Fleet
 from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
 
@@ -47,7 +47,7 @@ CALL_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def fleet_and_door(tmp_path_factory):
+def fleet(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("door-model"),
                              spec=TinyModelSpec(tool_calls=True))
     before = own_children_before()
@@ -56,38 +56,28 @@ def fleet_and_door(tmp_path_factory):
         "num_workers": 2, "router": "round-robin", "max_model_len": MAX_MODEL_LEN,
         "engine": {"kind": "vllm", "dtype": "float32", "enforce_eager": True,
                    "extra_engine_args": {"logprobs_mode": "processed_logprobs"}},
-        "chat": {"tool_call_parser": "hermes"},
+        "chat": {"tool_call_parser": "hermes"}, "door": {"processes": DOOR_PROCESSES},
         "run_dir": str(tmp_path_factory.mktemp("door-fleet") / "run"),
         "timeouts": {"start_s": 400}}))
-    door = None
     try:
-        door = start_door(fleet.frontend_url, fleet.model_path, MODEL, fleet.config.chat,
-                          max_model_len=MAX_MODEL_LEN, host="127.0.0.1", port=0,
-                          processes=DOOR_PROCESSES, run_dir=fleet.run_dir)
-        groups = fleet.process_groups() + door.process_groups
-        ports = [*fleet_ports(fleet), door.port]
-        yield fleet, door
+        ports = fleet_ports(fleet)
+        assert fleet.door is not None and fleet.door_url == fleet.door.url
+        assert len(fleet.door.pids) == DOOR_PROCESSES
+        yield fleet
     finally:
-        if door is not None:
-            groups = fleet.process_groups() + door.process_groups  # replacements too
-            door.stop()
+        groups = fleet.process_groups()  # the door's processes, replacements too
         fleet.shutdown()
     assert_nothing_left(groups, ports, before)
 
 
 @pytest.fixture(scope="module")
-def fleet(fleet_and_door):
-    return fleet_and_door[0]
-
-
-@pytest.fixture(scope="module")
-def door(fleet_and_door):
-    return fleet_and_door[1]
+def door(fleet):
+    return fleet.door
 
 
 @pytest.fixture
-def client(door):
-    with openai.OpenAI(base_url=f"{door.url}/v1", api_key="unused", timeout=120,
+def client(fleet):
+    with openai.OpenAI(base_url=f"{fleet.door_url}/v1", api_key="unused", timeout=120,
                        max_retries=0) as client:
         yield client
 

@@ -27,7 +27,6 @@ from rollout_fleet.adapters.agent_door.replies import DOOR_PROCESS_HEADER
 from rollout_fleet.adapters.tiny_model.build import build_tiny_model
 from rollout_fleet.core.generation_cut import CUT_ROUTE
 from rollout_fleet.wiring.config import parse_config
-from rollout_fleet.wiring.door import start_door
 from rollout_fleet.wiring.door_control_client import DoorControlError
 from rollout_fleet.wiring.fleet import Fleet
 from tests.fleet.helpers import assert_nothing_left, fleet_ports, own_children_before
@@ -56,7 +55,7 @@ def stack(tmp_path_factory):
 
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False, configure_logging=False)
-    fleet = door = None
+    fleet = None
     try:
         start_transfer_queue(storage_units=1)
         model = build_tiny_model(tmp_path_factory.mktemp("capture-model"))
@@ -67,16 +66,12 @@ def stack(tmp_path_factory):
             "engine": {"kind": "vllm", "dtype": "float32", "enforce_eager": True,
                        "extra_engine_args": {"logprobs_mode": "processed_logprobs"}},
             "run_dir": str(tmp_path_factory.mktemp("capture-fleet") / "run"),
-            "timeouts": {"start_s": 400}}))
-        door = start_door(fleet.frontend_url, fleet.model_path, MODEL, fleet.config.chat,
-                          max_model_len=MAX_MODEL_LEN, processes=2, run_dir=fleet.run_dir,
-                          control_secret=fleet.secret)
+            "door": {"processes": 2}, "timeouts": {"start_s": 400}}))
+        door = fleet.door
         yield fleet, door, TransferQueueStaging(PARTITION)
     finally:
-        groups = (fleet.process_groups() if fleet else []) + (door.process_groups if door else [])
-        ports = ([*fleet_ports(fleet), door.port] if fleet and door else [])
-        if door is not None:
-            door.stop()
+        groups = fleet.process_groups() if fleet else []  # the door's processes too
+        ports = fleet_ports(fleet) if fleet else []
         if fleet is not None:
             fleet.shutdown()
         stop_transfer_queue()

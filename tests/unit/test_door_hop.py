@@ -21,7 +21,7 @@ from rollout_fleet.adapters.agent_door.hop import HopSettings
 from rollout_fleet.adapters.agent_door.replies import DOOR_PROCESS_HEADER, PROMPT_HEADER
 from rollout_fleet.adapters.tiny_model.build import BOS, EOS, PAD, TOOL_ALPHABET, TOOL_CHAT_TEMPLATE
 from rollout_fleet.core.retry import RetryPolicy
-from rollout_fleet.wiring.agent_door import AgentDoorServer, build_door
+from tests.support.served_app import Served, thread_door
 
 MAX_MODEL_LEN = 128
 GENERATED = [40, 41, 2]
@@ -82,25 +82,6 @@ class Frontend:
         return stream
 
 
-class Served:
-    """A server on an event loop of its own thread."""
-
-    def __init__(self, app: web.Application) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.runner = web.AppRunner(app)
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
-
-    async def _start(self) -> None:
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 @pytest.fixture(scope="module")
 def frontend():
     stand_in = Frontend()
@@ -110,16 +91,15 @@ def frontend():
     served.stop()
 
 
-def door_for(frontend_url: str, model: Path, **hop) -> AgentDoorServer:
+def door_for(frontend_url: str, model: Path, **hop) -> Served:
     settings = HopSettings(retry=RetryPolicy(max_attempts=3, base_delay_s=0.01), **hop)
-    return AgentDoorServer(build_door(frontend_url, str(model), "tiny",
-                                      max_model_len=MAX_MODEL_LEN, hop=settings)).start()
+    return thread_door(frontend_url, model, "tiny", max_model_len=MAX_MODEL_LEN, hop=settings)
 
 
 @pytest.fixture(scope="module")
 def door(frontend, model):
     server = door_for(frontend.url, model, read_s=1.0)
-    yield server.url.removesuffix("/v1")
+    yield server.url
     server.stop()
 
 
@@ -171,21 +151,51 @@ def test_the_read_deadline_answers_504_and_an_absent_frontend_502(door, frontend
     served(door)
     nowhere = door_for("http://127.0.0.1:9", model)  # nothing listens on port 9
     try:
-        answer = httpx.post(f"{nowhere.url}/chat/completions", timeout=30, json={
+        answer = httpx.post(f"{nowhere.url}/v1/chat/completions", timeout=30, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     finally:
         nowhere.stop()
     assert answer.status_code == 502 and "127.0.0.1:9" in answer.json()["error"]["message"]
 
 
-def test_a_rollout_of_the_driver_passes_as_its_bytes_are(door, frontend):
-    raw = (b'{"model":"tiny","prompt":[5,6,7],"max_tokens":2,"temperature":0.0,'
+ROLLOUT = (b'{"model":"tiny","prompt":[5,6,7],"max_tokens":2,"temperature":0.0,'
            b'"stream":false,"nvext":{"annotations":["rollout:{\\"v\\":1}"],'
            b'"extra_fields":["engine_data"]}}')
-    answer = httpx.post(f"{door}/v1/completions", content=raw, timeout=30,
-                        headers={"Content-Type": "application/json", "x-request-id": "r-1"})
-    assert answer.status_code == 200 and frontend.received == [raw]
+
+
+def rollout(door: str) -> httpx.Response:
+    """A rollout as the fleet's driver sends it."""
+    return httpx.post(f"{door}/v1/completions", content=ROLLOUT, timeout=30,
+                      headers={"Content-Type": "application/json", "x-request-id": "r-1"})
+
+
+def test_a_rollout_of_the_driver_passes_as_its_bytes_are(door, frontend):
+    answer = rollout(door)
+    assert answer.status_code == 200 and frontend.received == [ROLLOUT]
     assert answer.json()["nvext"]["engine_data"]["token_ids"] == GENERATED  # left in
+
+
+def test_the_tokenizer_is_loaded_by_the_first_request_that_needs_it(frontend, tmp_path):
+    """A door starts without its tokenizer: the driver's rollouts and /health never need it.
+    Over a folder without one, what needs it is a 503 naming the folder, and the door serves
+    on."""
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    door = door_for(frontend.url, folder)
+    try:
+        assert rollout(door.url).status_code == 200
+        for path, body in (("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "hi"}]}),
+                           ("/inference/v1/generate", {"token_ids": [5, 6]}),
+                           ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+            answer = httpx.post(f"{door.url}{path}", json=body, timeout=30)
+            assert answer.status_code == 503, (path, answer.text)
+            assert f"the tokenizer of {folder} could not be loaded" in \
+                answer.json()["error"]["message"]
+        assert httpx.get(f"{door.url}/health", timeout=30).status_code == 200
+        assert rollout(door.url).status_code == 200
+    finally:
+        door.stop()
 
 
 def test_a_pinned_turn_whose_worker_is_gone_goes_to_another(door, frontend):
@@ -239,10 +249,9 @@ def test_a_long_render_holds_a_render_thread_not_the_loop(frontend, model, tmp_p
     slow.write_text("{% set ns = namespace(x=0) %}{% for i in range(300) %}"
                     "{% for j in range(1000) %}{% set ns.x = ns.x + 1 %}{% endfor %}{% endfor %}"
                     "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    server = AgentDoorServer(build_door(frontend.url, str(model), "tiny",
-                                        {"custom_jinja_template": str(slow)},
-                                        max_model_len=MAX_MODEL_LEN)).start()
-    base = server.url.removesuffix("/v1")
+    server = thread_door(frontend.url, model, "tiny", {"custom_jinja_template": str(slow)},
+                         max_model_len=MAX_MODEL_LEN)
+    base = server.url
     try:
         rendering = threading.Thread(target=chat, args=(base,))
         started = time.monotonic()

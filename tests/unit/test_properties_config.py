@@ -26,6 +26,7 @@ VALID = {
     "run_dir": None, "max_in_flight": 64, "max_new_tokens": 8, "max_model_len": 64,
     "stop_strings": ["\n"], "context_limit_policy": "reject",
     "retry": VALID_RETRY, "timeouts": VALID_TIMEOUTS, "refit": VALID_REFIT,
+    "door": {"processes": 1, "port": 0, "trajectories": 64, "idle_s": 60.0, "render_threads": 1},
 }
 
 configs = st.builds(
@@ -37,9 +38,12 @@ configs = st.builds(
 
 
 def _without_name_lookups(data):
-    """A hostile bind_host with a non-zero port would make the port check resolve a host name."""
+    """A hostile bind_host with a non-zero port (the frontend's, the door's) would make the port
+    check resolve a host name."""
     if isinstance(data, dict) and data.get("bind_host", "127.0.0.1") != "127.0.0.1":
         data = {**data, "frontend_port": 0}
+        if isinstance(data.get("door"), dict):
+            data["door"] = {**data["door"], "port": 0}
     return data
 
 

@@ -83,6 +83,7 @@ fleet_files = st.builds(
     buffer_bytes=positive, num_buffers=st.integers(1, 64), ranks_per_worker=st.integers(1, 8),
     device=st.sampled_from(["cpu", "gpu"]), collective_backend=st.sampled_from(["gloo", "nccl"]),
     processes=st.dictionaries(names, st.integers(1, 2**22), max_size=4),
+    door_url=st.just("") | st.integers(1, 65535).map("http://127.0.0.1:{}".format),
 )
 
 
