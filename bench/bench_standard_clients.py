@@ -224,12 +224,18 @@ main()
 """
 
 
-def vllm_server_command(model: Path, args, port: int, api_servers: int = 1) -> list[str]:
+def vllm_server_command(model: Path, args, port: int, api_servers: int = 1,
+                        counts_prefix_cache: bool = False) -> list[str]:
     """vLLM's OpenAI server on the fleet's engine arguments: one API process as
     ``python -m vllm.entrypoints.openai.api_server``, or ``api_servers`` of them behind one port
-    as ``vllm serve --api-server-count K`` (each talks to the one engine core)."""
-    tail = [*vllm_server_flags(model, args), "--served-model-name", SERVED_MODEL,
-            "--host", "127.0.0.1", "--port", str(port)]
+    as ``vllm serve --api-server-count K`` (each talks to the one engine core).
+    ``counts_prefix_cache``: vLLM's stats on (its default; its /metrics counts prefix-cache
+    hits) and each answer's cached prompt tokens in its usage."""
+    flags = vllm_server_flags(model, args)
+    if counts_prefix_cache:
+        flags = [flag for flag in flags if flag != "--disable-log-stats"]
+        flags.append("--enable-prompt-tokens-details")
+    tail = [*flags, "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port)]
     if api_servers == 1:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *tail]
     flags = [flag for flag in tail if flag != "--model" and flag != str(model)]
@@ -237,9 +243,10 @@ def vllm_server_command(model: Path, args, port: int, api_servers: int = 1) -> l
             "--api-server-count", str(api_servers)]
 
 
-def start_vllm(run_dir: Path, model: Path, args, running: list, api_servers: int = 1):
+def start_vllm(run_dir: Path, model: Path, args, running: list, api_servers: int = 1,
+               counts_prefix_cache: bool = False):
     """vLLM's own server (``api_servers`` API processes), put in ``running`` as soon as it is
-    started."""
+    started (``counts_prefix_cache``: as ``vllm_server_command`` says)."""
     from rollout_fleet.adapters.vllm.host.config import precision_env
 
     port = free_port()
@@ -251,7 +258,7 @@ def start_vllm(run_dir: Path, model: Path, args, running: list, api_servers: int
     ipc_folder = tempfile.mkdtemp(prefix="rollout-fleet-bench-vllm-")
     env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir, args),
            "VLLM_RPC_BASE_PATH": ipc_folder}
-    command = vllm_server_command(model, args, port, api_servers)
+    command = vllm_server_command(model, args, port, api_servers, counts_prefix_cache)
     announce_launch(name, command, log)
     server = start(command, log, env)
     _IPC_FOLDERS[server.pid] = ipc_folder
