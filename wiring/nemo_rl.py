@@ -13,16 +13,28 @@ becomes: each is passed on or refused by name. Workers go into the placement gro
 ``cluster`` (one bundle per engine rank); without them, the worker count comes from its
 ``world_size()``; with no cluster, one CPU worker runs on this machine. An optional
 ``rollout_fleet`` section holds ``FleetConfig`` fields that NeMo-RL has no key for.
+
+Every method and member of NeMo-RL's newest ``GenerationInterface`` and of the handle its
+controller drives is here: token capture and the checkpoint hooks over the fleet's door
+(``nemo_rl_capture.py``), ``nccl_reshard_refit`` over the many-source sharded refit
+(``adapters/nemo_rl/reshard.py``), the disk refit, ``load_and_start`` and the
+``weight_synchronizer`` NeMo-RL attaches. What the fleet does its own way (shard restarts and
+fleet health: it replaces lost workers and retries itself) is refused as NeMo-RL's interface
+refuses it, with NotImplementedError naming this class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
-from rollout_fleet.core.errors import InvalidValue
+from rollout_fleet.adapters.nemo_rl.reshard import ReshardPlan, reshard_plan
+from rollout_fleet.core.errors import InvalidValue, RefitError
+from rollout_fleet.core.refit import RefitProtocol
 from rollout_fleet.wiring.fleet import Fleet, placement_for
+from rollout_fleet.wiring.nemo_rl_capture import DoorHooks, FleetDoor, sampling_profiles
 from rollout_fleet.wiring.nemo_rl_config import (  # noqa: F401 - read_nemo_rl_config: public here
     DropInSettings,
     groups_of,
@@ -72,6 +84,23 @@ class AsNative(Generic[P, R]):
         return self if generation is None else self._method(generation.native)
 
 
+class ViaDoor(Generic[P, R]):
+    """A call of NeMo-RL's interface answered over the fleet's door (``DoorHooks``)."""
+
+    def __init__(self, method: Callable[[DoorHooks], Callable[P, R]]) -> None:
+        self._method = method
+
+    @overload
+    def __get__(self, generation: None, owner: type) -> "ViaDoor[P, R]": ...
+    @overload
+    def __get__(self, generation: "DynamoGeneration", owner: type | None = None
+                ) -> Callable[P, R]: ...
+
+    def __get__(self, generation: "DynamoGeneration | None",
+                owner: type | None = None) -> "ViaDoor[P, R] | Callable[P, R]":
+        return self if generation is None else self._method(generation.hooks)
+
+
 class DynamoGeneration:
     """NeMo-RL's ``DynamoGeneration(cluster, config, tokenizer, tokenizer_config)``."""
 
@@ -86,30 +115,50 @@ class DynamoGeneration:
                  tokenizer_config: Mapping[str, Any] | None = None) -> None:
         self.cfg = dict(config)
         self.settings = read_nemo_rl_config(config, cluster)
+        profiles = sampling_profiles(self.cfg)
         self.dp_openai_server_base_urls: list[str | None] = [None]
         self.refit_info: Any = None
+        self.reshard: ReshardPlan | None = None
+        self.weight_synchronizer: Any = None  # NeMo-RL's, attached by its setup
         self._fleet: Fleet | None = Fleet.start(
             self.settings.fleet, placement_for(self.settings.fleet, groups_of(cluster)))
-        self._door: Any = None  # the agent door (wiring/agent_door.py), when exposed
+        self._door: FleetDoor | None = FleetDoor(self._fleet)
         try:
             self.native = self._fleet.generation(**self.settings.generation)
+            self.hooks = DoorHooks(self.native, profiles, self._door.processes,
+                                   type(self).__name__)
             if self.native.config.metrics_interval_s > 0:
                 self.native.prepare_for_generation()  # metrics are sampled from the start
-            if (self.cfg.get("vllm_cfg") or {}).get("expose_http_server"):
-                # NeMo-Gym's OpenAI server: the agent door, token-exact across turns
-                from rollout_fleet.wiring.agent_door import AgentDoorServer
-
-                self._door = AgentDoorServer.for_fleet(self._fleet)
-                self.dp_openai_server_base_urls = [self._door.url]
+            door = self._door.running_url()
+            if door is None and (self.cfg.get("vllm_cfg") or {}).get("expose_http_server"):
+                door = self.hooks.url  # NeMo-Gym's OpenAI server: a door for this fleet
+            if door is not None:  # the fleet's one URL, token-exact across turns
+                self.dp_openai_server_base_urls = [f"{door}/v1"]
         except BaseException:
+            self._door.stop()
             self._fleet.shutdown()
             raise
 
     # -- generation ---------------------------------------------------------------------------
     @property
     def frontend_url(self) -> str:
-        """The OpenAI base URL of the fleet's frontend (``.../v1``), as NeMo-RL's."""
-        return f"{self.native.frontend_url}/v1"
+        """The fleet's OpenAI base URL (``.../v1``), as NeMo-RL's: its door where it has one,
+        else its frontend."""
+        door = self.dp_openai_server_base_urls[0]
+        return door if door is not None else f"{self.native.frontend_url}/v1"
+
+    def load_and_start(self) -> None:
+        """NeMo-RL's deferred start: the fleet started serving in the constructor, so this
+        checks that it still serves: every worker answers its weight version, and the door,
+        where there is one, its health (a stopped drop-in or a pickled copy raises)."""
+        if self._fleet is None:
+            raise RuntimeError(f"{type(self).__name__}: this object owns no running fleet "
+                               "(shut down, or a pickled copy)")
+        self.native.get_weight_versions()
+        door = self.dp_openai_server_base_urls[0]
+        if door is not None:
+            with urllib.request.urlopen(f"{door.removesuffix('/v1')}/health", timeout=30):
+                pass
 
     generate = AsNative(lambda native: native.generate)
 
@@ -152,7 +201,7 @@ class DynamoGeneration:
         """Stop the driver and the fleet (frontend, workers, engines); safe to repeat. A pickled
         copy stops only its own connections."""
         fleet, self._fleet = self._fleet, None
-        door, self._door = getattr(self, "_door", None), None
+        door, self._door = self._door, None
         try:
             if door is not None:
                 door.stop()
@@ -245,29 +294,76 @@ class DynamoGeneration:
         return len(versions) == 1 and min(versions) > 0
 
     def prepare_nccl_reshard_refit_info(self, refit_info: dict) -> None:
-        raise NotImplementedError("nccl_reshard refit is not offered: use init_collective + "
-                                  "update_weights_from_collective")
+        """NeMo-RL's reshard refit info (``layer_names``, ``per_layer_params``,
+        ``misc_meta``) as the fleet's many-source sharded refit: every worker checks the
+        tensors it names; ``reshard`` keeps the refit info and trainer layout every trainer
+        rank sends with (``ShardedTrainerSession.send_shards``). The fleet's engines must run
+        the sharded protocol (``rollout_fleet.engine.refit_protocol``)."""
+        protocol = self.native.get_collective_sender_spec().protocol
+        if protocol is not RefitProtocol.SHARDED:
+            raise NotImplementedError(
+                f"nccl_reshard refit is not supported for {type(self).__name__} whose engines "
+                f"refit over {protocol.value!r}: set rollout_fleet.engine.refit_protocol = "
+                f"{RefitProtocol.SHARDED.value!r}")
+        plan = reshard_plan(refit_info, inference_world_size=self.get_inference_world_size(),
+                            tensor_parallel_size=int(self.settings.fleet.engine.get(
+                                "tensor_parallel_size", 1)))
+        self.refit_info = self.native.prepare_refit_info(plan.state_dict_info)
+        self.reshard = plan
 
-    def nccl_reshard_refit(self) -> list:
-        raise NotImplementedError("nccl_reshard refit is not offered: use init_collective + "
-                                  "update_weights_from_collective")
+    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> list:
+        """Every worker receives its slices from every trainer rank at once; one future per
+        worker (the trainer ranks send meanwhile). Past ``refit_timeout_s`` each worker
+        abandons the refit and keeps its weights."""
+        if self.reshard is None or self.refit_info != self.reshard.info:
+            raise RefitError("nccl_reshard_refit before prepare_nccl_reshard_refit_info (or "
+                             "after another refit info replaced it)")
+        return self.native.update_weights_from_collective(refit_timeout_s)
 
+    # -- the fleet's door: token capture, the checkpoint's generation fence --------------------
+    setup_token_capture = ViaDoor(lambda hooks: hooks.setup_token_capture)
+    set_rollout_weight_version = ViaDoor(lambda hooks: hooks.set_rollout_weight_version)
+    pause_generation_for_checkpoint = ViaDoor(
+        lambda hooks: hooks.pause_generation_for_checkpoint)
+    resume_generation_after_cut = ViaDoor(lambda hooks: hooks.resume_generation_after_cut)
+    finish_generation_checkpoint = ViaDoor(lambda hooks: hooks.finish_generation_checkpoint)
+    resume_generation_after_checkpoint = ViaDoor(
+        lambda hooks: hooks.resume_generation_after_checkpoint)
+
+    # -- what the fleet does its own way: refused as NeMo-RL's interface refuses it ------------
     def attach_fleet_health(self, monitor: Any, selector: Any) -> None:
-        raise NotImplementedError("fleet health is not offered by this backend: its fleet "
-                                  "retries transient failures itself")
+        raise NotImplementedError(
+            "async_rl.generation_fleet_health.enabled=true is not supported for the "
+            f"{type(self).__name__} generation backend: its fleet routes around lost workers, "
+            "retries their rollouts and replaces them itself")
+
+    def restart_shard(self, shard_idx: int) -> str | None:
+        raise NotImplementedError(f"restart_shard is not supported for {type(self).__name__}: "
+                                  "its fleet replaces a lost worker itself")
+
+    def shard_liveness_ref(self, shard_idx: int) -> Any:
+        raise NotImplementedError(f"shard_liveness_ref is not supported for "
+                                  f"{type(self).__name__}: its fleet watches its workers itself")
+
+    def log_shard_gpu_state(self, shard_idx: int, *, label: str, timeout_s: float = 30.0) -> None:
+        """Nothing to log (NeMo-RL's default): the fleet's workers log their own devices."""
 
     # -- pickling (NeMo-RL ships the generation object to its rollout actors) -----------------
     def __getstate__(self) -> dict[str, Any]:
         """A copy generates and invalidates caches through the same fleet; it owns nothing, and
         its ``shutdown`` releases only its own connections."""
         return {"cfg": self.cfg, "settings": self.settings, "native": self.native,
-                "dp_openai_server_base_urls": self.dp_openai_server_base_urls}
+                "dp_openai_server_base_urls": self.dp_openai_server_base_urls,
+                "door": self.hooks.copy_state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        door = state.pop("door")
         self.__dict__.update(state)
-        self.refit_info = None
+        self.refit_info = self.reshard = self.weight_synchronizer = None
         self._fleet = None
-        self._door = None  # the door stays with the object that started it
+        self._door = None  # the door's processes stay with the object that started them
+        self.hooks = DoorHooks(self.native, door["profiles"], None, type(self).__name__,
+                               door["controls"])
 
     def __repr__(self) -> str:
         state = "stopped" if self._fleet is None else "running"

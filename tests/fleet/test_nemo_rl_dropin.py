@@ -191,7 +191,8 @@ def test_facts_sender_spec_and_frontend_url(dropin):
     assert dropin.frontend_url.endswith("/v1")
     listed = httpx.get(f"{dropin.frontend_url}/models", timeout=10).json()
     assert [m["id"] for m in listed["data"]] == [dropin.cfg["model_name"]]
-    assert dropin.dp_openai_server_base_urls == [None]
+    door = getattr(dropin._fleet, "door", None)  # the fleet's one URL names NeMo-Gym's server
+    assert dropin.dp_openai_server_base_urls == [f"{door.url}/v1" if door else None]
     assert dropin.requires_kv_scale_sync is False and dropin.blocks_training() is False
     assert dropin.wake_carries_weight_updates() is False
     assert dropin.prepare_for_generation() is True
