@@ -1,10 +1,11 @@
-"""NeMo-RL's GRPO call sequence, replayed against the drop-in (tests/support/grpo_replay.py) with
-the values of NeMo-RL's example config (``grpo_math_1B_dynamo.yaml``, restated in
-tests/support/nemo_rl_example_config.py; only what NeMo-RL's setup writes into it, plus the
-CPU engine kind), and NeMo-RL's batch type, padding check, config checks and weight
-synchroniser as this project restates them: memory-engine workers placed into the placement
-groups of the inference cluster it is handed, refit each step, greedy answers those of the
-weights sent."""
+"""NeMo-RL's GRPO call sequence in its newest order (lazy refits through the attached weight
+synchroniser, validation after each step: tests/support/grpo_replay.py names the version read),
+replayed against the drop-in with the values of NeMo-RL's example config
+(``grpo_math_1B_dynamo.yaml``, restated in tests/support/nemo_rl_example_config.py; only what
+NeMo-RL's setup writes into it, plus the CPU engine kind), and NeMo-RL's batch type, padding
+check, config checks and weight synchroniser as this project restates them: memory-engine
+workers placed into the placement groups of the inference cluster it is handed, refit each
+step, greedy answers those of the weights sent."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_grpo_replay_with_nemo_rls_example_config(inference_groups, tmp_path):
                      steps=[weights_of(7), weights_of(8)], check=check)
     assert set(placement_group_table()) == groups_before  # the cluster's groups, none of its own
     assert outcome["spec"].nccl_peer == "rollout-fleet-packed-v1"  # no NeMo-RL sender on the CPU
-    assert set(outcome["versions"].values()) == {3}  # the first sync, then one per step
+    assert set(outcome["versions"].values()) == {3}  # the first sync, then one per step's check
     assert outcome["payload_mode"] == "hf_export"  # asked of the backend, as NeMo-RL's sync does
     assert outcome["step_metrics"] == [{"retried_attempts": 0.0}] * 2  # nothing sent twice
     assert set(outcome["metrics"]) == {"inflight_batch_sizes", "num_pending_samples",

@@ -1,16 +1,23 @@
 """A replay of NeMo-RL's GRPO call sequence against the drop-in ``DynamoGeneration``.
 
-The order is NeMo-RL's (``nemo_rl/algorithms/grpo.py`` setup and train loop, backend
-"dynamo", not colocated), with NeMo-RL's side played by this project's restatement of what it
-does (``tests/support/nemo_rl_contract.py`` and ``nemo_rl_config_checks.py``): the generation
+The order is NeMo-RL's newest (``nemo_rl/algorithms/grpo.py``, the stored version whose loop
+starts from ``_initial_policy_generation_stale``: code-search id 67416423259, the index records
+no commit for it; the path's one listed commit, ddbdb1e5, is older), backend "dynamo", not
+colocated, with NeMo-RL's side played by this project's restatement of what it does
+(``tests/support/nemo_rl_contract.py`` and ``nemo_rl_config_checks.py``). Setup: the generation
 config is prepared as ``configure_generation_config`` does and passes the checks NeMo-RL
-applies; the backend is built from the inference cluster; the weight synchroniser runs
-``prepare_refit_info`` and ``init_collective`` on both sides; then each step refits when stale,
-``prepare_for_generation``, ``snapshot_step_metrics`` and ``clear_logger_metrics``, generates
+applies, the backend's ``validate_settings`` runs, the backend is built from the inference
+cluster by keyword (``cluster=``, ``config=``, ``tokenizer=``, ``tokenizer_config=``), and the
+synchroniser NeMo-RL creates is attached as ``weight_synchronizer`` and runs
+``init_communicator`` (``prepare_refit_info`` in the mode ``get_refit_payload_mode`` asks, then
+``init_collective`` on both sides). The loop reads ``requires_kv_scale_sync``, takes the backend
+as stale while its synchroniser is, and each step: refits if stale (``refit_policy_generation``:
+the attached synchroniser's ``sync_weights(timer=, kv_scales=)``, no other call) or else
+``prepare_for_generation``; ``snapshot_step_metrics``; ``clear_logger_metrics``; generates
 through ``generate_async`` with NeMo-RL's batch type and right-padding check on the way in and
-out, ``finish_generation``, ``get_logger_metrics``, ``get_step_metrics``, trains (new weights),
-and refits through ``sync_weights``. The backend's ``validate_settings`` runs before it is
-built, and the refit info is asked in its ``get_refit_payload_mode``.
+out; ``finish_generation``; ``get_logger_metrics``; ``get_step_metrics``; trains (new weights,
+now stale); then validates (every step here): refit since stale, greedy ``generate_async``,
+``finish_generation``.
 
 On the CPU NeMo-RL has no sender, so the trainer ranks are a Ray actor that sends with the
 project's trainer helper in the protocol the drop-in's sender spec names (``nccl_peer``), with
@@ -159,31 +166,41 @@ def replay(config: dict, cluster: InferenceCluster, policy: Policy, *, prompts, 
     check_dynamo_generation_config(config)  # NeMo-RL checks the config first
     DynamoGeneration.validate_settings({"policy": {"generation": config}})  # then the backend
     before = own_children_before()
-    generation = DynamoGeneration(cluster, config)
+    generation = DynamoGeneration(cluster=cluster, config=config, tokenizer=None,
+                                  tokenizer_config=None)
     fleet = generation._fleet
-    pgids = [w.pid for w in fleet.workers] + [fleet.frontend.process.pid]
+    pgids = fleet.process_groups()
     ports = fleet_ports(fleet)
     try:
         synchronizer = CollectiveRefit(policy, generation, TrainCluster(), cluster)
-        synchronizer.init_communicator()
         generation.weight_synchronizer = synchronizer
+        synchronizer.init_communicator()
+        assert getattr(generation, "requires_kv_scale_sync", False) is False
+        stale = generation.weight_synchronizer is None or synchronizer.is_stale
+
+        def refit_or_wake() -> None:
+            nonlocal stale
+            if stale:  # refit_policy_generation: the attached synchroniser does all of it
+                generation.weight_synchronizer.sync_weights(timer=None, kv_scales=None)
+                stale = False
+            else:
+                generation.prepare_for_generation()
+
         step_metrics = []
         for weights in steps:
-            if synchronizer.is_stale:  # the first step: the weights are the trainer's
-                synchronizer.sync_weights()
-            generation.prepare_for_generation()
+            refit_or_wake()
             generation.snapshot_step_metrics()  # STEP_HOOKS, in NeMo-RL's order
             generation.clear_logger_metrics()
             sampled = generate(generation, prompts, pad, greedy=False)
             assert sampled["output_ids"].shape[0] == len(prompts)
-            check(generate(generation, prompts, pad, greedy=True), policy.weights)
             generation.finish_generation()
             assert set(generation.get_logger_metrics()) == set(LOGGER_METRICS)
             step_metrics.append(generation.get_step_metrics())
             policy.train(weights)
-            synchronizer.sync_weights()
-        generation.prepare_for_generation()
-        check(generate(generation, prompts, pad, greedy=True), policy.weights)
+            stale = True
+            refit_or_wake()  # validation, every step here
+            check(generate(generation, prompts, pad, greedy=True), policy.weights)
+            generation.finish_generation()
         outcome = {"metrics": generation.get_logger_metrics(),
                    "spec": generation.get_collective_sender_spec(),
                    "versions": generation.native.get_weight_versions(),

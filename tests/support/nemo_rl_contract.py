@@ -150,10 +150,11 @@ class CollectiveRefit:
                                                    train_world_size=trainer_ranks)
         ray.get(joining)
 
-    def sync_weights(self, *, kv_scales: dict[str, float] | None = None) -> None:
+    def sync_weights(self, *, timer: Any = None,
+                     kv_scales: dict[str, float] | None = None) -> dict[str, float]:
         """The trainer broadcasts with the backend's buffer geometry while the backend
         receives; the trainer's futures are waited on first, then the backend's answers,
-        where any falsy answer (None aside) fails the refit."""
+        where any falsy answer (None aside) fails the refit. Its metrics: none."""
         spec = self.generation.get_collective_sender_spec()
         sending = self.policy.broadcast_weights_for_collective(
             kv_scales=kv_scales, buffer_size_bytes=spec.buffer_size_bytes,
@@ -164,3 +165,4 @@ class CollectiveRefit:
         if not all(answer for answer in answers if answer is not None):
             raise RuntimeError(f"the collective refit failed on the backend: {answers}")
         self.is_stale = False
+        return {}
