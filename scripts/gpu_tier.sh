@@ -3,7 +3,9 @@
 # Run from the checkout's root there:
 #   scripts/gpu_tier.sh install      install the bundle and the project's wheel into /root/site
 #   scripts/gpu_tier.sh tests [ARGS] pytest ARGS, by default tests/gpu (serve / generate / refit
-#                                    on the GPU; NeMo-RL's IPC refit through CUDA IPC)
+#                                    on the GPU; NeMo-RL's IPC refit through CUDA IPC; NeMo-Gym's
+#                                    token capture through the NeMo-RL drop-in, 16 trajectories x
+#                                    8 turns with a refit between: tests/gpu/test_gpu_capture.py)
 #   scripts/gpu_tier.sh bench [ARGS] bench/bench_gpu_fleet.py (fleet vs bare vLLM)
 #   scripts/gpu_tier.sh standard-clients [ARGS]
 #                                    bench/bench_standard_clients.py --gpu (vllm bench serve
