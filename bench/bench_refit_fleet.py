@@ -45,7 +45,7 @@ def _flat_once(group, buffer) -> float:
     """The faster of a whole and a chunked broadcast of ``buffer`` (both timed from a barrier)."""
     import torch
 
-    from rollout_fleet.adapters.collective.transfer import GLOO_WIRE_CHUNK_BYTES
+    from rollout_fleet.adapters.collective.wire import GLOO_WIRE_CHUNK_BYTES
 
     seconds = []
     for chunk in (buffer.numel(), GLOO_WIRE_CHUNK_BYTES):

@@ -36,6 +36,17 @@ class RefitProtocol(Vocabulary):
     COLOCATED = "rollout-fleet-colocated-v1"  # read in place from a trainer's shared buffers
 
 
+class RefitFanout(Vocabulary):
+    """How the packed buffers reach every worker of a gloo group (a sender spec's ``fanout``).
+    NCCL's broadcast already pipelines its chunks down a ring, so an NCCL group broadcasts
+    whatever the spec says."""
+
+    BROADCAST = "broadcast"  # the group's broadcast: the trainer sends every byte to each worker
+    # the workers relay each piece down two binary trees (core/refit_relay.py): each receives
+    # the bytes once and sends at most the refit's bytes and one piece, whatever the workers
+    TREE = "tree"
+
+
 # The protocols a refit group carries (an engine's refit_protocol names one of them); the
 # colocated protocol has no group: it is chosen by the [colocation] section instead.
 GROUP_PROTOCOLS = (RefitProtocol.PACKED, RefitProtocol.VLLM, RefitProtocol.SHARDED)
@@ -192,6 +203,10 @@ def _sender_protocol(value: Any) -> RefitProtocol:
     return RefitProtocol.parse(value, "protocol")
 
 
+def _sender_fanout(value: Any) -> RefitFanout:
+    return RefitFanout.parse(value, "fanout")
+
+
 @attrs.frozen
 class CollectiveSenderSpec:
     """The packed-buffer geometry both ends of a refit must share."""
@@ -200,16 +215,17 @@ class CollectiveSenderSpec:
                                           converter=_sender_protocol)
     buffer_bytes: int = attrs.field(default=1 << 30, validator=positive_int("buffer_bytes"))
     num_buffers: int = attrs.field(default=2, validator=positive_int("num_buffers"))
+    fanout: RefitFanout = attrs.field(default=RefitFanout.BROADCAST, converter=_sender_fanout)
 
     def to_wire(self) -> dict[str, Any]:
         return {"protocol": self.protocol.value, "buffer_bytes": self.buffer_bytes,
-                "num_buffers": self.num_buffers}
+                "num_buffers": self.num_buffers, "fanout": self.fanout.value}
 
     @classmethod
     def from_wire(cls, data: Any) -> "CollectiveSenderSpec":
         if not isinstance(data, Mapping):
             raise InvalidValue("sender_spec", data, "must be an object")
-        unknown = set(data) - {"protocol", "buffer_bytes", "num_buffers"}
+        unknown = set(data) - {"protocol", "buffer_bytes", "num_buffers", "fanout"}
         if unknown:
             raise InvalidValue("sender_spec", sorted(map(repr, unknown)), "unknown keys")
         return cls(**data)

@@ -118,7 +118,7 @@ def _generation(fleet, url: str, timeout_s: float):
         model=fleet.served_model_name, max_model_len=fleet.max_model_len,
         max_new_tokens=fleet.max_new_tokens, ranks_per_worker=fleet.ranks_per_worker,
         sender_spec=CollectiveSenderSpec(buffer_bytes=fleet.buffer_bytes,
-                                         num_buffers=fleet.num_buffers),
+                                         num_buffers=fleet.num_buffers, fanout=fleet.refit_fanout),
         control_timeout_s=timeout_s)
     return build_generation(config, frontend_url=url, control_secret=fleet.secret,
                             workers=[WorkerEndpoint(n, u) for n, u in fleet.control_urls.items()])

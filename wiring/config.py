@@ -22,7 +22,7 @@ from rollout_fleet.adapters.shared import is_loopback
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.budget import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
-from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
+from rollout_fleet.core.refit import CollectiveSenderSpec, RefitFanout, RefitProtocol
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout_client import DEFAULT_MAX_IN_FLIGHT
 from rollout_fleet.ports.engine_kind import FleetFacts
@@ -88,6 +88,11 @@ class TimeoutSection(_Strict):
 class RefitSection(_Strict):
     buffer_bytes: int = Field(default=1 << 30, ge=1)
     num_buffers: int = Field(default=2, ge=1)
+    fanout: Literal["broadcast", "tree"] = Field(
+        default="broadcast",
+        description="how a gloo refit reaches every worker: broadcast (the trainer sends every "
+        "byte to each worker) or tree (the workers relay each piece down two binary trees, so "
+        "no process sends more than the refit's bytes; core/refit_relay.py). NCCL broadcasts")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         default="auto",
         description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "
@@ -95,7 +100,7 @@ class RefitSection(_Strict):
 
     def spec(self, protocol: RefitProtocol = RefitProtocol.PACKED) -> CollectiveSenderSpec:
         return CollectiveSenderSpec(protocol=protocol, buffer_bytes=self.buffer_bytes,
-                                    num_buffers=self.num_buffers)
+                                    num_buffers=self.num_buffers, fanout=RefitFanout(self.fanout))
 
 
 class FleetConfig(_Strict):

@@ -31,6 +31,7 @@ class FleetFile:
     max_new_tokens: int = 64
     buffer_bytes: int = 1 << 30
     num_buffers: int = 2
+    refit_fanout: str = "broadcast"
     ranks_per_worker: int = 1
     device: str = "cpu"
     # What the workers' receivers use (NCCL on GPU fleets); the trainer side must match it.
@@ -52,7 +53,8 @@ class FleetFile:
                    secret=fleet.secret, serve_pid=os.getpid(),
                    served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                    max_new_tokens=config.max_new_tokens, buffer_bytes=config.refit.buffer_bytes,
-                   num_buffers=config.refit.num_buffers, ranks_per_worker=config.ranks_per_worker,
+                   num_buffers=config.refit.num_buffers, refit_fanout=config.refit.fanout,
+                   ranks_per_worker=config.ranks_per_worker,
                    device=config.device, collective_backend=fleet.collective_backend,
                    processes=processes, door_url=door.url if door else "")
 

@@ -1,17 +1,12 @@
 """Weight sender and receiver over a refit group: a header check, then packed buffers.
 
-Before the first byte, every data rank contributes its header row (protocol, buffer bytes,
-buffers in flight, a hash of the refit info, total bytes, role) to one small all-reduce, so
-every rank sees every other rank's header and a mismatch is the same clear error everywhere.
+Before the first byte, every data rank shares its header row (protocol, buffer bytes, buffers
+in flight, a hash of the refit info, total bytes, fan-out, role) with every other
+(``wire.rows_of_every_rank``), so a mismatch is the same clear error everywhere.
 
-Then the sender packs bucket k+1 while bucket k's broadcast is in flight: ``num_buffers``
-buffers rotate, and a buffer is refilled only after its previous broadcast completed.
-
-Over gloo a bucket goes as several broadcasts of at most ``GLOO_WIRE_CHUNK_BYTES`` each, all in
-flight together: gloo sends one large broadcast to each receiver in turn, and smaller ones in
-flight overlap (bench/bench_refit_collective.py: chunked broadcasts of the same bytes ran 1.2-2.7x
-faster than one flat broadcast on the CPU). NCCL pipelines a large broadcast itself, so there a
-bucket is one broadcast. Both sides derive the chunk from the backend and check it in the header.
+Then the sender packs bucket k+1 while bucket k's pieces are in flight: ``num_buffers``
+buffers rotate, and a buffer is refilled only after its previous pieces were sent. How each
+piece travels (broadcast, or relayed down two trees by the workers) is wire.py's.
 """
 
 from __future__ import annotations
@@ -34,22 +29,32 @@ from rollout_fleet.adapters.collective.packing import (
     torch_dtype,
     unpack_bucket,
 )
+from rollout_fleet.adapters.collective.wire import (
+    Emitter,
+    Inflow,
+    Piece,
+    bucket_plan,
+    fanout_in_use,
+    relay_trees,
+    rows_of_every_rank,
+    wait_all,
+    wire_chunk_bytes,
+    wire_pieces,
+)
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import (
     Bucket,
     CollectiveSenderSpec,
     GroupJoin,
+    RefitFanout,
     RefitInfo,
     max_bucket_bytes,
-    plan_buckets,
 )
 from rollout_fleet.ports.collective import WeightReceiver, WeightSender
 
-HEADER_FORMAT = 2  # 2: large tensors travel from their own memory over gloo (wire_pieces)
+HEADER_FORMAT = 3  # 3: the fan-out; 2: large tensors travel from their own memory over gloo
 HEADER_FIELDS = ("header_format", "protocol", "buffer_bytes", "num_buffers", "refit_info",
-                 "total_bytes", "wire_chunk_bytes", "role")
-GLOO_WIRE_CHUNK_BYTES = 4 << 20
-GLOO_DIRECT_MIN_BYTES = 1 << 20  # a tensor this large is sent from its own memory over gloo
+                 "total_bytes", "wire_chunk_bytes", "fanout", "role")
 SENDER, RECEIVER = 1, 2
 
 
@@ -62,93 +67,17 @@ def info_digest(info: RefitInfo) -> int:
     return hash63(json.dumps(info.to_wire(), sort_keys=True, separators=(",", ":")))
 
 
-@functools.lru_cache(maxsize=8)
-def bucket_plan(info: RefitInfo, buffer_bytes: int) -> tuple[Bucket, ...]:
-    """The plan of a refit, computed once per info and geometry: a trainer sends the same
-    model every step, and planning hundreds of tensors in Python costs about a millisecond
-    before the first byte moves (a GPU refit of a 1B model takes 7 ms)."""
-    return plan_buckets(info.tensors, buffer_bytes)
-
-
-def wire_chunk_bytes(group: CollectiveGroup) -> int:
-    """Bytes per broadcast on the wire at most; 0 = a bucket in one broadcast."""
-    return GLOO_WIRE_CHUNK_BYTES if group.backend == "gloo" else 0
-
-
-@attrs.frozen
-class Piece:
-    """One broadcast of a bucket: bytes [start, stop) of the bucket's block. ``direct`` is the
-    entry whose own memory the sender sends them from; ``pack`` lists the entries the sender
-    packs into its slot before this piece (the first piece of a packed run)."""
-
-    start: int
-    stop: int
-    direct: int | None = None
-    pack: tuple[int, ...] = ()
-
-
-@functools.lru_cache(maxsize=4096)
-def wire_pieces(bucket: Bucket, backend: str) -> tuple[Piece, ...]:
-    """How a bucket goes on the wire; sender and receivers derive the same byte ranges.
-
-    NCCL: one broadcast per bucket (it pipelines a large broadcast itself; 128 MiB pieces were
-    slower on two H200s), packed unless one tensor fills the bucket alone. gloo: a tensor of at
-    least ``GLOO_DIRECT_MIN_BYTES`` goes from its own memory, runs of smaller ones are packed
-    together, and every range is cut into broadcasts of at most ``GLOO_WIRE_CHUNK_BYTES``, all
-    in flight (gloo sends one large broadcast to one receiver at a time). On 2 shared cores the
-    packing copy competes with the transfer: packing everything reached 0.57 of a chunked flat
-    broadcast of the same bytes."""
-    entries = [(i, e) for i, e in enumerate(bucket.entries) if e.meta.nbytes]
-    if backend != "gloo":
-        if len(entries) == 1 and entries[0][1].offset == 0:
-            return (Piece(0, bucket.nbytes, direct=entries[0][0]),)
-        return (Piece(0, bucket.nbytes, pack=tuple(i for i, _ in entries)),)
-    ranges: list[tuple[int, int, int | None, tuple[int, ...]]] = []
-    run: list[tuple[int, Any]] = []
-    for index, entry in entries:
-        if entry.meta.nbytes < GLOO_DIRECT_MIN_BYTES:
-            run.append((index, entry))
-            continue
-        _close_run(ranges, run)
-        ranges.append((entry.offset, entry.offset + entry.meta.nbytes, index, ()))
-    _close_run(ranges, run)
-    pieces = []
-    for start, stop, direct, pack in ranges:
-        for first in range(start, stop, GLOO_WIRE_CHUNK_BYTES):
-            pieces.append(Piece(first, min(first + GLOO_WIRE_CHUNK_BYTES, stop), direct,
-                                pack if first == start else ()))
-    return tuple(pieces)
-
-
-def _close_run(ranges: list[tuple[int, int, int | None, tuple[int, ...]]],
-               run: list[tuple[int, Any]]) -> None:
-    """A run of small entries, packed together: one byte range; the run is emptied."""
-    if run:
-        ranges.append((run[0][1].offset, run[-1][1].offset + run[-1][1].meta.nbytes, None,
-                       tuple(i for i, _ in run)))
-        run.clear()
-
-
-def header_row(spec: CollectiveSenderSpec, info: RefitInfo, role: int,
-               chunk_bytes: int = 0) -> list[int]:
+def header_row(spec: CollectiveSenderSpec, info: RefitInfo, role: int, chunk_bytes: int = 0,
+               fanout: RefitFanout = RefitFanout.BROADCAST) -> list[int]:
     return [HEADER_FORMAT, hash63(spec.protocol.value), spec.buffer_bytes, spec.num_buffers,
-            info_digest(info), info.total_bytes, chunk_bytes, role]
-
-
-def wait_all(group: CollectiveGroup, works: list[Any], what: str) -> None:
-    for work in works:
-        group.wait(work, what)
+            info_digest(info), info.total_bytes, chunk_bytes, hash63(fanout.value), role]
 
 
 def exchange_headers(group: CollectiveGroup, spec: CollectiveSenderSpec, info: RefitInfo,
                      role: int) -> None:
     """Every data rank learns every header; any difference raises the same RefitError on all."""
-    table = torch.zeros((group.data_size, len(HEADER_FIELDS)), dtype=torch.int64,
-                        device=group.device)
-    row = header_row(spec, info, role, wire_chunk_bytes(group))
-    table[group.data_rank] = torch.tensor(row, dtype=torch.int64)
-    group.wait(group.all_reduce_sum(table), "the header exchange")
-    rows = table.cpu().tolist()
+    row = header_row(spec, info, role, wire_chunk_bytes(group), fanout_in_use(group, spec))
+    rows = rows_of_every_rank(group, row, "the header exchange")
     problems = _header_problems(rows, group.train_world_size)
     if problems:
         raise group.fail("the header check", "sender and receivers disagree on the refit: "
@@ -177,7 +106,7 @@ def _header_problems(rows: list[list[int]], train_world_size: int) -> list[str]:
 
 
 def _describe(who: str, field: str, theirs: int, senders: int) -> str:
-    if field in ("protocol", "refit_info"):
+    if field in ("protocol", "refit_info", "fanout"):
         return f"{who} has a different {field} (hash {theirs:#x} vs the sender's {senders:#x})"
     return f"{who} has {field}={theirs}, the sender has {field}={senders}"
 
@@ -245,6 +174,7 @@ class TorchWeightSender(WeightSender):
         slots: list[torch.Tensor] = []
         in_flight: collections.deque = collections.deque()  # (bucket index, works), oldest first
         packed = 0
+        emit = Emitter(self.group, relay_trees(self.group, self.spec))
         for index, bucket in enumerate(plan):
             tensors = [self._next_tensor(stream, entry.meta, checked) for entry in bucket.entries]
             if bucket.nbytes == 0:
@@ -257,8 +187,7 @@ class TorchWeightSender(WeightSender):
                 slots = slots or self._slots(plan)
                 slot = slots[packed % len(slots)]
                 packed += 1
-            works = [self.group.broadcast(self._source(piece, bucket, tensors, slot))
-                     for piece in pieces]
+            works = [emit(self._source(piece, bucket, tensors, slot)) for piece in pieces]
             in_flight.append((index, works))
         while in_flight:
             self._wait(in_flight.popleft(), plan)
@@ -357,31 +286,23 @@ class TorchWeightReceiver(WeightReceiver):
         depth = self.spec.num_buffers
         # The rollback copy holds every block: keep both sets warm (the previous and this one).
         self._blocks.resize(2 * len(moving) + 2 if self.hold_previous else depth)
-        block_bytes = max_bucket_bytes(plan)
-        posted = collections.deque(self._post(plan[i], block_bytes) for i in moving[:depth])
-        next_to_post = len(posted)
+        inflow = Inflow(self.group, relay_trees(self.group, self.spec), self._blocks, plan)
+        posted = collections.deque(inflow.post_next(0) for _ in moving[:depth])
         for index, bucket in enumerate(plan):
             if bucket.nbytes == 0:
                 yield from unpack_bucket(torch.empty(0, dtype=torch.uint8, device=self.group.device),
                                          bucket)
                 continue
             if not posted:  # one buffer: the next bucket is posted once this one is needed
-                posted.append(self._post(plan[moving[next_to_post]], block_bytes))
-                next_to_post += 1
-            block, works = posted.popleft()
-            wait_all(self.group, works, f"bucket {index + 1}/{len(plan)}")
+                posted.append(inflow.post_next(index))
+            block = inflow.arrive(index, bucket, posted.popleft())
             for count, item in enumerate(unpack_bucket(block, bucket)):
                 yield item
                 # The consumer asked for this bucket's second tensor: the previous one's block
                 # is free again (the next bucket of the plan goes into it).
-                if count == 0 and depth > 1 and index != moving[0] and next_to_post < len(moving):
-                    posted.append(self._post(plan[moving[next_to_post]], block_bytes))
-                    next_to_post += 1
-
-    def _post(self, bucket: Bucket, block_bytes: int) -> tuple[torch.Tensor, list[Any]]:
-        block = self._blocks.take(bucket.nbytes, block_bytes)
-        return block, [self.group.broadcast(block[piece.start:piece.stop])
-                       for piece in wire_pieces(bucket, self.group.backend)]
+                if count == 0 and depth > 1 and index != moving[0] and inflow.more_to_post:
+                    posted.append(inflow.post_next(index))
+        inflow.finish()
 
     def close(self) -> None:
         self._blocks.drop_kept()

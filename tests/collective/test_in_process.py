@@ -232,8 +232,8 @@ def test_the_gpu_cat_packing_gives_the_same_bytes_as_the_copy_loop(group, monkey
 
 
 def test_buckets_larger_than_a_wire_chunk_arrive_bit_exact(pair, monkeypatch):
-    from rollout_fleet.adapters.collective import transfer
-    monkeypatch.setattr(transfer, "GLOO_WIRE_CHUNK_BYTES", 1000)  # both ranks live here
+    from rollout_fleet.adapters.collective import wire
+    monkeypatch.setattr(wire, "GLOO_WIRE_CHUNK_BYTES", 1000)  # both ranks live here
     sender, receiver = pair
     tensors = peers.make_state_dict(9)
     info = refit_info_of(tensors)

@@ -1,8 +1,9 @@
 """A fleet of 32 memory-engine workers placed as local processes, the real Dynamo frontend and the
 real driver: it serves a batch (every rollout exactly once, every worker a share), takes a real
-gloo refit on every worker (each then reports the new version and answers with the new
-weights), and stops leaving nothing: no process of its groups, no port claim of its processes,
-no /dev/shm file its processes used. Each phase's seconds are printed (run with -s)."""
+gloo refit relayed by the workers down two trees (the tree fan-out) on every worker (each then
+reports the new version and answers with the new weights), and stops leaving nothing: no
+process of its groups, no port claim of its processes, no /dev/shm file its processes used.
+Each phase's seconds are printed (run with -s)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_32_workers_serve_refit_and_stop_leaving_nothing(tmp_path):
     leftovers = LeftoverWatch()
     clock = time.monotonic()
     fleet = Fleet.start(local_memory_config(tmp_path / "fleet", workers=WORKERS,
-                                            timeouts={"start_s": 240, "refit_s": 240}))
+                                            timeouts={"start_s": 240, "refit_s": 240},
+                                            refit={"fanout": "tree"}))
     seconds["start"] = time.monotonic() - clock
     groups = fleet.process_groups()
     leftovers.start(groups)
