@@ -22,16 +22,19 @@ Measured against N:
               (bench/process_load.py): the busiest is what caps it
   fairness    rollouts each worker served in the largest run (its stats control): max/min and
               the coefficient of variation, round-robin and KV router
-  refit       to every worker through the real gloo group: the fixed part (the first join, with
-              torch's import in every worker; a later join; prepare_refit_info; an update carrying
-              only the model's 3 KiB; a cache flush; one no-op control to all) and the data part
+  refit       to every worker through the real gloo group, sent with --fanout (tree: relayed by
+              the workers, core/refit_relay.py; broadcast: from the trainer to each): the fixed
+              part (the first join, with torch's import in every worker; a later join;
+              prepare_refit_info; an update carrying only the model's 3 KiB; a cache flush; one
+              no-op control to all, and the driver's CPU per worker for it) and the data part
               of a 64 MiB and a 1 GiB refit (its update minus the 3 KiB one), against this
               machine's floor N x bytes / measured memory-copy bandwidth. The bytes are the memory
               engine's refit ballast (engine.refit_ballast_bytes): carried, received, dropped
   churn       10% of the workers killed while a batch is in flight: every rollout exactly once
               (none lost or duplicated), seconds until their replacements joined, the next refit
               (the replacements included), and whether each replacement then served
-  discovery   start seconds and rollouts/s with file discovery vs etcd
+  discovery   start seconds and rollouts/s with file discovery vs etcd (skipped, saying so,
+              where no etcd binary is on PATH)
 
 Prints each figure and the ratios between Ns; writes results.json and one PNG per figure to
 --out. Bounded: at most --time-budget-s (parts not reached are recorded as skipped), and a
@@ -47,6 +50,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -319,7 +323,9 @@ def measure_refit(fleet, generation, args, bandwidth: float) -> dict:
         tiny = [trainer.update(model, info)[1] for _ in range(args.refit_reps)]
         result["update_model_only_s"] = min(tiny)
         result["flush_s"] = _timed(generation.invalidate_kv_cache)
+        cpu_started = time.process_time()
         result["control_s"] = _timed(generation.get_weight_versions)
+        result["control_cpu_s_per_worker"] = (time.process_time() - cpu_started) / n
         result["sizes"] = {}
         for mib in args.refit_mib:
             state = {**model, **ballast_state(mib << 20)}
@@ -450,15 +456,24 @@ def fleet_config(kind: str, n: int, run_dir: str, args):
                    "token_delay_s": args.token_delay_s,
                    "refit_ballast_bytes": max(args.refit_mib, default=0) << 20},
         "max_model_len": MAX_MODEL_LEN, "env": FLEET_ENV, "run_dir": run_dir,
-        "refit": {"buffer_bytes": REFIT_BUFFER_BYTES, "num_buffers": 2},
+        "refit": {"buffer_bytes": REFIT_BUFFER_BYTES, "num_buffers": 2, "fanout": args.fanout},
         "timeouts": {"start_s": args.start_timeout_s, "refit_s": args.refit_timeout_s},
         **FLEETS[kind]})
 
 
+FREE_MIB_GIVEN: list[float] = []  # --free-gib, once parsed
+
+
 def free_mib() -> float:
+    """What this machine can still give: --free-gib less what the fleets took since, where
+    given (a machine that grows its memory as it is used reports less at first), else what it
+    reports available."""
     import psutil
 
-    return psutil.virtual_memory().available / 2**20
+    memory = psutil.virtual_memory()
+    if FREE_MIB_GIVEN:
+        return FREE_MIB_GIVEN[0] - memory.used / 2**20
+    return memory.available / 2**20
 
 
 def run_fleet(kind: str, n: int, args, budget: Budget, bandwidth: float) -> dict:
@@ -489,12 +504,14 @@ def run_fleet(kind: str, n: int, args, budget: Budget, bandwidth: float) -> dict
                 generation = fleet.generation(max_new_tokens=MAX_NEW_TOKENS,
                                               max_model_len=MAX_MODEL_LEN, max_in_flight=512)
             if kind == "rr" and "refit" in parts:
-                result["refit"] = guarded("refit", budget, 300, lambda: refit_if_it_fits(
+                result["refit"] = guarded("refit", budget, part_s(n, 8), lambda: refit_if_it_fits(
                     fleet, generation, args, bandwidth))
             if kind == "rr" and "churn" in parts:
                 # Its refit brings torch into every worker, as the refit part's does.
-                result["churn"] = guarded("churn", budget, 240, lambda: refit_fits(fleet, args) or
-                                          measure_churn(fleet, generation, args))
+                refit_before = "sizes" in result.get("refit", {})  # torch in every worker already
+                fresh = max(1, round(0.1 * n)) if refit_before else None
+                result["churn"] = guarded("churn", budget, part_s(n, 6), lambda: refit_fits(
+                    fleet, args, fresh) or measure_churn(fleet, generation, args))
                 print(f"    churn: {_churn_line(result['churn'])}", flush=True)
         finally:
             if generation is not None:
@@ -505,9 +522,15 @@ def run_fleet(kind: str, n: int, args, budget: Budget, bandwidth: float) -> dict
     return result
 
 
+def part_s(n: int, core_s_per_worker: float) -> float:
+    """About what a refit or churn part of N workers takes here: its workers' CPU (torch's
+    import in each) shared by this machine's cores, and half a minute."""
+    return 30 + n * core_s_per_worker / (os.cpu_count() or 1)
+
+
 def guarded(part: str, budget: Budget, needs_s: float, measure) -> dict:
     if budget.left() < needs_s:
-        return {"skipped": f"the time budget left {budget.left():.0f} s, {part} needs ~{needs_s} s"}
+        return {"skipped": f"the time budget left {budget.left():.0f} s, {part} needs ~{needs_s:.0f} s"}
     return measure()
 
 
@@ -515,16 +538,17 @@ def refit_if_it_fits(fleet, generation, args, bandwidth: float) -> dict:
     return refit_fits(fleet, args) or measure_refit(fleet, generation, args, bandwidth)
 
 
-def refit_fits(fleet, args) -> dict | None:
+def refit_fits(fleet, args, fresh: int | None = None) -> dict | None:
     """None when a refit to every worker fits this machine's free memory, else why not: it
-    brings torch and the receive blocks into every worker (about 300 MiB of each's own)."""
-    n = len(fleet.workers)
+    brings torch and the receive blocks into every worker not refit before (``fresh``, default
+    all: about 300 MiB of each's own); the trainer holds the refit twice."""
+    n = len(fleet.workers) if fresh is None else fresh
     need = n * (REFIT_WORKER_MIB - IDLE_WORKER_MIB + 2 * (REFIT_BUFFER_BYTES >> 20)) \
         + 2 * max(args.refit_mib, default=0)
     if free_mib() >= need:
         return None
-    return {"skipped": f"a refit to {n} workers needs ~{need / 1024:.1f} GiB more free "
-                       f"(torch and receive blocks in every worker), {free_mib() / 1024:.1f} "
+    return {"skipped": f"a refit to {n} workers new to refits needs ~{need / 1024:.1f} GiB more "
+                       f"free (torch and receive blocks in each), {free_mib() / 1024:.1f} "
                        "available"}
 
 
@@ -566,10 +590,15 @@ def parse_args(argv):
     parser.add_argument("--token-delay-s", type=float, default=0.005)
     parser.add_argument("--refit-mib", default=",".join(map(str, SIZES_MIB)))
     parser.add_argument("--refit-reps", type=int, default=2)
+    parser.add_argument("--fanout", choices=("tree", "broadcast"), default="tree",
+                        help="how a refit reaches the workers ([refit] fanout)")
     parser.add_argument("--churn-rollouts", type=int, default=0, help="0: 40 per worker")
     parser.add_argument("--start-timeout-s", type=float, default=300.0)
     parser.add_argument("--refit-timeout-s", type=float, default=300.0)
     parser.add_argument("--time-budget-s", type=float, default=1800.0)
+    parser.add_argument("--free-gib", type=float, default=0.0,
+                        help="the memory the fleets may take (0: what the machine reports "
+                             "available): the machines that grow their memory as it is used")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
@@ -607,6 +636,10 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.free_gib:
+        import psutil
+
+        FREE_MIB_GIVEN.append(args.free_gib * 1024 + psutil.virtual_memory().used / 2**20)
     budget = Budget(args.time_budget_s)
     bandwidth = copy_bandwidth() if "refit" in args.parts else 0.0
     print(f"N = {args.workers}; {os.cpu_count()} CPUs, {free_mib() / 1024:.1f} GiB free; memory "
@@ -620,6 +653,9 @@ def main(argv=None) -> int:
         for kind in fleets_for(args.parts):
             if budget.left() < 90:
                 by_kind[kind] = {"skipped": "time budget"}
+                continue
+            if kind == "etcd" and shutil.which("etcd") is None:
+                by_kind[kind] = {"skipped": "no etcd binary on PATH"}
                 continue
             by_kind[kind] = run_fleet(kind, n, args, budget, bandwidth)
             (out / "results.json").write_text(json.dumps(results, indent=1))

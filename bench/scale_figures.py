@@ -60,11 +60,15 @@ def _fleet_columns(fleet: dict) -> str:
 
 
 def _refit_lines(results: dict) -> list[str]:
-    lines = ["", "refit (round-robin fleet): the fixed part and each size's data part vs its floor"]
+    fanout = results.get("args", {}).get("fanout", "broadcast")
+    lines = ["", f"refit (round-robin fleet, {fanout} fan-out): the fixed part and each size's data"
+             " part vs its floor"]
     for n, refit in measured(results, "rr", "refit"):
         fixed = (f"join first {refit['join_first_s']:.2f} s, again {refit['join_again_s']:.2f} s; "
                  f"prepare {refit['prepare_s']:.3f} s, 3 KiB update {refit['update_model_only_s']:.3f}"
-                 f" s, flush {refit['flush_s']:.3f} s, one control to all {refit['control_s']:.3f} s")
+                 f" s, flush {refit['flush_s']:.3f} s, one control to all {refit['control_s']:.3f} s"
+                 f" ({refit.get('control_cpu_s_per_worker', 0) * 1e6:.0f} us of the driver's CPU"
+                 " per worker)")
         sizes = "; ".join(f"{mib} MiB: {size['update_s']:.2f} s, data {size['data_s']:.2f} s = "
                           f"{size['data_over_floor']:.1f}x the floor {size['floor_s']:.2f} s"
                           for mib, size in refit["sizes"].items())
