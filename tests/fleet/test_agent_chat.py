@@ -21,11 +21,11 @@ import pytest
 from rollout_fleet.adapters.agent_door.requests import TRAJECTORY_HEADER
 from rollout_fleet.adapters.http.metrics import HttpWorkerMetrics
 from rollout_fleet.adapters.tiny_model.build import TinyModelSpec, build_tiny_model
-from rollout_fleet.wiring.agent_door import AgentDoorServer, build_door
 from rollout_fleet.wiring.nemo_rl import DynamoGeneration
 from tests.support.nemo_gym_contract import (
     gym_history_message, gym_request, gym_tokens, without_inline_ids, without_message_tokens,
 )
+from tests.support.served_app import thread_door
 from tests.support.teacher_forced import teacher_forced_logprobs
 from tests.unit.test_nemo_rl_config import generation_config
 
@@ -110,9 +110,11 @@ GYM_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs"
 
 
 @pytest.fixture(scope="module")
-def door(dropin) -> str:
+def door(dropin, fleet) -> str:
+    """The fleet's own door, as the drop-in names it to NeMo-Gym (and as its frontend_url)."""
     (url,) = dropin.dp_openai_server_base_urls
-    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    assert url == dropin.frontend_url == f"{fleet.door_url}/v1"
+    assert url.startswith("http://127.0.0.1:")
     return url
 
 
@@ -370,9 +372,9 @@ def test_chat_on_a_model_without_a_template_is_refused_naming_the_model(fleet, t
     del config["chat_template"]
     config_path.write_text(json.dumps(config))
     (bare / "chat_template.jinja").unlink(missing_ok=True)
-    server = AgentDoorServer(build_door(fleet.frontend_url, str(bare), "bare-tiny")).start()
+    server = thread_door(fleet.frontend_url, bare, "bare-tiny", max_model_len=512)
     try:
-        answer = httpx.post(f"{server.url}/chat/completions", timeout=60, json={
+        answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
             "model": "bare-tiny", "messages": [{"role": "user", "content": "hi"}]})
     finally:
         server.stop()
@@ -415,15 +417,15 @@ def test_bad_turns_are_refused_naming_the_field_and_the_door_serves_on(door, mod
 
     template = tmp_path / "refusing.jinja"
     template.write_text(REFUSING_TEMPLATE)
-    strict = AgentDoorServer(build_door(fleet.frontend_url, str(tool_model), model,
-                                        {"custom_jinja_template": str(template)})).start()
+    strict = thread_door(fleet.frontend_url, tool_model, model,
+                         {"custom_jinja_template": str(template)}, max_model_len=512)
     try:
-        answer = httpx.post(f"{strict.url}/chat/completions", timeout=60, json={
+        answer = httpx.post(f"{strict.url}/v1/chat/completions", timeout=60, json={
             "model": model, "max_tokens": 4,
             "messages": [{"role": "system", "content": "Be brief."}, *history[:1]]})
         assert refused_field(answer) == "messages"
         assert "this template takes no system message" in answer.json()["error"]["message"]
-        served = httpx.post(f"{strict.url}/chat/completions", timeout=60, json={
+        served = httpx.post(f"{strict.url}/v1/chat/completions", timeout=60, json={
             "model": model, "max_tokens": 4, "messages": history[:1]})
         assert served.status_code == 200, served.text
     finally:
