@@ -64,41 +64,41 @@ class NemoRlSenderSpec:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
-class AsNative(Generic[P, R]):
-    """A call of NeMo-RL's interface that the native driver answers as it is: read off the
-    drop-in, it is the native driver's own method (same arguments, same answer)."""
+class Delegated(Generic[T, P, R]):
+    """A call of NeMo-RL's interface that one part of the drop-in answers as it is: read off
+    the drop-in, it is that part's own method (same arguments, same answer)."""
+
+    def __init__(self, part: Callable[["DynamoGeneration"], T],
+                 method: Callable[[T], Callable[P, R]]) -> None:
+        self._part = part
+        self._method = method
+
+    @overload
+    def __get__(self, generation: None, owner: type) -> "Delegated[T, P, R]": ...
+    @overload
+    def __get__(self, generation: "DynamoGeneration", owner: type | None = None
+                ) -> Callable[P, R]: ...
+
+    def __get__(self, generation: "DynamoGeneration | None",
+                owner: type | None = None) -> "Delegated[T, P, R] | Callable[P, R]":
+        return self if generation is None else self._method(self._part(generation))
+
+
+class AsNative(Delegated["FleetGeneration", P, R]):
+    """Answered by the native driver (``FleetGeneration``)."""
 
     def __init__(self, method: Callable[["FleetGeneration"], Callable[P, R]]) -> None:
-        self._method = method
-
-    @overload
-    def __get__(self, generation: None, owner: type) -> "AsNative[P, R]": ...
-    @overload
-    def __get__(self, generation: "DynamoGeneration", owner: type | None = None
-                ) -> Callable[P, R]: ...
-
-    def __get__(self, generation: "DynamoGeneration | None",
-                owner: type | None = None) -> "AsNative[P, R] | Callable[P, R]":
-        return self if generation is None else self._method(generation.native)
+        super().__init__(lambda generation: generation.native, method)
 
 
-class ViaDoor(Generic[P, R]):
-    """A call of NeMo-RL's interface answered over the fleet's door (``DoorHooks``)."""
+class ViaDoor(Delegated[DoorHooks, P, R]):
+    """Answered over the fleet's door (``DoorHooks``)."""
 
     def __init__(self, method: Callable[[DoorHooks], Callable[P, R]]) -> None:
-        self._method = method
-
-    @overload
-    def __get__(self, generation: None, owner: type) -> "ViaDoor[P, R]": ...
-    @overload
-    def __get__(self, generation: "DynamoGeneration", owner: type | None = None
-                ) -> Callable[P, R]: ...
-
-    def __get__(self, generation: "DynamoGeneration | None",
-                owner: type | None = None) -> "ViaDoor[P, R] | Callable[P, R]":
-        return self if generation is None else self._method(generation.hooks)
+        super().__init__(lambda generation: generation.hooks, method)
 
 
 class DynamoGeneration:

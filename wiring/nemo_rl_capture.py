@@ -123,16 +123,18 @@ class DoorHooks:
         return True
 
     def resume_generation_after_cut(self, *, timeout_s: float | None = None) -> bool:
-        self._fence("resume_generation_after_cut", timeout_s)
-        self._native.continue_generation()
-        return True
+        return self._resume("resume_generation_after_cut", timeout_s)
 
     def finish_generation_checkpoint(self, *, timeout_s: float | None = None) -> bool:
         self._fence("finish_generation_checkpoint", timeout_s)
         return True
 
     def resume_generation_after_checkpoint(self, *, timeout_s: float | None = None) -> bool:
-        self._fence("resume_generation_after_checkpoint", timeout_s)
+        return self._resume("resume_generation_after_checkpoint", timeout_s)
+
+    def _resume(self, name: str, timeout_s: float | None) -> bool:
+        """The door's fence moves first, then the fleet's own rollouts go on."""
+        self._fence(name, timeout_s)
         self._native.continue_generation()
         return True
 
