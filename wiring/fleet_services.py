@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 from rollout_fleet.adapters.dynamo.etcd import LoopbackEtcd
@@ -20,6 +20,9 @@ from rollout_fleet.wiring.fleet_discovery import discovery_env, discovery_forget
 
 if TYPE_CHECKING:
     from rollout_fleet.wiring.door import DoorProcesses, DoorSettings
+
+
+Started = TypeVar("Started")
 
 
 @attrs.define
@@ -81,14 +84,10 @@ class DriverServices:
             stop_s=config.timeouts.shutdown_s)
 
     def started_door(self) -> "DoorProcesses":
-        if self.door is None:
-            raise RuntimeError("this fleet has no door ([door] processes = 0)")
-        return self.door
+        return _started(self.door, "this fleet has no door ([door] processes = 0)")
 
     def started_frontend(self) -> DynamoFrontend:
-        if self.frontend is None:
-            raise RuntimeError("the fleet's frontend is not started")
-        return self.frontend
+        return _started(self.frontend, "the fleet's frontend is not started")
 
     def process_groups(self) -> list[int]:
         """The frontend's process group and each door process's (each leads its own)."""
@@ -115,3 +114,9 @@ class DriverServices:
         """Last: the workers unregister through it while they stop."""
         if self.etcd is not None:
             self.etcd.stop()
+
+
+def _started(part: Started | None, missing: str) -> Started:
+    if part is None:
+        raise RuntimeError(missing)
+    return part
