@@ -61,7 +61,7 @@ import_package()
 from rollout_fleet.adapters.collective import init_group, join_receiver  # noqa: E402
 from rollout_fleet.adapters.collective.colocated import open_buffer  # noqa: E402
 from rollout_fleet.adapters.collective.colocated_sender import ColocatedSender  # noqa: E402
-from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
+from rollout_fleet.adapters.collective.transfer import refit_info_of  # noqa: E402
 from rollout_fleet.adapters.collective.transfer import TorchWeightSender  # noqa: E402
 from rollout_fleet.adapters.vllm.inside.colocated_engine import compose_colocated_engine  # noqa: E402
 from rollout_fleet.adapters.vllm.messages import PackedInitInfo  # noqa: E402

@@ -47,7 +47,7 @@ def import_package():
 import_package()
 from rollout_fleet.adapters.collective import packing  # noqa: E402
 from rollout_fleet.core.refit import BUFFER_ALIGN, plan_buckets  # noqa: E402
-from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
+from rollout_fleet.adapters.collective.transfer import refit_info_of  # noqa: E402
 from llama_shapes import layer_shapes  # noqa: E402  (bench/, the script's own folder)
 
 MODELS = {

@@ -49,7 +49,7 @@ from bench_gpu_pack import import_package  # noqa: E402  (the path shim where no
 
 import_package()
 from rollout_fleet.adapters.collective import init_group, join_receiver  # noqa: E402
-from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
+from rollout_fleet.adapters.collective.transfer import refit_info_of  # noqa: E402
 from rollout_fleet.adapters.collective.transfer import TorchWeightSender  # noqa: E402
 from rollout_fleet.adapters.vllm.inside.transfer_engine import compose_transfer_engine  # noqa: E402
 from rollout_fleet.adapters.vllm.messages import PackedInitInfo  # noqa: E402

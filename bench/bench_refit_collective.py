@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout_fleet.adapters.collective import (  # noqa: E402
     TorchWeightReceiver, TorchWeightSender, init_group,
 )
-from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
+from rollout_fleet.adapters.collective.transfer import refit_info_of  # noqa: E402
 from rollout_fleet.adapters.collective.wire import GLOO_WIRE_CHUNK_BYTES  # noqa: E402
 from llama_shapes import layer_shapes  # noqa: E402  (bench/, the script's own folder)
 from rollout_fleet.core.refit import CollectiveSenderSpec  # noqa: E402

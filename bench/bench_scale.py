@@ -23,7 +23,7 @@ Measured against N:
   fairness    rollouts each worker served in the largest run (its stats control): max/min and
               the coefficient of variation, round-robin and KV router
   refit       to every worker through the real gloo group, sent with --fanout (tree: relayed by
-              the workers, core/refit_relay.py; broadcast: from the trainer to each): the fixed
+              the workers, core/fanout.py; broadcast: from the trainer to each): the fixed
               part (the first join, with torch's import in every worker; a later join;
               prepare_refit_info; an update carrying only the model's 3 KiB; a cache flush; one
               no-op control to all, and the driver's CPU per worker for it) and the data part

@@ -5,7 +5,7 @@ predicted from per-hop figures measured on this machine (bench/refit_hops.py).
 
 The fan-out the fleet sends with (``[refit] fanout = "tree"``) is modelled against three others:
 
-  tree       (chosen) pieces relayed down two binary trees (core/refit_relay.py): the trainer
+  tree       (chosen) pieces relayed down two binary trees (core/fanout.py): the trainer
              and every worker send at most the refit's bytes (and one piece), a piece crosses
              depth = floor(log2 N) + 1 hops.
   chain      a pipelined chain (as NCCL's ring broadcast): the bytes per link stay constant,

@@ -156,7 +156,7 @@ def _control_server(port_queue) -> None:
 
 def control_figures(workers: int = 256, rounds: int = 5) -> dict:
     from rollout_fleet.adapters.http.control import HttpWorkerControl
-    from rollout_fleet.core.control_fanout import call_everywhere
+    from rollout_fleet.core.fanout import call_everywhere
 
     context = multiprocessing.get_context("spawn")
     ports = context.Queue()

@@ -24,7 +24,7 @@ import bench_gpu_pack  # noqa: E402  (imports rollout_fleet, through a path shim
 
 from rollout_fleet.adapters.collective import TorchWeightSender  # noqa: E402
 from rollout_fleet.adapters.collective.group import CollectiveGroup, _process_group  # noqa: E402
-from rollout_fleet.adapters.collective.trainer import refit_info_of  # noqa: E402
+from rollout_fleet.adapters.collective.transfer import refit_info_of  # noqa: E402
 from rollout_fleet.core.refit import CollectiveSenderSpec  # noqa: E402
 
 

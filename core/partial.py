@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.core.control import WorkerControl
-from rollout_fleet.core.control_fanout import call_everywhere
+from rollout_fleet.core.fanout import call_everywhere
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.rollout import (
     FinishReason,

@@ -42,7 +42,7 @@ class RefitFanout(Vocabulary):
     whatever the spec says."""
 
     BROADCAST = "broadcast"  # the group's broadcast: the trainer sends every byte to each worker
-    # the workers relay each piece down two binary trees (core/refit_relay.py): each receives
+    # the workers relay each piece down two binary trees (core/fanout.py): each receives
     # the bytes once and sends at most the refit's bytes and one piece, whatever the workers
     TREE = "tree"
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.control import WorkerControl
-from rollout_fleet.core.control_fanout import (
+from rollout_fleet.core.fanout import (
     ControlCall,
     call_everywhere,
     gather_workers,

@@ -36,7 +36,7 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.control import WorkerControl
-from rollout_fleet.core.control_fanout import call_everywhere
+from rollout_fleet.core.fanout import call_everywhere
 from rollout_fleet.core.engine_ports import Sleeper
 from rollout_fleet.core.errors import EngineAsleep, InvalidValue
 from rollout_fleet.core.sleep_state import (

@@ -127,7 +127,7 @@ def _generation(fleet, url: str, timeout_s: float):
 def _push(generation, fleet, state: dict[str, Any], host: str,
           timeout_s: float) -> tuple[dict[str, int], float]:
     from rollout_fleet.adapters.collective import TrainerRefitSession
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
     from rollout_fleet.adapters.shared import free_port
 
     started = time.monotonic()

@@ -92,7 +92,7 @@ class RefitSection(_Strict):
         default="broadcast",
         description="how a gloo refit reaches every worker: broadcast (the trainer sends every "
         "byte to each worker) or tree (the workers relay each piece down two binary trees, so "
-        "no process sends more than the refit's bytes; core/refit_relay.py). NCCL broadcasts")
+        "no process sends more than the refit's bytes; core/fanout.py). NCCL broadcasts")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         default="auto",
         description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "

@@ -6,14 +6,12 @@ Importing this package imports torch.
 """
 
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
-from rollout_fleet.adapters.collective.trainer import (
-    TrainerRefitSession,
-    send_state_dict,
-)
 from rollout_fleet.adapters.collective.transfer import (
     TorchWeightReceiver,
     TorchWeightSender,
+    TrainerRefitSession,
     join_receiver,
+    send_state_dict,
 )
 
 __all__ = [

@@ -29,7 +29,7 @@ import attrs
 import torch
 from rollout_fleet.adapters.collective.colocated import BufferPool, indexed_device
 from rollout_fleet.adapters.collective.packing import check_tensor, pack_bucket, unpack_bucket
-from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.adapters.collective.transfer import refit_info_of
 from rollout_fleet.core.colocated_refit import ColocatedManifest, bucket_entries_wire
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import Bucket, plan_buckets, refit_mode

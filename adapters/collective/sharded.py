@@ -23,10 +23,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from rollout_fleet.adapters.collective.blocks import BlockPool, ByteAccount
 from rollout_fleet.adapters.collective.group import CollectiveGroup
-from rollout_fleet.adapters.collective.packing import as_bytes, torch_dtype
-from rollout_fleet.adapters.collective.transfer import hash63, wait_all
+from rollout_fleet.adapters.collective.packing import BlockPool, ByteAccount, as_bytes, torch_dtype
+from rollout_fleet.adapters.collective.wire import hash63, wait_all
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, RefitProtocol
 from rollout_fleet.core.sharded_refit import (

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from rollout_fleet.adapters.collective.group import init_group
-from rollout_fleet.adapters.collective.trainer import GroupMembership
+from rollout_fleet.adapters.collective.transfer import GroupMembership
 from rollout_fleet.adapters.collective.sharded import (
     ShardedWeightReceiver,
     ShardedWeightSender,

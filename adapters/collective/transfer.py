@@ -13,28 +13,31 @@ from __future__ import annotations
 
 import collections
 import functools
-import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 import attrs
 import torch
-from rollout_fleet.adapters.collective.blocks import BlockPool, ByteAccount, fresh_block
 from rollout_fleet.adapters.collective.group import CollectiveGroup, init_group
 from rollout_fleet.adapters.collective.packing import (
+    BlockPool,
+    ByteAccount,
     as_bytes,
     check_tensor,
+    fresh_block,
     pack_bucket,
     torch_dtype,
     unpack_bucket,
 )
+from rollout_fleet.adapters.collective.sharded import ShardedWeightSender
 from rollout_fleet.adapters.collective.wire import (
     Emitter,
     Inflow,
     Piece,
     bucket_plan,
     fanout_in_use,
+    hash63,
     relay_trees,
     rows_of_every_rank,
     wait_all,
@@ -48,6 +51,7 @@ from rollout_fleet.core.refit import (
     GroupJoin,
     RefitFanout,
     RefitInfo,
+    dtype_name,
     max_bucket_bytes,
 )
 from rollout_fleet.ports.collective import WeightReceiver, WeightSender
@@ -56,10 +60,6 @@ HEADER_FORMAT = 3  # 3: the fan-out; 2: large tensors travel from their own memo
 HEADER_FIELDS = ("header_format", "protocol", "buffer_bytes", "num_buffers", "refit_info",
                  "total_bytes", "wire_chunk_bytes", "fanout", "role")
 SENDER, RECEIVER = 1, 2
-
-
-def hash63(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 @functools.lru_cache(maxsize=8)
@@ -214,7 +214,7 @@ class TorchWeightSender(WeightSender):
         wait_all(self.group, works, f"bucket {index + 1}/{len(plan)}")
 
     def _slots(self, plan: tuple[Bucket, ...]) -> list[torch.Tensor]:
-        """The packing buffers; on the CPU kept between refits (warm pages, see blocks.py)."""
+        """The packing buffers; on the CPU kept between refits (warm pages, see packing.py)."""
         count = min(self.spec.num_buffers, sum(1 for b in plan if b.nbytes)) or 1
         size = max_bucket_bytes(plan)
         device = self.group.device
@@ -316,3 +316,65 @@ def join_receiver(join: GroupJoin, engine_rank: int = 0) -> TorchWeightReceiver:
     group = init_group(join.host, join.port, join.rank(engine_rank), join.world_size, join.backend,
                        join.timeout_s, train_world_size=join.train_world_size)
     return TorchWeightReceiver(group, join.sender_spec)
+
+
+# -- a trainer rank's side: join a refit group and send a state dict, from any torch loop. A
+# trainer with several ranks (NeMo-RL's policy workers) joins on every rank: rank 0 sends; the
+# others join, so the group's world size is checked, and return.
+S = TypeVar("S", bound=TorchWeightSender | ShardedWeightSender)
+
+
+def refit_info_of(state_dict: Mapping[str, Any]) -> RefitInfo:
+    """The refit info of a state dict, in its iteration order."""
+    return RefitInfo.from_state_dict_info(
+        {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in state_dict.items()})
+
+
+class GroupMembership(Generic[S]):
+    """A trainer rank's place in a refit group: the group and this rank's sender in it, closed
+    together (at ``close`` or the end of a ``with`` block)."""
+
+    def __init__(self, group: CollectiveGroup, sender: S) -> None:
+        self.group = group
+        self.sender = sender
+
+    @property
+    def port(self) -> int:
+        return self.group.port
+
+    def close(self) -> None:
+        self.sender.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TrainerRefitSession(GroupMembership[TorchWeightSender]):
+    """One trainer rank's membership of a refit group; send as many refits as needed, then close."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *,
+                 train_world_size: int = 1, backend: str = "gloo", timeout_s: float = 60.0,
+                 spec: CollectiveSenderSpec | None = None) -> None:
+        group = init_group(host, port, rank, world_size, backend, timeout_s,
+                           train_world_size=train_world_size)
+        super().__init__(group, TorchWeightSender(group, spec))
+
+    def send_state_dict(self, state_dict: Mapping[str, Any],
+                        info: RefitInfo | None = None) -> RefitInfo:
+        """Send ``state_dict`` (on rank 0; a no-op elsewhere); returns the refit info it used."""
+        info = info if info is not None else refit_info_of(state_dict)
+        self.sender.send(info, state_dict)
+        return info
+
+
+def send_state_dict(state_dict: Mapping[str, Any], *, host: str, port: int, rank: int,
+                    world_size: int, train_world_size: int = 1, backend: str = "gloo",
+                    timeout_s: float = 60.0, spec: CollectiveSenderSpec | None = None,
+                    info: RefitInfo | None = None) -> RefitInfo:
+    """Join the group, send one refit, leave: the one-shot form of :class:`TrainerRefitSession`."""
+    with TrainerRefitSession(host, port, rank, world_size, train_world_size=train_world_size,
+                             backend=backend, timeout_s=timeout_s, spec=spec) as session:
+        return session.send_state_dict(state_dict, info)

@@ -10,7 +10,7 @@ the header.
 
 With the ``tree`` fan-out (gloo) the pieces are not broadcast: the trainer sends each piece to
 the head of one of two binary trees and every worker sends the pieces it receives on to its
-children (core/refit_relay.py), so the trainer sends the refit's bytes once, not once per
+children (core/fanout.py), so the trainer sends the refit's bytes once, not once per
 worker, and no worker sends more than that and one piece: the same bytes, bit for bit, in
 every block.
 """
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 from typing import Any
 
 import attrs
 import torch
-from rollout_fleet.adapters.collective.blocks import BlockPool
+from rollout_fleet.adapters.collective.packing import BlockPool
 from rollout_fleet.adapters.collective.group import CollectiveGroup
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import (
@@ -34,10 +35,15 @@ from rollout_fleet.core.refit import (
     max_bucket_bytes,
     plan_buckets,
 )
-from rollout_fleet.core.refit_relay import TRAINER, PieceRoutes, RelayTrees
+from rollout_fleet.core.fanout import TRAINER, PieceRoutes, RelayTrees
 
 GLOO_WIRE_CHUNK_BYTES = 4 << 20
 GLOO_DIRECT_MIN_BYTES = 1 << 20  # a tensor this large is sent from its own memory over gloo
+
+
+def hash63(text: str) -> int:
+    """A 63-bit digest of ``text``: fits a header's int64 on every rank."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_fleet.core.control_fanout import ControlCall, run_control_call
+from rollout_fleet.core.fanout import ControlCall, run_control_call
 
 
 class ControlCallActor:

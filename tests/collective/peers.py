@@ -16,7 +16,7 @@ from rollout_fleet.adapters.collective import (
     TorchWeightReceiver, TorchWeightSender, TrainerRefitSession, init_group,
 )
 from rollout_fleet.adapters.collective.packing import as_bytes
-from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.adapters.collective.transfer import refit_info_of
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo
 
 HOST = "127.0.0.1"

@@ -9,7 +9,7 @@ import torch
 
 from rollout_fleet.adapters.collective import TorchWeightReceiver, TorchWeightSender, init_group
 from rollout_fleet.adapters.collective.packing import as_bytes
-from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.adapters.collective.transfer import refit_info_of
 from rollout_fleet.ports.contracts.collective import CollectiveContract, CollectiveUnderTest
 from tests.collective import peers
 from tests.collective.harness import JOIN_TIMEOUT_S, free_port

@@ -12,9 +12,8 @@ import torch
 from rollout_fleet.adapters.collective import (
     TorchWeightReceiver, TorchWeightSender, init_group, join_receiver,
 )
-from rollout_fleet.adapters.collective.blocks import BlockPool
-from rollout_fleet.adapters.collective.packing import as_bytes, pack_bucket, unpack_bucket
-from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.adapters.collective.packing import BlockPool, as_bytes, pack_bucket, unpack_bucket
+from rollout_fleet.adapters.collective.transfer import refit_info_of
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, plan_buckets
 from tests.collective import peers

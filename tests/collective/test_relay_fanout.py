@@ -13,7 +13,7 @@ import torch
 from rollout_fleet.adapters.collective import TorchWeightSender, init_group, join_receiver, wire
 from rollout_fleet.adapters.collective.group import CollectiveGroup
 from rollout_fleet.adapters.collective.packing import as_bytes
-from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.adapters.collective.transfer import refit_info_of
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitFanout
 from tests.collective import peers

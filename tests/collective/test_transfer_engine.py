@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollout_fleet.adapters.collective import TorchWeightSender, init_group, join_receiver
-from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.adapters.collective.transfer import refit_info_of
 from rollout_fleet.adapters.vllm.messages import PackedInitInfo
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.core.refit import CollectiveSenderSpec, GroupJoin, RefitRollback

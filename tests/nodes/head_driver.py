@@ -136,7 +136,7 @@ def _refit(fleet, generation, seed: int = 1) -> dict[str, int]:
     import torch
 
     from rollout_fleet.adapters.collective import TrainerRefitSession
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
     from rollout_fleet.adapters.memory.engine import TinyBigramModel
     from rollout_fleet.adapters.shared import free_port
 

@@ -19,7 +19,7 @@ def main() -> int:
     from safetensors.torch import load_file
 
     from rollout_fleet.adapters.collective.sharded_trainer import ShardedTrainerSession
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
     from rollout_fleet.core.refit import CollectiveSenderSpec, RefitProtocol
     from rollout_fleet.core.sharded_refit import TrainerLayout
 

@@ -81,7 +81,7 @@ def _trainers(port, model_dir):
 def _expected_plan(model_dir):
     from safetensors.torch import load_file
 
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
     from rollout_fleet.core.sharded_refit import EngineLayout, TrainerLayout, plan_sharded_refit
 
     info = refit_info_of(load_file(os.path.join(model_dir, "model.safetensors")))

@@ -18,7 +18,7 @@ def main() -> int:
     from safetensors.torch import load_file
 
     from rollout_fleet.adapters.collective import TrainerRefitSession
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
     from rollout_fleet.core.refit import CollectiveSenderSpec
 
     spec = CollectiveSenderSpec(buffer_bytes=int(buffer_bytes), num_buffers=int(num_buffers))

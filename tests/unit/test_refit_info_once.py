@@ -10,7 +10,7 @@ import torch
 
 from rollout_fleet.adapters.collective.colocated import BufferPool, open_buffer
 from rollout_fleet.adapters.collective.packing import pack_bucket
-from rollout_fleet.adapters.collective.trainer import refit_info_of
+from rollout_fleet.adapters.collective.transfer import refit_info_of
 from rollout_fleet.adapters.memory import LocalWorkerControl
 from rollout_fleet.adapters.vllm.inside.colocated_engine import ColocatedTransferEngine
 from rollout_fleet.adapters.vllm.messages import (

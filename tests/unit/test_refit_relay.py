@@ -1,4 +1,4 @@
-"""The relay's two trees (core/refit_relay.py): each reaches every worker from the trainer, no
+"""The relay's two trees (core/fanout.py): each reaches every worker from the trainer, no
 worker has children in both, the depth is floor(log2 N) + 1, and pieces split evenly by bytes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_fleet.core.errors import InvalidValue
-from rollout_fleet.core.refit_relay import TRAINER, TREES, PieceRoutes, RelayTrees
+from rollout_fleet.core.fanout import TRAINER, TREES, PieceRoutes, RelayTrees
 
 
 @pytest.mark.parametrize("workers", [*range(1, 40), 127, 128, 129, 1024])

@@ -36,7 +36,7 @@ def refit_trainer():
 
 @pytest.fixture(scope="class")
 def colocated_trainer(weights):
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
     from rollout_fleet.core.refit import plan_buckets
     from tests.support.colocated_trainer import TrainerProcess
 

@@ -79,7 +79,7 @@ def _refit(vllm_engine, trainer, state, info=None):
     """One refit of ``state`` into the engine over a real gloo group; the new version."""
     import asyncio
 
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
 
     engine = vllm_engine.engine
     vllm_engine.loop.run(engine.init_collective(trainer.open(engine.refit_ranks())))
@@ -122,7 +122,7 @@ def test_other_weights_equal_transformers_of_that_model_and_refitting_back_resto
     ("dtype", "dtype of 'model.norm.weight'"), ("missing", "tensor names")])
 def test_a_bad_refit_info_is_refused_by_name_and_nothing_changes(vllm_engine, reference, weights,
                                                                 defect, field):
-    from rollout_fleet.adapters.collective.trainer import refit_info_of
+    from rollout_fleet.adapters.collective.transfer import refit_info_of
     from rollout_fleet.core.refit import RefitInfo, TensorMeta
 
     engine, loop = vllm_engine.engine, vllm_engine.loop
