@@ -148,11 +148,14 @@ def test_grpo_replay_over_vllm_with_a_tied_embedding_model(ray_with_inference_gr
     prompts = [[1, 40 + i, 80 + 2 * i, 120 + 3 * i] for i in range(4)]
     outcome = replay(
         config, InferenceCluster(ray_with_inference_group), Policy(original), prompts=prompts,
-        pad=0, steps=[trainer_weights(OTHER_SEED), trainer_weights(MODEL_SEED, lm_head=garbage)],
+        # the replay checks after each step's refit: the first step trains back to the
+        # checkpoint's own weights, so its answers are the checkpoint's
+        pad=0, steps=[original, trainer_weights(OTHER_SEED),
+                      trainer_weights(MODEL_SEED, lm_head=garbage)],
         check=lambda out, _weights: served.append(out["output_ids"].tolist()))
     first, other, tied_again = served
     assert other != first, "a refit to other weights changed nothing"
     assert tied_again == first  # the garbage lm_head.weight was skipped, as vLLM's loader does
-    assert set(outcome["versions"].values()) == {3}
+    assert set(outcome["versions"].values()) == {4}  # the first sync and three refits
     assert outcome["payload_mode"] == "hf_export"  # asked of the backend, as NeMo-RL's sync does
-    assert outcome["step_metrics"] == [{"retried_attempts": 0.0}] * 2  # nothing sent twice
+    assert outcome["step_metrics"] == [{"retried_attempts": 0.0}] * 3  # nothing sent twice
