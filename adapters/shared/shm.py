@@ -2,7 +2,8 @@
 
 vLLM's message queues between its processes are Python ``SharedMemory`` segments
 (``/dev/shm/psm_*``). A killed engine core, and at times a clean exit, leaves its segment
-behind (~160 MiB); a killed worker leaves the named semaphores of Python's multiprocessing
+behind (~160 MiB); so, at times, do the shared buffers of vLLM's CPU tensor-parallel
+communicator (``/dev/shm/vllm_dist_*``, one per rank); a killed worker leaves the named semaphores of Python's multiprocessing
 (``sem.mp-*``), which its resource tracker, killed with it, would have removed. A tracker
 records the files a worker's processes map or hold open while they live (by inode, from
 ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``: a semaphore's creator maps it under a temporary
@@ -22,7 +23,8 @@ from rollout_fleet.adapters.shared.processes import open_file_links
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "psm_"  # vLLM's queues
 SEMAPHORE_PREFIX = "sem.mp-"  # multiprocessing's named semaphores
-WORKER_FILE_PREFIXES = (SEGMENT_PREFIX, SEMAPHORE_PREFIX)
+TENSOR_PARALLEL_PREFIX = "vllm_dist_"  # vLLM's CPU all-reduce buffers between its ranks
+WORKER_FILE_PREFIXES = (SEGMENT_PREFIX, SEMAPHORE_PREFIX, TENSOR_PARALLEL_PREFIX)
 
 
 class SharedMemoryTracker:

@@ -1,7 +1,7 @@
 """A worker killed with its whole process group leaves its /dev/shm files (its multiprocessing
-resource tracker dies with it); the placement's watch removes the ones the worker's processes
-used, matched by inode (a semaphore's creator maps it under a temporary name), and nothing
-else. Real processes, real POSIX semaphores and segments."""
+resource tracker dies with it, and vLLM's tensor-parallel buffers stay); the placement's watch
+removes the ones the worker's processes used, matched by inode (a semaphore's creator maps it
+under a temporary name), and nothing else. Real processes, real POSIX semaphores and segments."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import multiprocessing, os, sys
 lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, kept until exit
 segment = open("/dev/shm/psm_" + sys.argv[1], "w+b")  # a queue-like segment, held open
 segment.truncate(4096)
+ranks = open("/dev/shm/vllm_dist_" + sys.argv[1] + "-tp:0-[0-1]-cpushm_0", "w+b")  # a TP buffer
+ranks.truncate(4096)
 print(lock._semlock.name, flush=True)
 sys.stdin.readline()
 """
@@ -35,12 +37,13 @@ def test_the_semaphores_and_segments_of_a_killed_worker_group_are_removed_and_on
         assert os.path.exists(semaphore)
         tracker = SharedMemoryTracker(worker.pid, prefix=WORKER_FILE_PREFIXES)
         tracker.scan()
-        assert set(tracker.seen) == {semaphore, f"/dev/shm/psm_{tag}"}
+        ranks = f"/dev/shm/vllm_dist_{tag}-tp:0-[0-1]-cpushm_0"
+        assert set(tracker.seen) == {semaphore, f"/dev/shm/psm_{tag}", ranks}
         signal_group(worker.pid, signal.SIGKILL)  # its resource tracker goes with it
         worker.wait()
         time.sleep(0.2)
         assert os.path.exists(semaphore), "nothing else removed it: the leak is real"
-        assert sorted(tracker.remove_all()) == sorted([semaphore, f"/dev/shm/psm_{tag}"])
+        assert sorted(tracker.remove_all()) == sorted([semaphore, f"/dev/shm/psm_{tag}", ranks])
         assert not os.path.exists(semaphore) and os.path.exists(stranger)
     finally:
         if worker.poll() is None:

@@ -16,7 +16,9 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
+from rollout_fleet.adapters.shared.shm import (
+    SEGMENT_PREFIX, TENSOR_PARALLEL_PREFIX, SharedMemoryTracker,
+)
 from rollout_fleet.adapters.vllm.host.ipc_folder import (
     ENGINE_FOLDER_PREFIX, RPC_BASE_PATH, chosen_ipc_folder,
 )
@@ -24,6 +26,9 @@ from rollout_fleet.adapters.vllm.host.ipc_folder import (
 log = logging.getLogger(__name__)
 
 _OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+# What an engine core and its ranks leave in /dev/shm when killed or slow to stop (not the
+# multiprocessing semaphores: this process may hold those too).
+ENGINE_FILE_PREFIXES = (SEGMENT_PREFIX, TENSOR_PARALLEL_PREFIX)
 
 
 async def in_thread(function: Any, *args: Any) -> Any:
@@ -101,8 +106,10 @@ def ipc_environment() -> tuple[str | None, dict[str, str]]:
 
 
 def track_segments(engine_processes: set[int]) -> list[SharedMemoryTracker]:
-    """Record the /dev/shm queues of the engine core(s) just started and their workers."""
-    segments = [SharedMemoryTracker(pid, remove_unused=False) for pid in sorted(engine_processes)]
+    """Record the /dev/shm queues of the engine core(s) just started and their workers, and the
+    buffers their tensor-parallel ranks share."""
+    segments = [SharedMemoryTracker(pid, remove_unused=False, prefix=ENGINE_FILE_PREFIXES)
+                for pid in sorted(engine_processes)]
     for tracker in segments:
         tracker.scan()
     return segments
