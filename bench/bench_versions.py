@@ -7,7 +7,8 @@ own network namespace), driven by the project's driver (``build_generation`` and
 ``git archive`` into a temporary folder and shadow the installed ones on that child's
 ``PYTHONPATH`` (and its workers', which inherit it); each child prints where its code came
 from. Rounds alternate between the two, the order rotating each round; the medians and their
-ratio are printed, with the driver's CPU seconds per rollout beside them. The memory engine
+ratio are printed, with the driver's CPU per rollout beside them and each fleet role's (its
+workers, its frontend, its door's processes), read from its processes. The memory engine
 makes the figure the fleet's own cost (frontend, worker host, driver), not an engine's.
 
     .venv/bin/python bench/bench_versions.py --against c867ee6 [--rounds 4] [--requests 512]
@@ -73,12 +74,38 @@ async def answer_rounds(fleet, tokens: int) -> None:
                 frontend_url=fleet.frontend_url, control_secret=fleet.secret,
                 workers=fleet.endpoints(), http=HttpSettings(max_in_flight=concurrency))
         batch = as_batch(torch, prompts(requests, seed))
+        fleet_before = fleet_cpu_by_role()
         started, cpu = time.perf_counter(), time.process_time()
         generated = 0
         async for _index, sample in generation.generate_async(batch, greedy=True):
             generated += int(sample["generation_lengths"][0])
-        print(json.dumps({"seconds": time.perf_counter() - started, "tokens": generated,
-                          "cpu_s": time.process_time() - cpu}), flush=True)
+        seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu
+        fleet_after = fleet_cpu_by_role()
+        print(json.dumps({"seconds": seconds, "tokens": generated, "cpu_s": cpu_s,
+                          "fleet_cpu_s": {role: fleet_after[role] - fleet_before.get(role, 0.0)
+                                          for role in fleet_after}}), flush=True)
+
+
+FLEET_ROLES = {"rollout_fleet.wiring.worker": "workers", "dynamo.frontend": "frontend",
+               "rollout_fleet.wiring.door_process": "door"}
+
+
+def fleet_cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of this child's fleet processes, summed by role (its workers, the
+    frontend, the door's processes where there is a door)."""
+    import psutil
+
+    totals: dict[str, float] = dict.fromkeys(FLEET_ROLES.values(), 0.0)
+    for process in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(process.cmdline())
+            times = process.cpu_times()
+        except psutil.Error:
+            continue  # gone meanwhile
+        role = next((r for module, r in FLEET_ROLES.items() if module in command), None)
+        if role is not None:
+            totals[role] += times.user + times.system
+    return totals
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -168,6 +195,14 @@ def report(results: dict[str, list[dict]], args) -> None:
     (new_rate, new_cpu), (old_rate, old_cpu) = medians["this"], medians["against"]
     print(f"this / against: tokens/s {new_rate / old_rate:.3f}x; driver CPU per rollout "
           f"{new_cpu / old_cpu:.3f}x")
+    roles = {name: {role: statistics.median(1e6 * r["fleet_cpu_s"].get(role, 0.0) / args.requests
+                                            for r in rounds)
+                    for role in FLEET_ROLES.values()} for name, rounds in results.items()}
+    for role in FLEET_ROLES.values():
+        new, old = roles["this"][role], roles["against"][role]
+        ratio = f"{new / old:.3f}x" if old else "-"
+        print(f"  {role:>8} CPU per rollout median: this {new:,.0f} us, against {old:,.0f} us"
+              f" ({ratio})")
 
 
 def main() -> int:
