@@ -47,16 +47,7 @@ ip_shim() {
   # without iproute2 gets the one call it needs (SIOCSIFFLAGS) from Python.
   command -v ip >/dev/null && return 0
   mkdir -p /root/bin
-  cat > /root/bin/ip <<'EOF'
-#!/usr/bin/env python3
-import fcntl, socket, struct, sys
-if sys.argv[1:] != ["link", "set", "lo", "up"]:
-    sys.exit(f"ip (shim): only 'ip link set lo up', not {' '.join(sys.argv[1:])!r}")
-sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-flags = struct.unpack("16sH22x", fcntl.ioctl(sock, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
-fcntl.ioctl(sock, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))
-EOF
-  chmod +x /root/bin/ip
+  install -m 755 scripts/ip_shim.py /root/bin/ip
 }
 
 case "${1:-}" in

@@ -58,16 +58,7 @@ install() {
   python3 -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
   if ! command -v ip >/dev/null; then  # the bench brings loopback up in its own namespace
     mkdir -p /root/bin
-    cat > /root/bin/ip <<'EOF'
-#!/usr/bin/env python3
-import fcntl, socket, struct, sys
-if sys.argv[1:] != ["link", "set", "lo", "up"]:
-    sys.exit(f"ip (shim): only 'ip link set lo up', not {' '.join(sys.argv[1:])!r}")
-sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-flags = struct.unpack("16sH22x", fcntl.ioctl(sock, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
-fcntl.ioctl(sock, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))
-EOF
-    chmod +x /root/bin/ip
+    install -m 755 "$root/scripts/ip_shim.py" /root/bin/ip
   fi
   python3 -c "import torch, dynamo.frontend, rollout_fleet.wiring.worker; print('torch', torch.__version__)" \
     2>&1 | tee -a "$log"
