@@ -3,13 +3,13 @@
 vLLM's message queues between its processes are Python ``SharedMemory`` segments
 (``/dev/shm/psm_*``). A killed engine core, and at times a clean exit, leaves its segment
 behind (~160 MiB); so, at times, do the shared buffers of vLLM's CPU tensor-parallel
-communicator (``/dev/shm/vllm_dist_*``, one per rank); a killed worker leaves the named semaphores of Python's multiprocessing
-(``sem.mp-*``), which its resource tracker, killed with it, would have removed. A tracker
-records the files a worker's processes map or hold open while they live (by inode, from
-``/proc/<pid>/maps`` and ``/proc/<pid>/fd``: a semaphore's creator maps it under a temporary
-name) and removes those that remain once no process of the worker uses them. It never removes
-a file it did not see in the worker's processes, nor one that was replaced by another of the
-same name since (the inode must match).
+communicator (``/dev/shm/vllm_dist_*``, one per rank); a killed worker leaves the named
+semaphores of Python's multiprocessing (``sem.mp-*``), which its resource tracker, killed with
+it, would have removed. A tracker records the files a worker's processes map or hold open
+while they live (by inode, from ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``: a semaphore's
+creator maps it under a temporary name) and removes those that remain once no process of the
+worker uses them. It never removes a file it did not see in the worker's processes, nor one
+that was replaced by another of the same name since (the inode must match).
 """
 
 from __future__ import annotations
