@@ -82,7 +82,7 @@ async def answer_rounds(fleet, tokens: int) -> None:
         seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu
         fleet_after = fleet_cpu_by_role()
         print(json.dumps({"seconds": seconds, "tokens": generated, "cpu_s": cpu_s,
-                          "fleet_cpu_s": {role: fleet_after[role] - fleet_before.get(role, 0.0)
+                          "fleet_cpu_s": {role: fleet_after[role] - fleet_before[role]
                                           for role in fleet_after}}), flush=True)
 
 

@@ -14,11 +14,12 @@
 # done-when ratios, the cluster model's table), scale.log, hops.json, plots.tar (one PNG a figure
 # and the model's).
 set -uo pipefail
+usage="usage: $0 [--help]   (settings through SCALE_WORKERS, LIMIT_S, OUT, SITE)"
 case "${1:-}" in
-  -h|--help) echo "usage: $0 [--help]   (settings through SCALE_WORKERS, LIMIT_S, OUT, SITE)"
-             awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+  -h|--help) echo "$usage"; awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+             exit 0 ;;
   "") ;;
-  *) echo "usage: $0 [--help]   (settings through SCALE_WORKERS, LIMIT_S, OUT, SITE)" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
