@@ -34,7 +34,7 @@ log="$OUT/scale.log"
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 PATH=/root/bin:$root/.scale-carry:$PATH
 say() { echo "[$(( $(date +%s) - started )) s] $*" | tee -a "$log"; }
 
-install() {
+install_site() {
   if python3 -c "import dynamo.frontend" 2>/dev/null; then
     say "Dynamo already importable from $SITE"
   elif ls "$STASH"/part-* >/dev/null 2>&1; then
@@ -65,7 +65,7 @@ install() {
     2>&1 | tee -a "$log"
 }
 
-install || { say "install failed; see $log"; exit 1; }
+install_site || { say "install failed; see $log"; exit 1; }
 say "$(nproc) cores, $(awk '/MemAvailable/ {printf "%.0f GiB available", $2 / 1048576}' /proc/meminfo); etcd: $(command -v etcd || echo none)"
 
 say "per-hop figures (bench/refit_hops.py)"

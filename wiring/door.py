@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 
 from rollout_fleet.adapters.agent_door.cuts import SOCKET_GLOB, sibling_socket
+from rollout_fleet.adapters.agent_door.store import SqliteTrajectories
 from rollout_fleet.adapters.shared import PortsTaken, read_tail
 from rollout_fleet.adapters.shared.processes import interrupts_held, signal_group
 from rollout_fleet.core.errors import RolloutFleetError
@@ -224,6 +225,8 @@ def door_processes(frontend_url: str, model_path: str, served_model_name: str,
     store = folder / "trajectories.sqlite"
     for old in (store, store.with_name(store.name + "-wal"), store.with_name(store.name + "-shm")):
         old.unlink(missing_ok=True)
+    # Its tables and write-ahead log made once here, not by every process at once.
+    SqliteTrajectories(store, settings.trajectories, settings.idle_s).close()
     ports = PortsTaken()
     port = port or ports.take(host)
     spec = folder / "door.json"

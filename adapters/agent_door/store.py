@@ -15,6 +15,7 @@ import array
 import json
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 from rollout_fleet.core.agent_turns import (
@@ -47,7 +48,7 @@ class SqliteTrajectories(TrajectoryStore):
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                    timeout=BUSY_TIMEOUT_MS / 1000)
         self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self._db.execute("PRAGMA journal_mode = WAL")
+        _use_write_ahead_log(self._db)
         # A commit reaches the OS before it returns (a process that dies keeps it); only a
         # machine that loses power may lose the last turns, and the machine's fleet with them.
         self._db.execute("PRAGMA synchronous = NORMAL")
@@ -126,6 +127,20 @@ class SqliteTrajectories(TrajectoryStore):
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+
+def _use_write_ahead_log(db: sqlite3.Connection) -> None:
+    """Switch a new file to the write-ahead log (kept in the file: later opens only read it).
+    The switch takes an exclusive lock without SQLite's busy wait, so door processes opening
+    a new store at once retry it here."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _packed(kind: str, values: tuple[int, ...] | tuple[float, ...]) -> bytes:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -102,6 +103,23 @@ def test_a_turn_recorded_by_a_process_that_is_then_killed_is_kept(tmp_path):
     assert os.path.getsize(f"{path}-wal") > 0  # the turn is in the log, not yet in the file
     kept = SqliteTrajectories(path).latest("kept", now=2.0)
     assert kept is not None and kept.tokens.all_token_ids == (1, 2, 3)
+
+
+def test_door_processes_opening_a_new_store_at_the_same_instant_all_open_it(tmp_path):
+    """The switch to the write-ahead log takes an exclusive lock that SQLite's busy wait does
+    not cover: a 16-core machine's door processes, opening a new store together, raced on it."""
+    path, start_at, count = tmp_path / "door.sqlite", time.time() + 3.0, 12
+    openers = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from rollout_fleet.adapters.agent_door.store import SqliteTrajectories
+        from rollout_fleet.core.agent_turns import RecordedTurn, TurnTokens
+        time.sleep(max(0.0, {start_at} - time.time()))
+        store = SqliteTrajectories({str(path)!r})
+        store.record("t{index}", RecordedTurn(1, ("user",), TurnTokens([1, 2], [3])), now=1.0)
+        """)], stderr=subprocess.PIPE, text=True) for index in range(count)]
+    ended = [(opener.wait(timeout=60), opener.stderr.read()) for opener in openers]
+    assert [code for code, _ in ended] == [0] * count, [why for code, why in ended if code]
+    assert len(SqliteTrajectories(path)) == count
 
 
 def test_a_forgotten_trajectory_continued_without_tokens_is_refused_by_its_name():
