@@ -73,7 +73,7 @@ class LocalPlacement(Placement):
 
     def kill(self, name: str) -> None:
         process = self._process(name)
-        self._segments.scan()  # what it uses now, to remove once it is dead
+        self._segments.scan(name)  # what it uses now, to remove once it is dead
         signal_group(process.pid, signal.SIGKILL)
         process.wait()
         self._segments.release(name)

@@ -143,9 +143,12 @@ class SegmentWatch:
                 self._thread.start()
         return tracker
 
-    def scan(self) -> None:
+    def scan(self, name: str | None = None) -> None:
+        """Every tracker, or only worker ``name``'s (a scan reads each of its processes' maps
+        and open files: before one of 128 workers is killed, the other 127 need none)."""
         with self._lock:
-            trackers = list(self._trackers.values())
+            trackers = list(self._trackers.values()) if name is None \
+                else [self._trackers[name]] if name in self._trackers else []
         for tracker in trackers:
             tracker.scan()
 

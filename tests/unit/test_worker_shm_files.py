@@ -12,7 +12,9 @@ import sys
 import time
 
 from rollout_fleet.adapters.shared.processes import signal_group
-from rollout_fleet.adapters.shared.shm import WORKER_FILE_PREFIXES, SharedMemoryTracker
+from rollout_fleet.adapters.shared.shm import (
+    WORKER_FILE_PREFIXES, SegmentWatch, SharedMemoryTracker,
+)
 
 WORKER = """
 import multiprocessing, os, sys
@@ -54,3 +56,28 @@ def test_the_semaphores_and_segments_of_a_killed_worker_group_are_removed_and_on
         for path in (stranger, f"/dev/shm/psm_{tag}"):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_watch_scans_only_the_named_workers_processes_when_one_is_named():
+    """Before one worker of many is killed, only its processes' maps and files are read."""
+    tags = {name: f"test{os.getpid()}{name}" for name in ("a", "b")}
+    workers = {name: subprocess.Popen([sys.executable, "-c", WORKER, tag], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, process_group=0)
+               for name, tag in tags.items()}
+    watch = SegmentWatch(interval_s=3600.0)  # no scan of its own while the test runs
+    try:
+        for worker in workers.values():
+            worker.stdout.readline()  # its files are made
+        trackers = {name: watch.track(name, worker.pid) for name, worker in workers.items()}
+        watch.scan("a")
+        assert f"/dev/shm/psm_{tags['a']}" in trackers["a"].seen and trackers["b"].seen == {}
+        watch.scan()
+        assert f"/dev/shm/psm_{tags['b']}" in trackers["b"].seen
+    finally:
+        watch.close()
+        for name, worker in workers.items():
+            signal_group(worker.pid, signal.SIGKILL)
+            worker.wait()
+            worker.stdin.close()
+            worker.stdout.close()
+            watch.release(name)  # what each left, removed
