@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import defaultdict
 from collections.abc import Collection, Iterator
 
 from rollout_fleet.adapters.shared.processes import open_file_links
@@ -45,11 +46,11 @@ class SharedMemoryTracker:
         with self._lock:
             return dict(self._seen)
 
-    def scan(self) -> None:
+    def scan(self, table: ProcessTable | None = None) -> None:
         """Record what the worker's processes use now, and (``remove_unused``) remove a recorded
         segment that no process of the worker has used in two scans in a row (its engine core
-        died)."""
-        in_use = self.in_use()
+        died). ``table``: the processes as read for several trackers at once."""
+        in_use = self.in_use(table)
         with self._lock:
             self._seen.update(in_use)
             if not self._remove_unused:
@@ -59,11 +60,11 @@ class SharedMemoryTracker:
                 self._remove(path)
             self._unused_once = unused - self._unused_once
 
-    def in_use(self) -> dict[str, int]:
+    def in_use(self, table: ProcessTable | None = None) -> dict[str, int]:
         """path -> inode of the tracked files that the worker's processes use now."""
         named = self._named_files()
         in_use: dict[str, int] = {}
-        for pid in worker_processes(self.root_pid):
+        for pid in (table or ProcessTable()).worker_processes(self.root_pid):
             in_use.update((named[inode], inode) for inode in _shm_inodes(pid, self._dir)
                           if inode in named)
         return in_use
@@ -145,12 +146,14 @@ class SegmentWatch:
 
     def scan(self, name: str | None = None) -> None:
         """Every tracker, or only worker ``name``'s (a scan reads each of its processes' maps
-        and open files: before one of 128 workers is killed, the other 127 need none)."""
+        and open files: before one of 128 workers is killed, the other 127 need none). The
+        process table is read once for all of them."""
         with self._lock:
             trackers = list(self._trackers.values()) if name is None \
                 else [self._trackers[name]] if name in self._trackers else []
+        table = ProcessTable()
         for tracker in trackers:
-            tracker.scan()
+            tracker.scan(table)
 
     def release(self, name: str) -> list[str]:
         """The worker ``name`` has stopped: remove what it left, stop tracking it."""
@@ -170,22 +173,39 @@ class SegmentWatch:
             self.scan()
 
 
+class ProcessTable:
+    """Every live process's parent and group, read from /proc once, indexed so that the
+    processes of each of many workers are found without reading it again."""
+
+    def __init__(self) -> None:
+        self._live: set[int] = set()
+        self._children: dict[int, list[int]] = defaultdict(list)
+        self._members: dict[int, list[int]] = defaultdict(list)  # process group -> its pids
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                stat = _stat(int(entry))
+                if stat is not None:
+                    pid, (parent, group) = int(entry), stat
+                    self._live.add(pid)
+                    self._children[parent].append(pid)
+                    self._members[group].append(pid)
+
+    def worker_processes(self, root_pid: int) -> list[int]:
+        """``root_pid``, the members of the process group it leads, and all their descendants
+        (a child whose parent died is still in the group)."""
+        found = ({root_pid} & self._live) | set(self._members.get(root_pid, ()))
+        frontier = list(found)
+        while frontier:
+            for child in self._children.get(frontier.pop(), ()):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+        return sorted(found)
+
+
 def worker_processes(root_pid: int) -> Iterator[int]:
-    """``root_pid``, the members of the process group it leads, and all their descendants
-    (a child whose parent died is still in the group)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None:
-                table[int(entry)] = stat
-    found = {pid for pid, (_ppid, group) in table.items() if pid == root_pid or group == root_pid}
-    grew = True
-    while grew:
-        children = {pid for pid, (ppid, _group) in table.items() if ppid in found} - found
-        found |= children
-        grew = bool(children)
-    return iter(sorted(found))
+    """``ProcessTable.worker_processes`` of the processes now."""
+    return iter(ProcessTable().worker_processes(root_pid))
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
