@@ -64,7 +64,8 @@ class SharedMemoryTracker:
         """path -> inode of the tracked files that the worker's processes use now."""
         named = self._named_files()
         in_use: dict[str, int] = {}
-        for pid in (table or ProcessTable()).worker_processes(self.root_pid):
+        table = table if table is not None else ProcessTable()
+        for pid in table.worker_processes(self.root_pid):
             in_use.update((named[inode], inode) for inode in _shm_inodes(pid, self._dir)
                           if inode in named)
         return in_use
