@@ -4,7 +4,6 @@ with no growth in the driver's memory or open sockets, and every rollout served 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import urllib.parse
 
@@ -12,7 +11,7 @@ import pytest
 
 from tests.faults.conftest import check_batch_exactly_once, mixed_batch
 from tests.faults.test_trust import post_control
-from tests.support.net import connections_to
+from tests.driver.sockets import my_connections_to
 from tests.support.processes import own_rss_bytes
 
 pytestmark = [pytest.mark.faults, pytest.mark.dynamo]
@@ -34,7 +33,7 @@ def test_a_minute_of_steady_load_grows_neither_memory_nor_sockets(start_fleet):
     # earlier test in it left (a Ray driver's own) opens and closes its own on its own clock.
     frontend_port = urllib.parse.urlsplit(fleet.frontend_url).port
     def driver_sockets() -> int:
-        return connections_to(os.getpid(), frontend_port)
+        return my_connections_to(frontend_port)
     sockets_before = driver_sockets()
 
     async def soak() -> list[list]:

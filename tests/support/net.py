@@ -59,25 +59,6 @@ def unix_socket_files(pids: Iterable[int]) -> set[str]:
     return {row[7] for row in rows if len(row) > 7 and row[6] in inodes and row[7].startswith("/")}
 
 
-def connections_to(pid: int, port: int) -> int:
-    """How many TCP sockets ``pid`` holds connected to ``port`` (IPv4 or IPv6, any state but
-    listening): a client's connections to one server, whatever else the process holds."""
-    inodes = set(socket_inodes(pid))
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as rows:
-                lines = rows.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()  # sl local remote state ... inode
-            if fields[9] in inodes and fields[3] != _TCP_LISTEN \
-                    and int(fields[2].rsplit(":", 1)[1], 16) == port:
-                count += 1
-    return count
-
-
 def non_loopback_listeners(pids: Iterable[int]) -> list[Listener]:
     return [s for s in listening_sockets(pids) if not s.is_loopback]
 
