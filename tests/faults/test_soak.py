@@ -29,8 +29,8 @@ def test_a_minute_of_steady_load_grows_neither_memory_nor_sockets(start_fleet):
     generation = fleet.generation(max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
                                   max_in_flight=CONCURRENCY)
     samples: list[tuple[int, int, int]] = []  # (batch, rss, sockets) after each batch
-    # The driver's connections to the frontend, not every socket of this process: whatever an
-    # earlier test in it left (a Ray driver's own) opens and closes its own on its own clock.
+    # The driver's connections to the frontend, not every socket of this process: what an
+    # earlier test left in it (a Ray driver, under another arrangement) keeps its own clock.
     frontend_port = urllib.parse.urlsplit(fleet.frontend_url).port
     def driver_sockets() -> int:
         return my_connections_to(frontend_port)

@@ -116,17 +116,6 @@ def own_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def own_open_sockets() -> int:
-    """How many sockets this process holds open."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return count
-
-
 def dead_pid() -> int:
     """The pid of a process that has ended (a maker gone, for the orphan sweeps)."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
