@@ -247,7 +247,7 @@ def start_vllm(run_dir: Path, model: Path, args, running: list, api_servers: int
                counts_prefix_cache: bool = False):
     """vLLM's own server (``api_servers`` API processes), put in ``running`` as soon as it is
     started (``counts_prefix_cache``: as ``vllm_server_command`` says)."""
-    from rollout_fleet.adapters.vllm.host.config import precision_env
+    from rollout_fleet.adapters.vllm.host.config import process_env
 
     port = free_port()
     name = "vllm-server" if api_servers == 1 else f"vllm-server-k{api_servers}"
@@ -256,7 +256,7 @@ def start_vllm(run_dir: Path, model: Path, args, running: list, api_servers: int
     server_dir.mkdir(parents=True, exist_ok=True)
     # The environment the fleet's worker gives its engine (the float32 precision settings).
     ipc_folder = tempfile.mkdtemp(prefix="rollout-fleet-bench-vllm-")
-    env = {**precision_env(fleet_engine_config(model, args)), **own_caches(server_dir, args),
+    env = {**process_env(fleet_engine_config(model, args)), **own_caches(server_dir, args),
            "VLLM_RPC_BASE_PATH": ipc_folder}
     command = vllm_server_command(model, args, port, api_servers, counts_prefix_cache)
     announce_launch(name, command, log)

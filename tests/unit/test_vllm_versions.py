@@ -9,13 +9,15 @@ import abc
 import asyncio
 import dataclasses
 import json
+import re
+import subprocess
 import sys
 import types
 
 import pytest
 import torch
 
-from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig, precision_env
+from rollout_fleet.adapters.vllm.host.config import BUSY_POLL_ENV, VllmEngineConfig, process_env
 from rollout_fleet.adapters.vllm.host.convert import piece_of, to_served
 from rollout_fleet.adapters.vllm.host.engine import VllmEngine
 from rollout_fleet.adapters.vllm.host.features import detect_features
@@ -270,14 +272,35 @@ def test_an_explicit_dtype_wins_and_the_cpu_serves_float32(tmp_path):
 
 
 def test_float32_on_a_gpu_turns_tf32_off_unless_allowed():
-    assert precision_env(VllmEngineConfig(model="m")) == {}
-    strict = precision_env(VllmEngineConfig(model="m", device="gpu"))
+    assert "ROLLOUT_FLEET_ALLOW_TF32" not in process_env(VllmEngineConfig(model="m"))
+    strict = process_env(VllmEngineConfig(model="m", device="gpu"))
     assert strict == {"VLLM_FLOAT32_MATMUL_PRECISION": "highest", "TRITON_F32_DEFAULT": "ieee",
                       "ROLLOUT_FLEET_ALLOW_TF32": "0"}
-    loose = precision_env(VllmEngineConfig(model="m", device="gpu", allow_tf32=True))
+    loose = process_env(VllmEngineConfig(model="m", device="gpu", allow_tf32=True))
     assert loose["TRITON_F32_DEFAULT"] == "tf32" and loose["ROLLOUT_FLEET_ALLOW_TF32"] == "1"
     with pytest.raises(InvalidValue, match="allow_tf32"):
         VllmEngineConfig(model="m", allow_tf32="yes")
+
+
+def test_vllms_processes_on_a_cpu_busy_poll_briefly_unless_told_otherwise():
+    assert process_env(VllmEngineConfig(model="m")) == {BUSY_POLL_ENV: "0.02"}
+    assert process_env(VllmEngineConfig(model="m", cpu_busy_poll_s=None)) == {}
+    assert BUSY_POLL_ENV not in process_env(VllmEngineConfig(model="m", device="gpu"))
+    for bad in (-1, "0.1", True, 61):
+        with pytest.raises(InvalidValue, match=re.escape(f"cpu_busy_poll_s={bad}:")):
+            VllmEngineConfig(model="m", cpu_busy_poll_s=bad)
+
+
+def test_the_plugin_shortens_the_busy_poll_of_the_queues_made_after_it():
+    """In a child process: the plugin changes a default of vLLM's class for good."""
+    code = ("import os; os.environ['ROLLOUT_FLEET_VLLM_BUSY_POLL_S'] = '0.02';"
+            "from rollout_fleet.wiring.vllm_plugin import register; register(); register();"
+            "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition;"
+            "print(SpinCondition.__init__.__defaults__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(0.02,)"
+    assert "busy_loop_s" not in done.stderr  # the second load found it set: no warning
 
 
 def test_the_plugin_sets_torchs_tf32_switches_from_the_environment(monkeypatch):

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from typing import Any
 
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
-from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig, precision_env
+from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig, process_env
 from rollout_fleet.adapters.vllm.host.convert import engine_dtype, read_facts
 from rollout_fleet.adapters.vllm.host.features import VllmFeatures, detect_features
 from rollout_fleet.adapters.vllm.host.process import (
@@ -118,7 +118,7 @@ class VllmRuntime:
         self.ipc_folder, ipc_env = ipc_environment()
         try:
             with pinned_to_cpus(config.omp_binding()), \
-                    scoped_environment({**precision_env(config), **ipc_env}):
+                    scoped_environment({**process_env(config), **ipc_env}):
                 self.engine = await in_thread(build_async_llm, config)
         except BaseException:
             self._remove_ipc_folder()
