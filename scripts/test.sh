@@ -2,8 +2,9 @@
 # The project's test command: installs what it needs (.venv, idempotent), then runs every tier.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x); a run that names no test
 # path runs the type checker first (scripts/typecheck.sh), then every test. Two pytest-xdist workers
-# (TEST_WORKERS): whatever starts vLLM engines or Ray clusters runs one test at a time on one of
-# them (tests/conftest.py), every other module beside it; `-n 0` runs everything in one process.
+# (TEST_WORKERS), each in a network namespace of its own: whatever starts vLLM engines runs one
+# test at a time on one of them (tests/conftest.py), every other module beside it; `-n 0` runs
+# everything in one process.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

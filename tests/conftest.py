@@ -15,31 +15,62 @@ import pytest
 
 from rollout_fleet.adapters.shared.shm import SharedMemoryTracker
 
+from tests.support.worker_network import release, take_own_network
+
 _SCAN_EVERY_S = 2.0
 
 pytest_plugins = ["tests.support.startup_counts"]
 
 _TESTS = Path(__file__).parent
-# What starts vLLM engines or Ray clusters runs one test at a time, on one pytest-xdist worker
-# (group "engines"): two vLLM starts at once would only share the same cores, and two Ray
-# clusters in one network namespace would share its ports. Every other module is a group of
-# its own, so its module- and session-scoped fixtures start once, on the worker that takes it.
-_ENGINE_TIERS = {"nodes", "refit", "vllm", "fleet"}
-_ENGINE_MARKS = {"vllm", "ray"}
+# What starts vLLM engines runs one test at a time, on one pytest-xdist worker (group "engines"):
+# two vLLM starts at once would only share the same cores. Every other module is a group of its
+# own, so its module- and session-scoped fixtures start once, on the worker that takes it; Ray
+# clusters and frontends may run on both workers at once, each worker in a network namespace of
+# its own (tests/support/worker_network.py).
+_ENGINE_TIERS = {"refit", "vllm"}
 
 
 def engines_group(item) -> str:
     """Read as the test is collected, before the tiers' own collection hooks add marks: their
-    rules are repeated here (a tier's folder; tests/cli's ``fleet`` fixture: a Ray cluster)."""
+    rule (every test of tests/refit and tests/vllm starts or shares a vLLM engine) is repeated
+    here; elsewhere a module that starts one carries the ``vllm`` mark."""
     tier = Path(str(item.path)).relative_to(_TESTS).parts[0]
-    marks = {mark.name for mark in item.iter_markers()}
-    if tier in _ENGINE_TIERS or marks & _ENGINE_MARKS or "fleet" in item.fixturenames:
+    if tier in _ENGINE_TIERS or item.get_closest_marker("vllm") is not None:
         return "engines"
     return str(Path(str(item.path)).relative_to(_TESTS))
 
 
 def pytest_itemcollected(item):  # as each is collected: before pytest-xdist reads the groups
     item.add_marker(pytest.mark.xdist_group(engines_group(item)))
+
+
+# The engines group is the run's critical path, and vLLM's CPU processes run at nice 10
+# (VllmEngineConfig.cpu_worker_nice): the tests beside it, and what they start, run at that nice
+# too, so they share the cores with vLLM's processes instead of going first.
+BESIDE_ENGINES_NICE = 10
+
+
+@pytest.hookimpl(tryfirst=True)  # before its fixtures start anything
+def pytest_runtest_setup(item):
+    if getattr(item.config, "workerinput", None) is None:
+        return
+    wanted = 0 if item.nodeid.endswith("@engines") else BESIDE_ENGINES_NICE
+    if os.getpriority(os.PRIO_PROCESS, 0) != wanted:
+        try:  # this thread (Linux: nice is per thread) and what it starts from now on
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
+        except PermissionError:  # back to 0 needs root (CAP_SYS_NICE): then it stays lower
+            pass
+
+
+def pytest_configure(config):
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker:
+        config._ray_folder = take_own_network(worker)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_ray_folder", None):
+        release(config._ray_folder)
 
 
 @pytest.fixture(scope="session", autouse=True)

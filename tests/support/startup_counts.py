@@ -64,6 +64,8 @@ class StartupCounter:
         self._root = str(os.getpid())
         self._done_with = set(self._pids())  # counted, or not ours, or never named a known kind
         self._first_seen: dict[str, float] = {}
+        self._born_during: dict[str, str] = {}  # pid -> the test running when it was first seen
+        self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="startup-counts", daemon=True)
 
@@ -80,6 +82,10 @@ class StartupCounter:
 
     def _watch(self) -> None:
         while not self._done.wait(_POLL_S):
+            self.look_now()
+
+    def look_now(self) -> None:
+        with self._lock:
             now = time.monotonic()
             for pid in self._pids():
                 if pid not in self._done_with:
@@ -88,13 +94,14 @@ class StartupCounter:
     def _look_at(self, pid: str, now: float) -> None:
         if pid not in self._first_seen:
             self._first_seen[pid] = now
+            self._born_during[pid] = self.current
             if not _descends_from(pid, self._root):
                 self._done_with.add(pid)
                 return
         line = _process_line(pid)
         kind = _kind_of(line) if line else None
-        if kind:
-            self.per_test[self.current][kind] += 1
+        if kind:  # charged to the test it was born in, though it takes its name later
+            self.per_test[self._born_during[pid]][kind] += 1
         if kind or not line or now - self._first_seen[pid] > _NAMED_WITHIN_S:
             self._done_with.add(pid)
 
@@ -147,6 +154,22 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     counter.seconds[item.nodeid] += time.monotonic() - started
     counter.current = "<between tests>"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test outside the ``engines`` group that started a vLLM engine fails at its teardown:
+    it would run beside another vLLM start (tests/conftest.py groups by the ``vllm`` mark)."""
+    outcome = yield
+    report, counter = outcome.get_result(), _counter(item.config)
+    if counter is None or report.when != "teardown" or item.nodeid.endswith("@engines") \
+            or not hasattr(item.config, "workerinput"):
+        return
+    counter.look_now()
+    if counter.per_test[item.nodeid]["vllm_engine"]:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} started a vLLM engine outside the 'engines' group: "
+                           f"mark its module pytest.mark.vllm (see tests/conftest.py)")
 
 
 def _write(path: str, table: dict) -> None:

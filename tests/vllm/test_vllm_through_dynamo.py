@@ -17,7 +17,11 @@ import pytest
 from rollout_fleet.core.rollout import FinishReason, RolloutRequest, SamplingSpec
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
 
+from rollout_fleet.adapters.tiny_model import TinyModelSpec
+
 from .conftest import CONTROL_SECRET, EOS_TOKEN_ID, SERVED_MODEL, VllmFleet
+
+TINY_CONTEXT = TinyModelSpec().max_position_embeddings  # the fleet's model's context
 
 
 def through_frontend(fleet: VllmFleet, request: RolloutRequest):
@@ -227,17 +231,15 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
     from rollout_fleet.core.partial import abort_everywhere
     from rollout_fleet.core.rollout_client import RolloutClient
 
-    budget = 400  # the tiny model is fast: room enough for the abort to land mid-way
-    uncut = {}
-    for index, prompt in enumerate(vllm_engine.prompts[:4]):  # the one that runs longest
-        request = RolloutRequest(request_id=f"fe-whole-{index}", prompt_token_ids=prompt,
-                                 max_new_tokens=budget)
-        uncut[len(through_frontend(vllm_fleet, request).token_ids)] = request
-    longest = max(uncut)
-    assert longest >= 200, f"no prompt ran 200 greedy tokens: {sorted(uncut)}"
+    # The whole context's budget, past end-of-sequence: the longest rollout the tiny model can
+    # run, so a cut has the most room to land mid-way however loaded the machine is.
+    prompt = vllm_engine.prompts[0]
+    uncut = RolloutRequest(request_id="fe-whole", prompt_token_ids=prompt, ignore_eos=True,
+                           max_new_tokens=TINY_CONTEXT - len(prompt))
     started = time.monotonic()
-    whole = through_frontend(vllm_fleet, uncut[longest])
+    whole = through_frontend(vllm_fleet, uncut)
     whole_s = time.monotonic() - started
+    assert len(whole.token_ids) == uncut.max_new_tokens
     control = HttpWorkerControl("w0", f"http://127.0.0.1:{_system_port(vllm_fleet)}",
                                 secret=CONTROL_SECRET)
 
@@ -248,8 +250,7 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
                 return
             await asyncio.sleep(0.001)
 
-    async def cut_then_continue(request, delay_s):
-        client = RolloutClient(HttpCompletionsTransport(vllm_fleet.url()), model=SERVED_MODEL)
+    async def cut_then_continue(client, request, delay_s):
         rollout = asyncio.ensure_future(client.rollout(request))
         # The delay counts from the rollout's arrival at the worker, not from its sending: on a
         # loaded machine the way through the frontend took longer than the search's steps.
@@ -267,23 +268,29 @@ def test_a_rollout_cut_mid_way_and_continued_equals_the_uncut_greedy_rollout(vll
             return landed, seen, None
         return landed, seen, (holders, partial, await client.continue_rollout(request, partial))
 
-    # How long the rollout takes depends on the machine's load: search the delay between one
-    # that cut before the first token and one that came after the end, until a cut lands mid-way.
-    # (20 attempts: here a client's loop at times stalled ~0.8 s in its first send on a new
-    # connection, until the rollout had ended, which makes that attempt late whatever its delay.)
-    early_s, late_s, delay_s, misses = 0.0, None, whole_s / 4, []
-    for attempt in range(20):
-        request = attrs.evolve(uncut[longest], request_id=f"fe-cut-{attempt}")
-        landed, seen, outcome = asyncio.run(cut_then_continue(request, delay_s))
-        if outcome is not None:
-            break
-        misses.append(seen)
-        early_s, late_s = (delay_s, late_s) if landed == "early" else (early_s, delay_s)
-        delay_s = (early_s + late_s) / 2 if late_s is not None else max(2 * delay_s, 0.01)
-    else:
+    async def search():
+        """How long the rollout takes depends on the machine's load: search the delay between
+        one that cut before the first token and one that came after the end, until a cut lands
+        mid-way. Every attempt runs on one loop whose connections to the frontend and to the
+        control channel are open before the first: a new connection's first send once stalled
+        a loaded machine's loop ~0.8 s, past the rollout's end."""
+        client = RolloutClient(HttpCompletionsTransport(vllm_fleet.url()), model=SERVED_MODEL)
+        await control.call("stats", {}, timeout_s=30)
+        await client.rollout(attrs.evolve(uncut, request_id="fe-cut-warm", max_new_tokens=1))
+        early_s, late_s, delay_s, misses = 0.0, None, whole_s / 4, []
+        for attempt in range(20):
+            request = attrs.evolve(uncut, request_id=f"fe-cut-{attempt}")
+            landed, seen, outcome = await cut_then_continue(client, request, delay_s)
+            if outcome is not None:
+                return outcome, [*misses, seen]
+            misses.append(seen)
+            early_s, late_s = (delay_s, late_s) if landed == "early" else (early_s, delay_s)
+            delay_s = (early_s + late_s) / 2 if late_s is not None else max(2 * delay_s, 0.01)
         pytest.fail(f"no abort landed mid-way (the uncut rollout took {whole_s * 1000:.0f} ms): "
                     + ", ".join(misses))
-    print(f"the uncut rollout took {whole_s * 1000:.0f} ms; cuts: {', '.join([*misses, seen])}")
+
+    outcome, cuts = asyncio.run(search())
+    print(f"the uncut rollout took {whole_s * 1000:.0f} ms; cuts: {', '.join(cuts)}")
     holders, partial, joined = outcome
     assert holders == ["w0"]
     assert 0 < len(partial.token_ids) < len(whole.token_ids)
