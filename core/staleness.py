@@ -158,6 +158,10 @@ class StalenessGate:
             return outcome
 
     async def _await(self, attempt: Callable[[], T | None]) -> T:
+        with self._lock:  # the common case, every rollout's admission: nothing to wait for
+            outcome = attempt()
+        if outcome is not None:
+            return outcome
         loop = asyncio.get_running_loop()
         while True:
             woken: asyncio.Future[None] = loop.create_future()
