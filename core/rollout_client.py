@@ -24,6 +24,9 @@ from rollout_fleet.core.rollout import (
     RolloutResult,
     SamplingSpec,
     ServedRollout,
+    as_stop_strings,
+    as_stop_token_ids,
+    check_rollout_fields,
 )
 from rollout_fleet.core.partial import continuation_request, join_rollouts
 from rollout_fleet.core.stop_strings import merge_stop_strings
@@ -46,21 +49,26 @@ class RolloutLimits:
 
     def request(self, request_id: str, prompt_token_ids: Sequence[int], *,
                 sampling: SamplingSpec, stop_strings: Sequence[str] | None = None,
-                max_new_tokens: int | None = None, logprobs: bool = True) -> RolloutRequest:
-        """A validated request: budget fitted to the context, stop strings merged."""
+                max_new_tokens: int | None = None, logprobs: bool = True,
+                prompt_checked: bool = False) -> RolloutRequest:
+        """A validated request: budget fitted to the context, stop strings merged.
+        ``prompt_checked``: the prompt is a non-empty list of ints >= 0, checked where it
+        entered (a batch's tensor check); it is not checked again, every other field is."""
         budget = token_budget(len(prompt_token_ids),
                               self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                               self.max_model_len, self.context_limit_policy)
-        return RolloutRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            max_new_tokens=budget,
-            sampling=sampling,
-            stop_strings=(merge_stop_strings(self.stop_strings, stop_strings)
-                          if self.stop_strings or stop_strings is not None else ()),
-            stop_token_ids=self.stop_token_ids,
-            logprobs=logprobs,
-        )
+        stops = (merge_stop_strings(self.stop_strings, stop_strings)
+                 if self.stop_strings or stop_strings is not None else ())
+        if not prompt_checked:
+            return RolloutRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                  max_new_tokens=budget, sampling=sampling, stop_strings=stops,
+                                  stop_token_ids=self.stop_token_ids, logprobs=logprobs)
+        check_rollout_fields(request_id, budget, sampling, 1, False, logprobs)
+        return RolloutRequest.from_checked(
+            tuple(prompt_token_ids), request_id=request_id, max_new_tokens=budget,
+            sampling=sampling, stop_strings=as_stop_strings(stops),
+            stop_token_ids=as_stop_token_ids(self.stop_token_ids), n=1, ignore_eos=False,
+            logprobs=logprobs)
 
 
 @attrs.frozen

@@ -144,9 +144,10 @@ class FleetGeneration:
         for index, (prompt, stops) in enumerate(zip(batch.prompts, batch.stop_strings)):
             number = next(self._ids)
             try:
-                requests.append(self._limits.request(
-                    f"rollout-{self._id_prefix}-{number}", prompt,
-                    sampling=seeded_for(sampling, number), stop_strings=stops))
+                requests.append(self._limits.request(  # the batch's prompts were checked
+                    f"rollout-{self._id_prefix}-{number}", prompt,  # by read_batch
+                    sampling=seeded_for(sampling, number), stop_strings=stops,
+                    prompt_checked=True))
             except InvalidValue as exc:
                 raise type(exc)(f"sample {index}: {exc.field}", exc.value, exc.rule) from None
         return requests

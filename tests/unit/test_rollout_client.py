@@ -8,7 +8,8 @@ from rollout_fleet.adapters.memory import EngineCompletionsTransport, MemoryEngi
 from rollout_fleet.core.budget import ContextLimitPolicy
 from rollout_fleet.core.clock import Clock
 from rollout_fleet.core.errors import (
-    ContextLimitExceeded, HttpStatusError, LengthMismatch, RetriesExhausted, TransportError,
+    ContextLimitExceeded, HttpStatusError, InvalidValue, LengthMismatch, RetriesExhausted,
+    TransportError,
 )
 from rollout_fleet.core.retry import RetryPolicy
 from rollout_fleet.core.rollout import FinishReason, SamplingSpec
@@ -122,3 +123,21 @@ def completions_under_test():
 
 class TestEngineCompletionsTransport(CompletionsContract):
     pass
+
+
+def test_a_request_from_a_checked_prompt_equals_the_fully_checked_one_and_checks_the_rest():
+    """A batch's prompts are checked once by tensor ops (adapters/nemo_rl/batch.py); the request
+    then skips only that check: every other field is still refused by name."""
+    limits = RolloutLimits(max_model_len=64, max_new_tokens=10, stop_strings=("\n",),
+                           stop_token_ids=(2,))
+    sampling = SamplingSpec(greedy=False, temperature=0.7, seed=3)
+    fields = {"sampling": sampling, "stop_strings": ["END"], "logprobs": False}
+    full = limits.request("r-1", [5, 6, 7], **fields)
+    assert limits.request("r-1", [5, 6, 7], prompt_checked=True, **fields) == full
+    assert full.stop_strings == ("\n", "END") and full.stop_token_ids == (2,)
+    with pytest.raises(InvalidValue, match="stop_strings"):
+        limits.request("r-2", [5], sampling=sampling, stop_strings=["x", ""], prompt_checked=True)
+    with pytest.raises(InvalidValue, match="request_id"):
+        limits.request("", [5], sampling=sampling, prompt_checked=True)
+    with pytest.raises(InvalidValue, match="sampling"):
+        limits.request("r-3", [5], sampling="greedy", prompt_checked=True)  # type: ignore[arg-type]
