@@ -86,7 +86,8 @@ class VllmEngineConfig:
     still get any core nothing else wants; None leaves their priority alone). They also stop
     busy-polling their shared-memory queues ``cpu_busy_poll_s`` after the last message instead
     of vLLM's second, then wait on a socket: on 2 cores, 20 rollouts 2 s apart cost vLLM's
-    processes 28 CPU-s with the second and 4.4 with 0.02 s (None keeps vLLM's). ``cpu_cores``: the
+    processes 23.1 CPU-s with the second and 4.8 with 0.02 s (bench/bench_busy_poll.py; None
+    keeps vLLM's). ``cpu_cores``: the
     cores vLLM binds its model threads to; None lets vLLM pick, and every engine on one host
     then picks the same cores (a fleet gives each local worker its own).
     GPU defaults: the checkpoint's own dtype (config.json: bf16 stays bf16, float32 stays
