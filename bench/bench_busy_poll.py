@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from process_load import snapshot  # noqa: E402
 
 from rollout_fleet.adapters.tiny_model import build_tiny_model
 from rollout_fleet.adapters.vllm.host import VllmEngine, VllmEngineConfig
@@ -24,25 +28,11 @@ from rollout_fleet.core.rollout import GREEDY
 SETTINGS = {"vLLM's 1 s": None, f"{CPU_BUSY_POLL_S} s": CPU_BUSY_POLL_S}
 
 
-def descendants_cpu_s(root: int) -> float:
-    """User and system CPU seconds of every living descendant of ``root``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[tuple[int, float]]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        cpu_s = (int(fields[11]) + int(fields[12])) / tick
-        children.setdefault(int(fields[1]), []).append((int(entry), cpu_s))
-    total, waiting = 0.0, [root]
-    while waiting:
-        for pid, cpu_s in children.get(waiting.pop(), []):
-            total += cpu_s
-            waiting.append(pid)
-    return total
+def engine_cpu_s() -> float:
+    """CPU seconds so far of this process's living descendants: the engine's own processes."""
+    me = os.getpid()
+    return sum(process["cpu_s"] for pid, process in snapshot([me])["processes"].items()
+               if pid != me)
 
 
 async def measure(model: Path, polling: float | None, gaps: list[float],
@@ -54,12 +44,12 @@ async def measure(model: Path, polling: float | None, gaps: list[float],
     try:
         for gap in gaps:
             await asyncio.sleep(2.0)  # past any busy-poll of the start or the last gap
-            cpu_before, started = descendants_cpu_s(os.getpid()), time.monotonic()
+            cpu_before, started = engine_cpu_s(), time.monotonic()
             for index in range(rollouts):
                 await engine.serve_rollout([1, 50 + index, 60], request_id=f"gap{gap}-{index}",
                                            max_new_tokens=16, sampling=GREEDY)
                 await asyncio.sleep(gap)
-            figures[gap] = (descendants_cpu_s(os.getpid()) - cpu_before,
+            figures[gap] = (engine_cpu_s() - cpu_before,
                             time.monotonic() - started)
     finally:
         await engine.close()

@@ -219,18 +219,17 @@ def report(results: dict[str, list[dict]], args) -> dict[str, float]:
 def compare(args, shadow: Path, work: Path, first: str) -> dict[str, float]:
     """Both fleets resident, ``first``'s started first, rounds interleaved; the ratios."""
     print(f"-- {first}'s fleet started first")
-    starts = {"this": lambda: Child("this", None, args, work / f"run-this-{first}"),
-              "against": lambda: Child("against", str(shadow), args, work / f"run-against-{first}")}
-    children: list[Child] = []
+    code = {"this": None, "against": str(shadow)}
+    started: dict[str, Child] = {}
     try:
-        for name in sorted(starts, key=lambda name: name != first):
-            children.append(starts[name]())
-        children.sort(key=lambda child: child.name != "this")  # rounds start with "this"
+        for name in sorted(code, key=lambda name: name != first):  # ``first`` first
+            started[name] = Child(name, code[name], args, work / f"run-{name}-{first}")
+        children = [started["this"], started["against"]]  # rounds start with "this"
         for child in children:
             print(f"{child.name:>8}: code from {child.code}")
         return report(measure(children, args), args)
     finally:
-        for child in children:
+        for child in started.values():
             child.stop()
 
 

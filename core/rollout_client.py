@@ -24,7 +24,6 @@ from rollout_fleet.core.rollout import (
     RolloutResult,
     SamplingSpec,
     ServedRollout,
-    as_stop_strings,
     as_stop_token_ids,
     check_rollout_fields,
 )
@@ -45,7 +44,7 @@ class RolloutLimits:
     max_new_tokens: int
     stop_strings: tuple[str, ...] = ()
     context_limit_policy: ContextLimitPolicy = ContextLimitPolicy.REJECT
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=as_stop_token_ids)
 
     def request(self, request_id: str, prompt_token_ids: Sequence[int], *,
                 sampling: SamplingSpec, stop_strings: Sequence[str] | None = None,
@@ -53,7 +52,8 @@ class RolloutLimits:
                 prompt_checked: bool = False) -> RolloutRequest:
         """A validated request: budget fitted to the context, stop strings merged.
         ``prompt_checked``: the prompt is a non-empty list of ints >= 0, checked where it
-        entered (a batch's tensor check); it is not checked again, every other field is."""
+        entered (a batch's tensor check); it is not checked again, every other field is (the
+        stop strings as they are merged, the stop IDs when these limits were made)."""
         budget = token_budget(len(prompt_token_ids),
                               self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                               self.max_model_len, self.context_limit_policy)
@@ -66,9 +66,8 @@ class RolloutLimits:
         check_rollout_fields(request_id, budget, sampling, 1, False, logprobs)
         return RolloutRequest.from_checked(
             tuple(prompt_token_ids), request_id=request_id, max_new_tokens=budget,
-            sampling=sampling, stop_strings=as_stop_strings(stops),
-            stop_token_ids=as_stop_token_ids(self.stop_token_ids), n=1, ignore_eos=False,
-            logprobs=logprobs)
+            sampling=sampling, stop_strings=stops, stop_token_ids=self.stop_token_ids, n=1,
+            ignore_eos=False, logprobs=logprobs)
 
 
 @attrs.frozen

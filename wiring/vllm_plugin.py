@@ -46,7 +46,9 @@ def _set_busy_poll() -> None:
     import logging
     import os
 
-    polling = os.environ.get("ROLLOUT_FLEET_VLLM_BUSY_POLL_S")
+    from rollout_fleet.adapters.vllm.messages import BUSY_POLL_ENV
+
+    polling = os.environ.get(BUSY_POLL_ENV)
     if polling is None:
         return
     from vllm.distributed.device_communicators import shm_broadcast

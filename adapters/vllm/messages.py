@@ -38,6 +38,8 @@ REFIT_STATS_RPC = "rollout_fleet_refit_stats"
 RELEASE_BUFFERS_RPC = "rollout_fleet_release_buffers"
 PRECISION_RPC = "rollout_fleet_precision"
 DISK_RELOADED_RPC = "rollout_fleet_disk_reloaded"
+# How long vLLM's queue readers busy-poll on a CPU: set by the host, read by the project's plugin.
+BUSY_POLL_ENV = "ROLLOUT_FLEET_VLLM_BUSY_POLL_S"
 # vLLM's own worker method: reload the weights in place from a folder (``weights_path``).
 VLLM_RELOAD_RPC = "reload_weights"
 

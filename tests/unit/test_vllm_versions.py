@@ -17,13 +17,14 @@ import types
 import pytest
 import torch
 
-from rollout_fleet.adapters.vllm.host.config import BUSY_POLL_ENV, VllmEngineConfig, process_env
+from rollout_fleet.adapters.vllm.host.config import VllmEngineConfig, process_env
 from rollout_fleet.adapters.vllm.host.convert import piece_of, to_served
 from rollout_fleet.adapters.vllm.host.engine import VllmEngine
 from rollout_fleet.adapters.vllm.host.features import detect_features
 from rollout_fleet.adapters.vllm.inside.transfer_engine import (
     InPlaceReload, LayerwiseReload, compose_transfer_engine, reload_strategy,
 )
+from rollout_fleet.adapters.vllm.messages import BUSY_POLL_ENV
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue, RefitError
 from rollout_fleet.core.refit import RefitInfo

@@ -14,10 +14,9 @@ import attrs
 import httpx
 import pytest
 
+from rollout_fleet.adapters.tiny_model import TinyModelSpec
 from rollout_fleet.core.rollout import FinishReason, RolloutRequest, SamplingSpec
 from rollout_fleet.core.wire import completion_body, parse_completion_answer
-
-from rollout_fleet.adapters.tiny_model import TinyModelSpec
 
 from .conftest import CONTROL_SECRET, EOS_TOKEN_ID, SERVED_MODEL, VllmFleet
 

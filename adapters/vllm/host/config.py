@@ -10,7 +10,9 @@ from typing import Any
 
 import attrs
 from rollout_fleet.adapters.vllm.host.ipc_folder import kv_events_socket
-from rollout_fleet.adapters.vllm.messages import BACKEND_NAME, SHARDED_BACKEND_NAME, WORKER_EXTENSION
+from rollout_fleet.adapters.vllm.messages import (
+    BACKEND_NAME, BUSY_POLL_ENV, SHARDED_BACKEND_NAME, WORKER_EXTENSION,
+)
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit import GROUP_PROTOCOLS, RefitProtocol, RefitRollback
@@ -25,7 +27,6 @@ CPU_KV_CACHE_BYTES = 64 * 2**20  # room for 256 blocks of the tiny model; a lapt
 CPU_WORKER_NICE = 10  # see VllmEngineConfig.cpu_worker_nice
 MAX_NICE = 19
 CPU_BUSY_POLL_S = 0.02  # see VllmEngineConfig.cpu_busy_poll_s
-BUSY_POLL_ENV = "ROLLOUT_FLEET_VLLM_BUSY_POLL_S"  # read by the project's vLLM plugin
 KV_EVENTS_TOPIC = "kv-events"
 # config.json's dtype (transformers >= 4.56 writes "dtype", older ones "torch_dtype") -> vLLM's
 _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
