@@ -90,6 +90,11 @@ class Placement(ABC):
         or where this placement cannot tell."""
         return None
 
+    def helper_process_groups(self) -> list[int]:
+        """The process groups of what this placement runs on this machine beside the workers
+        (a local placement's worker template); ``stop`` ends them too."""
+        return []
+
     @abstractmethod
     def kill(self, name: str) -> None:
         """Stop one worker's process now (fault drills, a failed health check)."""

@@ -69,7 +69,10 @@ def placement_for(config: FleetConfig, groups: Sequence[Any] = ()) -> Placement:
     if config.placement is PlacementKind.LOCAL:
         from rollout_fleet.adapters.local import LocalPlacement
 
-        return LocalPlacement(bind_host=config.bind_host, stop_grace_s=config.timeouts.shutdown_s)
+        from rollout_fleet.wiring.worker import PRELOAD
+
+        return LocalPlacement(bind_host=config.bind_host, stop_grace_s=config.timeouts.shutdown_s,
+                              start=config.worker_start, preload=PRELOAD)
     from rollout_fleet.adapters.ray import RayPlacement
 
     return RayPlacement(address=config.ray_address, bundle=config.bundle,
@@ -262,8 +265,10 @@ class Fleet:
         return dict(self._instances)
 
     def process_groups(self) -> list[int]:
-        """The process group of each worker, of the frontend and of each door process."""
-        return [w.pid for w in self.workers] + self._services.process_groups()
+        """The process group of each worker, of the frontend, of each door process and of
+        the placement's helpers here (a local placement's worker template)."""
+        return ([w.pid for w in self.workers] + self.placement.helper_process_groups()
+                + self._services.process_groups())
 
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:

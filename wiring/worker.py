@@ -75,6 +75,19 @@ ENGINE_WATCH_INTERVAL_S = 0.1
 ANSWERS_FLUSH_S = 2.0
 # A worker run without a fleet: long enough for a loaded CPU engine (the fleet sets its own).
 DEFAULT_HANG_TIMEOUT_S = 120.0
+# What every worker imports, whatever its engine (this module, and what its functions import
+# when a worker serves), plus the memory engine's: a local placement's worker template imports
+# these once and forks the workers from there. No module here may start a thread when
+# imported, nor import torch or vLLM (a CUDA context must never be forked).
+PRELOAD = (
+    "rollout_fleet.wiring.worker", "rollout_fleet.adapters.dynamo",
+    "rollout_fleet.adapters.dynamo.control_front", "rollout_fleet.adapters.dynamo.controls",
+    "rollout_fleet.adapters.dynamo.plain", "rollout_fleet.adapters.dynamo.worker_metrics",
+    "rollout_fleet.adapters.shared.streams", "dynamo.common.backend",
+    "dynamo.common.backend.metrics", "prometheus_client", "rollout_fleet.core.refit_service",
+    "rollout_fleet.core.colocated_service", "rollout_fleet.core.sleep",
+    "rollout_fleet.core.disk_reload", "rollout_fleet.adapters.memory",
+)
 
 def build_engine(config: WorkerConfig | Mapping[str, Any]) -> BuiltEngine:
     """The engine of ``config.engine``, made by its kind (an entry point of the group

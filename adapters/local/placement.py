@@ -1,13 +1,17 @@
-"""LocalPlacement: each worker a child process of this one, leading a process group of its own."""
+"""LocalPlacement: each worker a process of this machine, leading a process group of its own:
+a child of this process, or forked from a template process that has imported what it imports."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from typing import Literal, Protocol
 
+from rollout_fleet.adapters.local.forked import ForkTemplate, forkable, launch_env
 from rollout_fleet.adapters.shared import free_port, release_ports, sweep_stale_claims
 from rollout_fleet.adapters.shared.processes import (hand_over_secret, interrupts_held,
                                                     secret_stdin, signal_group)
@@ -16,6 +20,20 @@ from rollout_fleet.adapters.shared.worker_folders import WorkerFolders
 from rollout_fleet.core.errors import RolloutFleetError
 from rollout_fleet.ports.placement import (Placement, WorkerHandle, WorkerLaunch,
                                            refuse_live_places, refuse_taken_names)
+
+logger = logging.getLogger("rollout_fleet.placement")
+WorkerStart = Literal["exec", "fork"]
+
+
+class WorkerProcess(Protocol):
+    """What the placement reads of a worker's process: ``subprocess.Popen`` or a forked one."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class LocalPlacement(Placement):
@@ -26,12 +44,24 @@ class LocalPlacement(Placement):
     for the CPU behind busy-polling neighbours. It is stopped (and signalled) by its group.
     Its control secret goes to its standard input; the /dev/shm segments its processes used
     are removed when it stops or is killed (adapters/shared/shm.py).
+
+    ``start="fork"``: a worker whose command is ``python -m module ...`` (or ``-c code``) with
+    this interpreter is forked from a template process that imported ``preload`` once
+    (adapters/local/fork_template.py), so N workers starting at once do not each pay for those
+    imports; any other command is started as a new process (``start="exec"`` starts every
+    worker so). The template imports under the first launch's environment less each worker's
+    own variables (ports, host, folder): the modules in ``preload`` must not read at import
+    what differs between workers.
     """
 
-    def __init__(self, *, bind_host: str = "127.0.0.1", stop_grace_s: float = 15.0) -> None:
+    def __init__(self, *, bind_host: str = "127.0.0.1", stop_grace_s: float = 15.0,
+                 start: WorkerStart = "exec", preload: Sequence[str] = ()) -> None:
         self._bind_host = bind_host
         self._stop_grace_s = stop_grace_s
-        self._processes: dict[str, subprocess.Popen] = {}  # every worker placed, in order
+        self._start = start
+        self._preload = tuple(preload)
+        self._template: ForkTemplate | None = None
+        self._processes: dict[str, WorkerProcess] = {}  # every worker placed, in order
         self._replaced: set[str] = set()  # lost workers a later launch took the place of
         self._ports_given: set[int] = set()
         self._segments = SegmentWatch()
@@ -53,20 +83,49 @@ class LocalPlacement(Placement):
                 env[launch.host_env] = self._bind_host
             if launch.log_path:
                 os.makedirs(os.path.dirname(launch.log_path) or ".", exist_ok=True)
-            with interrupts_held(), open(launch.log_path or os.devnull, "ab") as log:
-                process = subprocess.Popen(list(launch.argv), env=env, stdout=log,
-                                           stderr=subprocess.STDOUT, stdin=secret_stdin(launch.secret),
-                                           process_group=0)
-                self._processes[launch.name] = process
-            hand_over_secret(process, launch.secret)
+            process = self._start_process(launch, env)
             self._segments.track(launch.name, process.pid)
             handles.append(WorkerHandle(index, launch.name, process.pid, self._bind_host, ports,
                                         launch.log_path))
         return handles
 
+    def _start_process(self, launch: WorkerLaunch, env: Mapping[str, str]) -> WorkerProcess:
+        template = self._template_for(launch, env)
+        if template is not None:
+            with interrupts_held():
+                process = template.start(launch.argv, env, launch.log_path, launch.secret)
+                self._processes[launch.name] = process
+            return process
+        with interrupts_held(), open(launch.log_path or os.devnull, "ab") as log:
+            child = subprocess.Popen(list(launch.argv), env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=secret_stdin(launch.secret),
+                                     process_group=0)
+            self._processes[launch.name] = child
+        hand_over_secret(child, launch.secret)
+        return child
+
+    def _template_for(self, launch: WorkerLaunch, env: Mapping[str, str]) -> ForkTemplate | None:
+        """The worker template this launch is forked from (started on first use); None: the
+        launch starts as a new process (``start="exec"``, not a ``python -m``/``-c`` command,
+        or no template that can fork, which is logged)."""
+        if self._start != "fork" or not forkable(launch.argv):
+            return None
+        if self._template is None:
+            try:
+                self._template = ForkTemplate(self._preload, launch_env(env, _own_keys(launch)),
+                                              _template_log(launch.log_path))
+            except RolloutFleetError as exc:
+                logger.warning("local placement: starting workers as new processes: %s", exc)
+                self._start = "exec"
+                return None
+        return None if self._template.gone else self._template
+
     def alive(self) -> Mapping[str, bool]:
         # A copy: a launch from another thread may add a worker meanwhile.
         return {name: process.poll() is None for name, process in list(self._processes.items())}
+
+    def helper_process_groups(self) -> list[int]:
+        return [] if self._template is None else [self._template.pid]
 
     def exit_status(self, name: str) -> int | None:
         return self._process(name).poll()
@@ -97,20 +156,33 @@ class LocalPlacement(Placement):
         for name in self._processes:
             self._segments.release(name)
         self._segments.close()
+        if self._template is not None:
+            self._template.close()
+            self._template = None
         self._folders.remove_all()
         self._processes.clear()
         release_ports(self._ports_given)  # its workers are gone: nothing will bind them now
         self._ports_given.clear()
         sweep_stale_claims()  # and those a worker killed before its exit claimed itself
 
-    def _process(self, name: str) -> subprocess.Popen:
+    def _process(self, name: str) -> WorkerProcess:
         try:
             return self._processes[name]
         except KeyError:
             raise RolloutFleetError(f"no worker named {name!r}; workers: {sorted(self._processes)}") from None
 
 
-def _wait_then_kill_group(process: subprocess.Popen, timeout_s: float) -> None:
+def _own_keys(launch: WorkerLaunch) -> tuple[str, ...]:
+    """The environment variables each worker of a launch gets a value of its own in."""
+    return tuple(key for key in (*launch.port_env, launch.host_env, launch.folder_env) if key)
+
+
+def _template_log(worker_log: str) -> str:
+    """The template's log: beside the first forked worker's."""
+    return os.path.join(os.path.dirname(worker_log), "worker-template.log") if worker_log else ""
+
+
+def _wait_then_kill_group(process: WorkerProcess, timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for a group leader signalled already, then SIGKILL its group
     (the leader may be gone while others in its group linger)."""
     try:
