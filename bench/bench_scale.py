@@ -9,7 +9,9 @@ workers placed as local processes (a per-token delay stands in for a GPU's decod
 rollouts), behind the real Dynamo frontend and driven by the real driver, one after the other:
 
   rr    round-robin router, file discovery, lost workers replaced: start, memory, throughput,
-        fairness, refit, churn (in that order; churn changes the fleet)
+        fairness, refit, churn (in that order; churn changes the fleet); its workers are forked
+        from the placement's worker template (worker_start = "fork", the default)
+  exec  as rr, each worker started as a new interpreter (worker_start = "exec"): start only
   kv    Dynamo's KV router: start, throughput, fairness
   etcd  round-robin router, etcd discovery: start, throughput
 
@@ -71,6 +73,7 @@ FLEET_ENV = {"DYN_TCP_REQUEST_TIMEOUT": "120"}  # thousands in flight on 2 cores
 IDLE_WORKER_MIB, REFIT_WORKER_MIB = 130, 340
 ALL_PARTS = ("start", "memory", "throughput", "fairness", "refit", "churn", "discovery")
 FLEETS = {"rr": {"router": "round-robin", "discovery": "file", "replace_lost_workers": True},
+          "exec": {"router": "round-robin", "discovery": "file", "worker_start": "exec"},
           "kv": {"router": "kv", "discovery": "file"},
           "etcd": {"router": "round-robin", "discovery": "etcd"}}
 
@@ -490,6 +493,8 @@ def run_fleet(kind: str, n: int, args, budget: Budget, bandwidth: float) -> dict
         result["start_s"] = time.monotonic() - started
         print(f"  [{kind}] {n} workers up in {result['start_s']:.1f} s", flush=True)
         generation = None
+        if kind == "exec":
+            parts = set()  # its start (and stop) only
         try:
             if "memory" in parts:
                 result["memory"] = fleet_memory(fleet)
@@ -618,8 +623,10 @@ def parse_args(argv):
 
 
 def fleets_for(parts: list[str]) -> list[str]:
-    """rr always; kv for the router's fairness; etcd for the discovery comparison."""
-    return ["rr"] + (["kv"] if "fairness" in parts else []) + (["etcd"] if "discovery" in parts else [])
+    """rr always; exec for the start's comparison; kv for the router's fairness; etcd for the
+    discovery comparison."""
+    return (["rr"] + (["exec"] if "start" in parts else []) + (["kv"] if "fairness" in parts else [])
+            + (["etcd"] if "discovery" in parts else []))
 
 
 def main(argv=None) -> int:

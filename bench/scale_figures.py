@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KINDS = {"rr": "round-robin, file", "kv": "KV router, file", "etcd": "round-robin, etcd"}
+KINDS = {"rr": "round-robin, file", "exec": "round-robin, exec",
+         "kv": "KV router, file", "etcd": "round-robin, etcd"}
 
 
 def measured(results: dict, kind: str, *path: str) -> list[tuple[int, object]]:
