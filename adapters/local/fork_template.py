@@ -158,7 +158,8 @@ def run_as_worker(request: dict[str, Any]) -> int:
     ``__main__``; its exit code (SystemExit from the module passes through unchanged)."""
     argv = request["argv"]
     _set_title(argv)  # first: setproctitle finds argv's memory by the environment still there
-    _standard_files(request["log_path"], request["stdin_fd"])
+    _standard_files(request["log_path"], request["stdin_fd"],
+                    unbuffered=bool(request["env"].get("PYTHONUNBUFFERED")))
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -185,18 +186,22 @@ def _set_title(argv: list[str]) -> None:
         setproctitle.setproctitle(" ".join(argv))
 
 
-def _standard_files(log_path: str, stdin_fd: int) -> None:
+def _standard_files(log_path: str, stdin_fd: int, unbuffered: bool) -> None:
+    """The worker's standard files on its log and its secret's pipe, buffered as a new
+    interpreter buffers them for a file (``unbuffered``: as ``PYTHONUNBUFFERED`` makes it)."""
     log = os.open(log_path or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
     for target, fd in ((0, stdin_fd), (1, log), (2, log)):
         os.dup2(fd, target)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as a new process's: nothing else inherited
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    # Unbuffered, as PYTHONUNBUFFERED makes a fresh interpreter's: each line lands in the log.
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
-                                  line_buffering=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                  line_buffering=True, errors="backslashreplace")
-
+    sys.stdin = open(0, closefd=False)
+    if unbuffered:
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
+    else:  # stdout in blocks, stderr by lines
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False,
+                          errors="backslashreplace")
 
 if __name__ == "__main__":
     sys.exit(main())

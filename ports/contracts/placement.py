@@ -7,6 +7,7 @@ this machine (and stops it afterwards). Each test starts small Python processes 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -75,6 +76,18 @@ def _assert_listening(handle: WorkerHandle) -> None:
         f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
 
 
+def _logged(handle: WorkerHandle, mark: str) -> str:
+    """What the worker printed after ``mark``, once the whole line is in its log (a worker
+    writing unbuffered writes a printed line in parts)."""
+    log = Path(handle.log_path)
+    line = re.compile(rf"^{mark} (\S+)\n", re.MULTILINE)
+    assert _wait(lambda: log.exists() and line.search(log.read_text()) is not None), \
+        f"{handle.name} did not log its {mark}: {log.read_text() if log.exists() else '(no log)'}"
+    found = line.search(log.read_text())
+    assert found is not None
+    return found.group(1)
+
+
 def _wait(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -136,11 +149,7 @@ class PlacementContract:
         handles = placement.launch([WorkerLaunch(name=name, argv=(sys.executable, "-c", _SEGMENT_WORKER),
                                                  log_path=str(tmp_path / f"{name}.log"))
                                     for name in ("w0", "w1")])
-        segments = {}
-        for handle in handles:
-            log = Path(handle.log_path)
-            assert _wait(lambda: log.exists() and "segment" in log.read_text()), handle.name
-            segments[handle.name] = Path("/dev/shm") / log.read_text().split()[1]
+        segments = {handle.name: Path("/dev/shm") / _logged(handle, "segment") for handle in handles}
         not_theirs = Path("/dev/shm", f"psm_{os.urandom(4).hex()}")  # another program's
         not_theirs.write_bytes(b"not a worker's")
         try:
@@ -160,11 +169,7 @@ class PlacementContract:
                                                  log_path=str(tmp_path / f"{name}.log"),
                                                  folder_env="CONTRACT_FOLDER")
                                     for name in ("w0", "w1")])
-        folders = {}
-        for handle in handles:
-            log = Path(handle.log_path)
-            assert _wait(lambda: log.exists() and "folder" in log.read_text()), handle.name
-            folders[handle.name] = Path(log.read_text().split()[1])
+        folders = {handle.name: Path(_logged(handle, "folder")) for handle in handles}
         assert folders["w0"] != folders["w1"]
         assert all((folder / "left-behind").exists() for folder in folders.values())
         assert all(folder.stat().st_mode & 0o077 == 0 for folder in folders.values())

@@ -140,3 +140,19 @@ def test_a_command_of_another_interpreter_starts_as_a_new_process(forking, tmp_p
                                              log_path=str(tmp_path / "w0.log"))])
     assert parent_of(handle.pid) == os.getpid()
     assert forking.helper_process_groups() == []  # no template started for it
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_forked_workers_output_is_buffered_as_a_new_interpreters(forking, tmp_path, unbuffered,
+                                                                    monkeypatch):
+    """To a file, a new interpreter writes stdout in blocks and stderr by lines, or each write
+    at once with PYTHONUNBUFFERED: a reader of the log never sees half a printed line unless
+    the worker asked for that."""
+    code = ("import sys; print(sys.stdout.write_through, sys.stdout.line_buffering, "
+            "sys.stderr.write_through, sys.stderr.line_buffering, sep=',', flush=True)")
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the launch's env says, alone
+    env = {"PYTHONUNBUFFERED": unbuffered} if unbuffered else {}
+    forking.launch([launch(tmp_path, "w0", code, env=env)])
+    assert wait_for(lambda: forking.exit_status("w0") is not None)
+    want = "True,False,True,False" if unbuffered else "False,False,False,True"
+    assert log_of(tmp_path, "w0") == want + "\n"
