@@ -72,7 +72,7 @@ def _assert_listening(handle: WorkerHandle) -> None:
     """The worker bound the port its handle names and logged its own mark."""
     log = Path(handle.log_path)
     want = f"listening {handle.ports['CONTRACT_PORT']} mark-of-{handle.name}"
-    assert _wait(lambda: log.exists() and want in log.read_text()), \
+    assert wait_until(lambda: log.exists() and want in log.read_text()), \
         f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
 
 
@@ -81,14 +81,15 @@ def _logged(handle: WorkerHandle, mark: str) -> str:
     writing unbuffered writes a printed line in parts)."""
     log = Path(handle.log_path)
     line = re.compile(rf"^{mark} (\S+)\n", re.MULTILINE)
-    assert _wait(lambda: log.exists() and line.search(log.read_text()) is not None), \
+    assert wait_until(lambda: log.exists() and line.search(log.read_text()) is not None), \
         f"{handle.name} did not log its {mark}: {log.read_text() if log.exists() else '(no log)'}"
     found = line.search(log.read_text())
     assert found is not None
     return found.group(1)
 
 
-def _wait(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout_s`` (checked every 50 ms)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
@@ -121,7 +122,7 @@ class PlacementContract:
         for handle, port in zip(handles, ports):
             log = Path(handle.log_path)
             want = f"listening {port} mark-of-{handle.name}"
-            assert _wait(lambda: log.exists() and want in log.read_text()), \
+            assert wait_until(lambda: log.exists() and want in log.read_text()), \
                 f"{handle.name} did not bind its port: {log.read_text() if log.exists() else '(no log)'}"
         assert placement.alive() == {"w0": True, "w1": True}
 
@@ -137,7 +138,7 @@ class PlacementContract:
         (handle,) = placement.launch([launch])
         log = Path(handle.log_path)
         want = f"secret digest {hashlib.sha256(secret.encode()).hexdigest()}"
-        assert _wait(lambda: log.exists() and want in log.read_text()), \
+        assert wait_until(lambda: log.exists() and want in log.read_text()), \
             log.read_text() if log.exists() else "(no log)"
         for part in ("cmdline", "environ"):
             with open(f"/proc/{handle.pid}/{part}", "rb") as seen:
@@ -183,7 +184,7 @@ class PlacementContract:
         placement = placement_under_test
         w0, w1 = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
         placement.kill("w0")
-        assert _wait(lambda: placement.alive() == {"w0": False, "w1": True}), placement.alive()
+        assert wait_until(lambda: placement.alive() == {"w0": False, "w1": True}), placement.alive()
         assert _gone(w0.pid) and not _gone(w1.pid)
         # How each ended, for the fleet's error: killed by SIGKILL; the other still running.
         assert placement.exit_status("w0") == -signal.SIGKILL
@@ -194,9 +195,9 @@ class PlacementContract:
         placement = placement_under_test
         (w0,) = placement.launch([_launch(tmp_path, "w0")])
         placement.signal("w0", signal.SIGSTOP)
-        assert _wait(lambda: _state(w0.pid) == "T"), _state(w0.pid)
+        assert wait_until(lambda: _state(w0.pid) == "T"), _state(w0.pid)
         placement.signal("w0", signal.SIGCONT)
-        assert _wait(lambda: _state(w0.pid) not in ("T", None)), _state(w0.pid)
+        assert wait_until(lambda: _state(w0.pid) not in ("T", None)), _state(w0.pid)
         assert placement.alive() == {"w0": True}
 
     def test_stop_ends_every_worker_even_a_paused_one_and_is_safe_to_repeat(
@@ -205,7 +206,7 @@ class PlacementContract:
         handles = placement.launch([_launch(tmp_path, "w0"), _launch(tmp_path, "w1")])
         placement.signal("w1", signal.SIGSTOP)
         placement.stop()
-        assert _wait(lambda: all(_gone(h.pid) for h in handles)), \
+        assert wait_until(lambda: all(_gone(h.pid) for h in handles)), \
             {h.name: _state(h.pid) for h in handles}
         placement.stop()
 
@@ -214,7 +215,7 @@ class PlacementContract:
         # A worker leads a process group of its own: what it starts is stopped with it.
         placement = placement_under_test
         (w0,) = placement.launch([_launch(tmp_path, "w0")])
-        assert _wait(lambda: _state(w0.pid) is not None)
+        assert wait_until(lambda: _state(w0.pid) is not None)
         assert os.getpgid(w0.pid) == w0.pid
 
     def test_a_later_launch_adds_a_worker_beside_the_running_ones(
@@ -228,7 +229,7 @@ class PlacementContract:
         _assert_listening(w1)
         assert placement.alive() == {"w0": True, "w1": True}
         placement.kill("w1")
-        assert _wait(lambda: placement.alive() == {"w0": True, "w1": False}), placement.alive()
+        assert wait_until(lambda: placement.alive() == {"w0": True, "w1": False}), placement.alive()
         assert _gone(w1.pid) and not _gone(w0.pid)
 
     def test_stop_ends_the_workers_of_every_launch(
@@ -238,9 +239,9 @@ class PlacementContract:
         added = placement.launch([_launch(tmp_path, "w1"), _launch(tmp_path, "w2")])
         assert [(h.index, h.name) for h in added] == [(1, "w1"), (2, "w2")]
         handles = [*first, *added]
-        assert _wait(lambda: all(_state(h.pid) is not None for h in handles))
+        assert wait_until(lambda: all(_state(h.pid) is not None for h in handles))
         placement.stop()
-        assert _wait(lambda: all(_gone(h.pid) for h in handles)), \
+        assert wait_until(lambda: all(_gone(h.pid) for h in handles)), \
             {h.name: _state(h.pid) for h in handles}
 
     def test_a_name_taken_by_an_earlier_launch_is_refused_and_the_placement_keeps_working(
@@ -266,11 +267,11 @@ class PlacementContract:
             placement.launch([attrs.evolve(_launch(tmp_path, "w2"), in_place_of="w9")])
         assert placement.alive() == {"w0": True, "w1": True}  # nothing of those started
         placement.kill("w1")
-        assert _wait(lambda: placement.alive() == {"w0": True, "w1": False}), placement.alive()
+        assert wait_until(lambda: placement.alive() == {"w0": True, "w1": False}), placement.alive()
         (w2,) = placement.launch([attrs.evolve(_launch(tmp_path, "w2"), in_place_of="w1")])
         _assert_listening(w2)
         assert placement.alive() == {"w0": True, "w1": False, "w2": True}  # the lost one stays reported
         with pytest.raises(RolloutFleetError, match=r"in_place_of=w1: .* replacement already"):
             placement.launch([attrs.evolve(_launch(tmp_path, "w3"), in_place_of="w1")])
         placement.stop()
-        assert _wait(lambda: _gone(w2.pid) and _gone(w0.pid))
+        assert wait_until(lambda: _gone(w2.pid) and _gone(w0.pid))

@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rollout_fleet.adapters.local import LocalPlacement
+from rollout_fleet.ports.contracts.placement import wait_until
 from rollout_fleet.ports.placement import WorkerLaunch
 from tests.support.processes import leftover_processes
 
@@ -24,15 +24,6 @@ PRELOADED = "colorsys"
 def launch(tmp_path: Path, name: str, code: str, **more) -> WorkerLaunch:
     return WorkerLaunch(name=name, argv=(sys.executable, "-c", code),
                         log_path=str(tmp_path / f"{name}.log"), **more)
-
-
-def wait_for(condition, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def log_of(tmp_path: Path, name: str) -> str:
@@ -61,7 +52,7 @@ def test_a_forked_worker_starts_with_the_templates_imports_and_its_own_environme
     (template,) = forking.helper_process_groups()
     for handle, mark in zip(handles, ("first", "second")):
         want = f"preloaded True {mark} {os.getcwd()} ['-c'] __main__"
-        assert wait_for(lambda: want in log_of(tmp_path, handle.name)), log_of(tmp_path, handle.name)
+        assert wait_until(lambda: want in log_of(tmp_path, handle.name)), log_of(tmp_path, handle.name)
         assert parent_of(handle.pid) == template
         assert os.getpgid(handle.pid) == handle.pid  # a group of its own, in this session
         assert os.getsid(handle.pid) == os.getsid(0)
@@ -73,7 +64,7 @@ def test_a_module_runs_as_main_with_its_args_and_the_secret_as_its_input(forking
     (handle,) = forking.launch([WorkerLaunch(
         name="w0", argv=(sys.executable, "-m", "json.tool", "--sort-keys"),
         log_path=str(tmp_path / "w0.log"), secret='{"b": 2, "a": 1}')])
-    assert wait_for(lambda: forking.exit_status("w0") is not None)
+    assert wait_until(lambda: forking.exit_status("w0") is not None)
     assert forking.exit_status("w0") == 0, log_of(tmp_path, "w0")
     assert log_of(tmp_path, "w0") == '{\n    "a": 1,\n    "b": 2\n}\n'
     assert forking.alive() == {"w0": False}
@@ -87,7 +78,7 @@ def test_a_forked_worker_ends_as_a_new_interpreter_would(forking, tmp_path):
             ").start()\n"
             "sys.exit(3)\n")
     forking.launch([launch(tmp_path, "w0", code)])
-    assert wait_for(lambda: forking.exit_status("w0") is not None)
+    assert wait_until(lambda: forking.exit_status("w0") is not None)
     assert forking.exit_status("w0") == 3
     assert log_of(tmp_path, "w0").splitlines() == ["thread done", "atexit ran"]
 
@@ -95,12 +86,12 @@ def test_a_forked_worker_ends_as_a_new_interpreter_would(forking, tmp_path):
 def test_a_killed_worker_reports_the_signal_and_the_others_serve_on(forking, tmp_path):
     code = "import time; print('up', flush=True); time.sleep(600)"
     handles = forking.launch([launch(tmp_path, f"w{i}", code) for i in range(2)])
-    assert wait_for(lambda: all("up" in log_of(tmp_path, h.name) for h in handles))
+    assert wait_until(lambda: all("up" in log_of(tmp_path, h.name) for h in handles))
     forking.kill("w0")
     assert forking.exit_status("w0") == -9
     assert forking.alive() == {"w0": False, "w1": True}
     (later,) = forking.launch([launch(tmp_path, "w2", code)])
-    assert wait_for(lambda: "up" in log_of(tmp_path, "w2"))
+    assert wait_until(lambda: "up" in log_of(tmp_path, "w2"))
     assert parent_of(later.pid) == forking.helper_process_groups()[0]
 
 
@@ -153,6 +144,6 @@ def test_a_forked_workers_output_is_buffered_as_a_new_interpreters(forking, tmp_
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the launch's env says, alone
     env = {"PYTHONUNBUFFERED": unbuffered} if unbuffered else {}
     forking.launch([launch(tmp_path, "w0", code, env=env)])
-    assert wait_for(lambda: forking.exit_status("w0") is not None)
+    assert wait_until(lambda: forking.exit_status("w0") is not None)
     want = "True,False,True,False" if unbuffered else "False,False,False,True"
     assert log_of(tmp_path, "w0") == want + "\n"
