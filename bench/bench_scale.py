@@ -10,7 +10,7 @@ rollouts), behind the real Dynamo frontend and driven by the real driver, one af
 
   rr    round-robin router, file discovery, lost workers replaced: start, memory, throughput,
         fairness, refit, churn (in that order; churn changes the fleet); its workers are forked
-        from the placement's worker template (worker_start = "fork", the default)
+        from the placement's worker template (worker_start = "fork", as kv's and etcd's)
   exec  as rr, each worker started as a new interpreter (worker_start = "exec"): start only
   kv    Dynamo's KV router: start, throughput, fairness
   etcd  round-robin router, etcd discovery: start, throughput
@@ -72,10 +72,11 @@ FLEET_ENV = {"DYN_TCP_REQUEST_TIMEOUT": "120"}  # thousands in flight on 2 cores
 # What one idle worker needs (measured: 108 MiB resident) and one after a refit (torch: ~320).
 IDLE_WORKER_MIB, REFIT_WORKER_MIB = 130, 340
 ALL_PARTS = ("start", "memory", "throughput", "fairness", "refit", "churn", "discovery")
-FLEETS = {"rr": {"router": "round-robin", "discovery": "file", "replace_lost_workers": True},
+FLEETS = {"rr": {"router": "round-robin", "discovery": "file", "replace_lost_workers": True,
+                 "worker_start": "fork"},
           "exec": {"router": "round-robin", "discovery": "file", "worker_start": "exec"},
-          "kv": {"router": "kv", "discovery": "file"},
-          "etcd": {"router": "round-robin", "discovery": "etcd"}}
+          "kv": {"router": "kv", "discovery": "file", "worker_start": "fork"},
+          "etcd": {"router": "round-robin", "discovery": "etcd", "worker_start": "fork"}}
 
 
 # -- the driver in a child process ----------------------------------------------------------------

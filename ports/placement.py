@@ -1,8 +1,9 @@
 """Placement port: reserve resources for workers, start each worker's process, stop them.
 
 Adapters: Ray (adapters/ray: a placement group per launch, one bundle and supervising actor
-per worker, on one node or a cluster) and local processes (adapters/local: children of this
-process on this machine). ``rollout_fleet.ports.contracts.placement`` checks both.
+per worker, on one node or a cluster) and local processes (adapters/local: processes of this
+machine, started new or forked from a worker template). ``rollout_fleet.ports.contracts.placement``
+checks both (the local one in each way).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class PlacementKind(Vocabulary):
     """The placements a fleet config may name (its ``placement``)."""
 
     RAY = "ray"  # a Ray placement group, on one node or a cluster (adapters/ray)
-    LOCAL = "local"  # child processes of this one, on this machine (adapters/local)
+    LOCAL = "local"  # processes of this machine, forked from a worker template or new (adapters/local)
 
 
 @attrs.frozen

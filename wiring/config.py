@@ -122,7 +122,7 @@ class FleetConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict,
                                 description="extra DYN_* settings for the frontend and every worker")
     worker_start: Literal["fork", "exec"] = Field(
-        default="fork", description="local placement: fork each worker from a process that has "
+        default="exec", description="local placement: fork each worker from a process that has "
         "imported what every worker imports (fork), or start each as a new interpreter (exec)")
     discovery: Literal["file", "etcd"] = "file"
     router: RouterMode = Field(

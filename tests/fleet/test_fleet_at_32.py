@@ -1,4 +1,5 @@
-"""A fleet of 32 memory-engine workers placed as local processes, the real Dynamo frontend and the
+"""A fleet of 32 memory-engine workers placed as local processes (forked from the placement's
+worker template), the real Dynamo frontend and the
 real driver: it serves a batch (every rollout exactly once, every worker a share), takes a real
 gloo refit relayed by the workers down two trees (the tree fan-out) on every worker (each then
 reports the new version and answers with the new weights), and stops leaving nothing: no
@@ -35,7 +36,7 @@ def test_32_workers_serve_refit_and_stop_leaving_nothing(tmp_path):
     clock = time.monotonic()
     fleet = Fleet.start(local_memory_config(tmp_path / "fleet", workers=WORKERS,
                                             timeouts={"start_s": 240, "refit_s": 240},
-                                            refit={"fanout": "tree"}))
+                                            refit={"fanout": "tree"}, worker_start="fork"))
     seconds["start"] = time.monotonic() - clock
     groups = fleet.process_groups()
     leftovers.start(groups)
