@@ -11,8 +11,8 @@ ready. Forked from this process, a worker starts with them in memory, shared cop
 It stays single-threaded, so a fork copies no lock held by another thread: nothing here
 starts a thread, and what it imports starts none at import (``ForkTemplate`` checks the count
 it reports). Its first line on standard input is the JSON list of modules to import; then it
-reads one JSON line per launch (``argv`` as
-``[python, "-m", module, *args]`` or ``[python, "-c", code, *args]``, ``env``, ``cwd``, ``log_path``, ``secret``) and answers on
+reads one JSON line per launch (``argv`` as ``[python, "-m", module, *args]`` or
+``[python, "-c", code, *args]``, ``env``, ``cwd``, ``log_path``, ``secret``) and answers on
 standard output with ``{"id": ..., "pid": ...}``; when a worker exits it writes
 ``{"exited": pid, "code": ...}`` (a negative code: killed by that signal). It exits when its
 standard input closes; the workers it forked keep running until stopped.
