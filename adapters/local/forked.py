@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO
@@ -74,10 +76,8 @@ class ForkTemplate:
         self.gone = False
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._answers: dict[int, threading.Event] = {}
-        self._pids: dict[int, int] = {}
-        self._workers: dict[int, ForkedProcess] = {}
-        self._early_exits: dict[int, int] = {}  # exits reported before their pid's answer
+        self._answers: dict[int, Future[ForkedProcess]] = {}  # request id -> its worker
+        self._workers: dict[int, ForkedProcess] = {}  # pid -> a worker not reported exited
         with interrupts_held(), open(log_path or os.devnull, "ab") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", TEMPLATE_MODULE], env=self.env,
@@ -102,22 +102,17 @@ class ForkTemplate:
     def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: str,
               secret: str | None) -> ForkedProcess:
         request_id = next(self._ids)
-        answered = threading.Event()
+        answer: Future[ForkedProcess] = Future()
         with self._lock:
-            self._answers[request_id] = answered
+            self._answers[request_id] = answer
         line = json.dumps({"id": request_id, "argv": list(argv), "env": dict(env),
                            "cwd": os.getcwd(), "log_path": log_path, "secret": secret})
         self._send(line)
-        if not answered.wait(_ANSWER_TIMEOUT_S) or request_id not in self._pids:
-            why = "is gone" if self.gone else f"did not fork within {_ANSWER_TIMEOUT_S:.0f} s"
-            raise RolloutFleetError(f"the worker template (pid {self.pid}) {why}")
-        with self._lock:
-            worker = ForkedProcess(self._pids.pop(request_id), self)
-            self._workers[worker.pid] = worker
-            early = self._early_exits.pop(worker.pid, None)
-        if early is not None:
-            worker.mark_exited(early)
-        return worker
+        try:
+            return answer.result(_ANSWER_TIMEOUT_S)
+        except FutureTimeout:
+            raise RolloutFleetError(f"the worker template (pid {self.pid}) did not fork within "
+                                    f"{_ANSWER_TIMEOUT_S:.0f} s") from None
 
     def _send(self, line: str) -> None:
         try:
@@ -139,29 +134,32 @@ class ForkTemplate:
         signal_group(self._process.pid, signal.SIGKILL)  # nothing of it may linger
 
     def _read_reports(self, reports: IO[bytes]) -> None:
+        """A pid answered becomes its worker here, before any later line (its exit among
+        them) is read: the template writes them in that order."""
         for line in reports:
             message = json.loads(line)
             if "exited" in message:
                 self._on_exit(message["exited"], message["code"])
             else:
-                with self._lock:
-                    self._pids[message["id"]] = message["pid"]
-                    answered = self._answers.pop(message["id"])
-                answered.set()
+                self._on_fork(message["id"], message["pid"])
         self.gone = True
         with self._lock:
-            waiting = list(self._answers.values())
-        for answered in waiting:
-            answered.set()
+            waiting, self._answers = list(self._answers.values()), {}
+        for answer in waiting:
+            answer.set_exception(RolloutFleetError(f"the worker template (pid {self.pid}) is gone"))
+
+    def _on_fork(self, request_id: int, pid: int) -> None:
+        worker = ForkedProcess(pid, self)
+        with self._lock:
+            self._workers[pid] = worker
+            answer = self._answers.pop(request_id)
+        answer.set_result(worker)
 
     def _on_exit(self, pid: int, code: int) -> None:
         with self._lock:
             worker = self._workers.pop(pid, None)
-            if worker is None:
-                self._early_exits[pid] = code
         if worker is not None:
             worker.mark_exited(code)
-
 
 def _first_report(reports: IO[bytes], timeout_s: float) -> object:
     """The template's first line, parsed; None when none came within ``timeout_s``."""
