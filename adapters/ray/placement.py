@@ -35,6 +35,9 @@ class RayPlacement(Placement):
     workers to the nodes offering it. ``bind_host`` is this (the driver's) node's address: a
     local Ray runs there, and a cluster is joined from there. ``bind_per_node``: each worker
     binds its own node's address in the cluster (found on that node) instead of ``bind_host``.
+    ``reserve_timeout_s``: how long a launch waits for room for its bundles (default
+    ``ready_timeout_s``); ``ready_timeout_s``: how long each worker's supervisor may take to be
+    placed and started, in a reserved bundle or in a lost worker's.
 
     ``groups``: placement groups reserved already (NeMo-RL's cluster for inference): workers
     go there, none is reserved, and none is removed at ``stop``. Each worker takes
@@ -45,8 +48,9 @@ class RayPlacement(Placement):
 
     def __init__(self, *, address: str | None = None, bundle: Mapping[str, float] | None = None,
                  strategy: str = "PACK", bind_host: str = "127.0.0.1", num_cpus: int | None = None,
-                 ready_timeout_s: float = 120.0, bind_per_node: bool = False,
-                 groups: Sequence[Any] = (), bundles_per_worker: int = 1) -> None:
+                 ready_timeout_s: float = 120.0, reserve_timeout_s: float | None = None,
+                 bind_per_node: bool = False, groups: Sequence[Any] = (),
+                 bundles_per_worker: int = 1) -> None:
         self._address = address
         self._given = _places_in(groups, bundles_per_worker)  # (group, bundle indices) each
         self._given_taken = 0
@@ -57,6 +61,8 @@ class RayPlacement(Placement):
         self._bind_per_node = bind_per_node
         self._num_cpus = num_cpus
         self._ready_timeout_s = ready_timeout_s
+        self._reserve_timeout_s = ready_timeout_s if reserve_timeout_s is None \
+            else reserve_timeout_s
         self._started_ray = False
         self._joined_ray = False
         self._groups: list[Any] = []  # one placement group per launch
@@ -136,7 +142,7 @@ class RayPlacement(Placement):
                     continue
                 error = "its actor died before it started, each time"
             except ray.exceptions.GetTimeoutError:
-                error = "no room for it"
+                error = "no room for it, or its process slow to start"
             ray.kill(self._actors.pop(launch.name))
             self._places.pop(launch.name, None)
             self._replaced.discard(launch.in_place_of)  # a later launch may try that place again
@@ -198,12 +204,12 @@ class RayPlacement(Placement):
 
         group = placement_group([dict(self._bundle) for _ in range(count)], strategy=self._strategy)
         try:
-            ray.get(group.ready(), timeout=self._ready_timeout_s)
+            ray.get(group.ready(), timeout=self._reserve_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(group)  # a pending group would take resources as they free
             raise PlacementError(
                 f"Ray could not reserve {count} bundles of {self._bundle} within "
-                f"{self._ready_timeout_s:.0f} s ({len(self._actors)} workers already placed keep "
+                f"{self._reserve_timeout_s:.0f} s ({len(self._actors)} workers already placed keep "
                 f"running); available: {ray.available_resources()}, cluster: "
                 f"{ray.cluster_resources()}") from None
         self._groups.append(group)

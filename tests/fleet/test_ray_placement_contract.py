@@ -64,7 +64,7 @@ def test_given_groups_take_the_workers_reserve_nothing_and_outlive_the_placement
     from ray.util import placement_group_table
 
     before = set(placement_group_table())
-    placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=10, groups=given_groups)
+    placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=60, groups=given_groups)
     try:
         placement.launch([_sleeper(tmp_path, f"w{i}") for i in range(3)])
         assert set(placement_group_table()) == before  # no group of its own
@@ -89,7 +89,9 @@ def _sleeper(tmp_path, name: str) -> WorkerLaunch:
 
 
 def test_a_launch_that_cannot_reserve_leaves_the_placed_workers_running(ray_cluster, tmp_path):
-    placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=3)  # the cluster has 4 CPUs
+    # The cluster has 4 CPUs. A refused reservation is given up after 3 s; a busy machine
+    # may take longer than that to start a worker's supervisor.
+    placement = RayPlacement(bundle={"CPU": 1}, reserve_timeout_s=3, ready_timeout_s=60)
     try:
         placement.launch([_sleeper(tmp_path, "w0")])
         with pytest.raises(PlacementError, match=r"could not reserve 4 bundles"):
@@ -110,7 +112,8 @@ def test_a_launch_that_cannot_reserve_leaves_the_placed_workers_running(ray_clus
 def test_a_replacement_takes_the_lost_workers_bundle_on_a_full_cluster(ray_cluster, tmp_path):
     """Every CPU of the cluster reserved: a replacement needs no new resources, it takes the
     reservation of the worker it replaces."""
-    placement = RayPlacement(bundle={"CPU": 1}, ready_timeout_s=10)  # the cluster has 4 CPUs
+    placement = RayPlacement(bundle={"CPU": 1}, reserve_timeout_s=5,
+                             ready_timeout_s=60)  # the cluster has 4 CPUs
     try:
         placement.launch([_sleeper(tmp_path, f"w{i}") for i in range(4)])
         with pytest.raises(PlacementError, match=r"could not reserve 1 bundles"):
