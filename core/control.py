@@ -18,3 +18,8 @@ class WorkerControl(ABC):
     async def call(self, name: str, body: Mapping[str, Any], *, timeout_s: float | None = None
                    ) -> Mapping[str, Any]:
         """Run control ``name`` on the worker; return its answer (status "ok")."""
+
+    def relay_address(self) -> str | None:
+        """Where the worker's peers reach its controls, for a call relayed down a tree of
+        workers (core/control_relay.py); None: only the driver reaches it (in-process, say)."""
+        return None

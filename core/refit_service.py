@@ -25,12 +25,8 @@ from typing import Any
 
 from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.control import WorkerControl
-from rollout_fleet.core.fanout import (
-    ControlCall,
-    call_everywhere,
-    gather_workers,
-    run_control_call,
-)
+from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH, call_all, check_relay_width
+from rollout_fleet.core.fanout import ControlCall, gather_workers, run_control_call
 from rollout_fleet.core.disk_reload import DiskReload
 from rollout_fleet.core.engine_ports import RefitTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError
@@ -47,13 +43,16 @@ from rollout_fleet.core.refit import (
 
 
 class RefitCoordinator:
-    """Driver side of a refit, across every worker."""
+    """Driver side of a refit, across every worker. ``relay_width``: a step with one body for
+    more workers than this goes to that many and is relayed on by them (core/control_relay.py;
+    0: the driver calls every worker)."""
 
     def __init__(self, controls: Sequence[WorkerControl], *, ranks_per_worker: int = 1,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, relay_width: int = DEFAULT_RELAY_WIDTH) -> None:
         self._controls = list(controls)
         self._ranks_per_worker = ranks_per_worker
         self.timeout_s = timeout_s
+        self.relay_width = check_relay_width(relay_width)
         self._group: tuple[str, ...] | None = None  # who the last init_collective asked to join
         self._newcomers: set[str] = set()  # joined the fleet, no refit loaded on them yet
         self._ipc_infos: dict[str, RefitInfo] = {}  # what each worker's IPC update last carried
@@ -193,8 +192,7 @@ class RefitCoordinator:
         plan = self.update_weights_plan(None if mode is None else refit_mode(mode),
                                         weight_version=await self.next_weight_version())
         try:
-            answers = await gather_workers("update_weights", {
-                c.worker_id: run_control_call(c, self.control_timeout_s) for c in plan})
+            answers = await self.call_all("update_weights", plan)
         except BaseException:
             self.updated(False)
             raise
@@ -215,9 +213,9 @@ class RefitCoordinator:
                           reload.deadline_s).to_wire()
         calls = [ControlCall(c, "reload_weights", body) for c in self._controls]
         try:
-            answers = await gather_workers("reload_weights", {
-                c.worker_id: run_control_call(c, self.control_timeout_s) if deadline is None
-                else deadline.run(c) for c in calls})
+            answers = await (self.call_all("reload_weights", calls) if deadline is None
+                             else gather_workers("reload_weights", {  # each call its deadline
+                                 c.worker_id: deadline.run(c) for c in calls}))
         except BaseException:
             self.updated(False)
             raise
@@ -235,7 +233,11 @@ class RefitCoordinator:
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
 
     async def _everywhere(self, step: str, body: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-        return await call_everywhere(self._controls, step, body, self.control_timeout_s)
+        return await self.call_all(step, [ControlCall(c, step, body) for c in self._controls])
+
+    async def call_all(self, step: str, calls: Sequence[ControlCall]) -> dict[str, Mapping[str, Any]]:
+        """The calls of one step, relayed where they can be; WorkerFailures names each failure."""
+        return await call_all(step, calls, self.control_timeout_s, relay_width=self.relay_width)
 
 
 def worker_deadline_s(deadline_s: float) -> float:

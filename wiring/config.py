@@ -21,6 +21,7 @@ from rollout_fleet.adapters.dynamo.env import check_bind_host
 from rollout_fleet.adapters.shared import is_loopback
 from rollout_fleet.core.device import Device
 from rollout_fleet.core.budget import DEFAULT_ATTEMPT_FIXED_S, DEFAULT_ATTEMPT_PER_TOKEN_S
+from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH, check_relay_width
 from rollout_fleet.core.errors import InvalidValue, RolloutFleetError, shown
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitFanout, RefitProtocol
 from rollout_fleet.core.retry import RetryPolicy
@@ -97,6 +98,16 @@ class RefitSection(_Strict):
         default="auto",
         description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "
         "gloo on GPUs: a trainer that shares the workers' GPU (NCCL refuses two ranks on one GPU)")
+    control_relay_width: int = Field(
+        default=DEFAULT_RELAY_WIDTH,
+        description="a refit step with one body for more workers than this goes to this many, "
+        "each passing it on to as many more (a tree: the driver's calls per step stay this many "
+        "however many workers; core/control_relay.py); 0: the driver calls every worker")
+
+    @field_validator("control_relay_width")
+    @classmethod
+    def _relay_width(cls, width: int) -> int:
+        return check_relay_width(width)
 
     def spec(self, protocol: RefitProtocol = RefitProtocol.PACKED) -> CollectiveSenderSpec:
         return CollectiveSenderSpec(protocol=protocol, buffer_bytes=self.buffer_bytes,

@@ -26,6 +26,7 @@ def fleet_generation(fleet: "Fleet", *, frontend_url: str | None = None,
         "context_limit_policy": c.context_limit_policy, "max_in_flight": c.max_in_flight,
         "retry": c.retry.policy(), "ranks_per_worker": c.ranks_per_worker,
         "sender_spec": c.sender_spec, "control_timeout_s": c.timeouts.refit_s,
+        "control_relay_width": c.refit.control_relay_width,
         "colocated_workers": tuple(c.colocated_workers), "sleep_level": c.colocation.sleep_level,
         "sleep_mode": c.colocation.sleep_mode,
     } | overrides

@@ -87,6 +87,7 @@ PRELOAD = (
     "dynamo.common.backend.metrics", "prometheus_client", "rollout_fleet.core.refit_service",
     "rollout_fleet.core.colocated_service", "rollout_fleet.core.sleep",
     "rollout_fleet.core.disk_reload", "rollout_fleet.adapters.memory",
+    "rollout_fleet.adapters.http.control",
 )
 
 def build_engine(config: WorkerConfig | Mapping[str, Any]) -> BuiltEngine:
@@ -164,6 +165,7 @@ async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
     ``cleanup``): cancelling this coroutine does NOT stop it serving.
     """
     from rollout_fleet.adapters.dynamo import DynamoEngineAdapter, start_dynamo_endpoint
+    from rollout_fleet.adapters.http.control import HttpPeers
 
     config = WorkerConfig.from_mapping(config)
     if config.served_model_name is None:
@@ -177,11 +179,12 @@ async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
         await built.engine.close()
         raise InvalidValue("hold_until_refit", held, "this worker's engine cannot be refit, "
                            "so nothing would ever end the hold")
+    peers = HttpPeers(secret)  # the workers it passes relayed controls on to
     adapter = DynamoEngineAdapter(built.engine, control_secret=secret, hold_until_refit=held,
                                   controls={**built.controls, **refit,
                                             **sleep_controls(built.engine),
                                             **disk_reload_controls(built.engine, config)},
-                                  worker_name=config.worker_id)
+                                  worker_name=config.worker_id, peers=peers.control)
     env = worker_env(config)
     Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
     watch = front = None
@@ -200,6 +203,7 @@ async def serve_worker(config: WorkerConfig | Mapping[str, Any]) -> None:
             watch.cancel()
         if front is not None:
             await _timed("closing the control front", front.close())
+        await peers.aclose()
         if _is_hang(adapter.dead_reason):
             kill_child_processes()  # a stopped engine process would never answer its close
         # vLLM: stop its engine-core processes now

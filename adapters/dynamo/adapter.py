@@ -38,6 +38,7 @@ from rollout_fleet.adapters.dynamo.controls import (
 from rollout_fleet.adapters.dynamo.plain import GeneratedTurn, piece_chunks, PlainOptions, TokenTexts
 from rollout_fleet.adapters.dynamo.worker_metrics import register_worker_metrics
 from rollout_fleet.adapters.shared.streams import closed_on_exit
+from rollout_fleet.core.control_relay import PeerControls
 from rollout_fleet.core.errors import (
     AnnotationError, EngineAsleep, EngineDead, EngineRejected, InvalidValue,
 )
@@ -75,7 +76,8 @@ class DynamoEngineAdapter(LLMEngine):
     def __init__(self, engine: EnginePort, *, model_path: str = "",
                  served_model_name: str | None = None, control_secret: str | None = None,
                  controls: Mapping[str, ControlHandler] | None = None,
-                 hold_until_refit: bool = False, worker_name: str | None = None) -> None:
+                 hold_until_refit: bool = False, worker_name: str | None = None,
+                 peers: PeerControls | None = None) -> None:
         self.engine = engine
         self.worker_name = worker_name  # how a refusal names this worker (``worker-0``)
         self.model_path = model_path
@@ -84,7 +86,7 @@ class DynamoEngineAdapter(LLMEngine):
         self._closed = False
         self.ledger = ServingLedger(held=hold_until_refit)
         self.controls = WorkerControls(engine, self.ledger, control_secret=control_secret,
-                                       extra=controls)
+                                       extra=controls, peers=peers)
         # Dynamo's context id -> the task serving it (cancelled if the engine dies under it).
         self._serving: dict[str, asyncio.Task | None] = {}
         self._offered = offered_keywords(engine)

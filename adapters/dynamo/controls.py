@@ -16,6 +16,7 @@ import attrs
 from rollout_fleet.adapters.shared.control_secret import (  # noqa: F401 - the field: public here
     CONTROL_SECRET_FIELD, secret_refusal, without_secret,
 )
+from rollout_fleet.core.control_relay import ControlRelay, PeerControls
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.refit_service import WorkerWeights
 from rollout_fleet.ports.engine import EnginePort, RefitTarget
@@ -48,17 +49,22 @@ class ServingLedger:
 
 class WorkerControls:
     """The control table of one worker: the built-in controls over ``engine`` and ``ledger``,
-    and those its engine kind adds; each call checked for ``control_secret``."""
+    and those its engine kind adds; each call checked for ``control_secret``. With ``peers``
+    (how to reach another worker's controls), ``relay`` too: a call run here and passed on down
+    a tree of workers (core/control_relay.py)."""
 
     def __init__(self, engine: EnginePort, ledger: ServingLedger, *,
                  control_secret: str | None = None,
-                 extra: Mapping[str, ControlHandler] | None = None) -> None:
+                 extra: Mapping[str, ControlHandler] | None = None,
+                 peers: PeerControls | None = None) -> None:
         self.engine = engine
         self.ledger = ledger
         # The cache flush and the weight version, for an engine that implements the refit port.
         self._refit: RefitTarget | None = engine if isinstance(engine, RefitTarget) else None
         self._control_secret = control_secret
         self._controls: dict[str, ControlHandler] = self._builtin_controls()
+        if peers is not None:
+            self._controls.update(ControlRelay(self._answer_here, peers).controls())
         for name, handler in (extra or {}).items():
             if name in self._controls:
                 raise InvalidValue("controls", name, "collides with a built-in control")
@@ -85,6 +91,13 @@ class WorkerControls:
         if not isinstance(body, dict):
             return 400, _error(f"control {control!r}: the body must be a JSON object")
         return 200, await self._run_control(control, handler, body)
+
+    async def _answer_here(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A relayed call's answer from this worker (its secret was checked on the relay)."""
+        handler = self._controls.get(control)
+        if handler is None:
+            return _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
+        return await self._run_control(control, handler, body)
 
     async def _run_control(self, control: str, handler: ControlHandler,
                            body: dict[str, Any]) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class HttpWorkerControl(WorkerControl):
             raise InvalidValue("control name", name, "must be letters, digits, '_', '.', '-'")
         return f"{self.control_url}/engine/control/{name}"
 
+    def relay_address(self) -> str:
+        return self.control_url
+
     async def call(self, name: str, body: Mapping[str, Any], *, timeout_s: float | None = None
                    ) -> Mapping[str, Any]:
         url = self.url_of(name)
@@ -81,3 +84,21 @@ class HttpWorkerControl(WorkerControl):
 
     def __repr__(self) -> str:  # never print the secret
         return f"HttpWorkerControl({self.worker_id!r}, {self.control_url!r})"
+
+
+class HttpPeers:
+    """A worker's channels to its peers' controls, for the calls it relays on
+    (core/control_relay.py): the fleet's secret, one pooled client for all of them."""
+
+    def __init__(self, secret: str, settings: HttpSettings | None = None) -> None:
+        self._secret = secret
+        self.clients = LoopClients(settings or HttpSettings(max_in_flight=1))
+
+    def control(self, worker_id: str, address: str) -> HttpWorkerControl:
+        return HttpWorkerControl(worker_id, address, secret=self._secret, clients=self.clients)
+
+    async def aclose(self) -> None:
+        await self.clients.aclose()
+
+    def __repr__(self) -> str:  # never print the secret
+        return "HttpPeers()"

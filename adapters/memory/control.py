@@ -12,10 +12,18 @@ Handler = Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
 
 
 class LocalWorkerControl(WorkerControl):
-    def __init__(self, worker_id: str, handlers: Mapping[str, Handler]) -> None:
+    """``address``: how in-process peers find this worker when a call is relayed (None: only
+    the driver calls it); ``calls``: the names of the calls it was given, in order."""
+
+    def __init__(self, worker_id: str, handlers: Mapping[str, Handler], *,
+                 address: str | None = None) -> None:
         self.worker_id = worker_id
         self._handlers = dict(handlers)
+        self._address = address
         self.calls: list[str] = []
+
+    def relay_address(self) -> str | None:
+        return self._address
 
     async def call(self, name: str, body: Mapping[str, Any], *, timeout_s: float | None = None
                    ) -> Mapping[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH, check_relay_width
 from rollout_fleet.core.budget import ContextLimitPolicy
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.errors import InvalidValue
@@ -41,6 +42,9 @@ class GenerationConfig:
     ranks_per_worker: int = attrs.field(default=1, validator=positive_int("ranks_per_worker"))
     sender_spec: CollectiveSenderSpec = attrs.field(factory=CollectiveSenderSpec)
     control_timeout_s: float = attrs.field(default=600.0, validator=finite_at_least("control_timeout_s", strictly=True))
+    # A refit step for more workers than this is relayed down a tree of them
+    # (core/control_relay.py); 0: the driver calls every worker.
+    control_relay_width: int = attrs.field(default=DEFAULT_RELAY_WIDTH, converter=check_relay_width)
     # Asynchronous RL: how many refits behind the newest weights a rollout in flight may fall
     # (core/staleness.py); the driver paces admissions and refits to keep it. None: no bound.
     max_staleness: int | None = attrs.field(

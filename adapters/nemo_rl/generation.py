@@ -67,7 +67,8 @@ class FleetGeneration:
         self._sampling = config.sampling
         self._client = RolloutClient(transport, model=config.model, retry=config.retry, clock=clock)
         self._refit = RefitCoordinator(controls, ranks_per_worker=config.ranks_per_worker,
-                                       timeout_s=config.control_timeout_s)
+                                       timeout_s=config.control_timeout_s,
+                                       relay_width=config.control_relay_width)
         self._helper = LoopThread("dynamo-generation", timeout_s=None)
         self._colocated = ColocatedPhases(
             controls, config.colocated_workers, level=config.sleep_level,

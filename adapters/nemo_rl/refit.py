@@ -6,7 +6,9 @@ once, because the trainer must join the same collective while the workers wait i
 running in the driver (a fleet placed by Ray, or NeMo-RL's own), they are Ray ObjectRefs, so
 ``ray.get(train_futures + inference_futures)`` works as upstream (one actor makes the calls:
 adapters/nemo_rl/ray_calls.py); without Ray they are
-``concurrent.futures.Future`` objects (``.result()``).
+``concurrent.futures.Future`` objects (``.result()``), and an update with one body for more
+workers than the coordinator's ``relay_width`` is relayed down the workers (one fan-out whose
+outcome settles every worker's future). Through Ray, each worker's call is one of the actor's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.nemo_rl.ray_calls import RayControlCalls
+from rollout_fleet.core.control_relay import relayed_plan, run_calls
 from rollout_fleet.core.fanout import ControlCall, run_control_call
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.loop_thread import LoopThread
@@ -122,10 +125,32 @@ class FleetRefit:
                     for call in plan]
         if deadline is not None:
             return [self._helper.spawn(deadline.run(call)) for call in plan]
+        if relayed_plan(plan, self._coordinator.relay_width) is not None:
+            return self._relayed(plan, timeout_s, true_when_done=true_when_done)
         if true_when_done:
             return [self._helper.spawn(_true_when_done(run_control_call(call, timeout_s)))
                     for call in plan]
         return [self._helper.spawn(run_control_call(call, timeout_s)) for call in plan]
+
+    def _relayed(self, plan: list[ControlCall], timeout_s: float, *,
+                 true_when_done: bool) -> list[concurrent.futures.Future]:
+        """One fan-out relayed down the workers (core/control_relay.py); each worker's future
+        ends with its own answer (True with ``true_when_done``) or its own failure."""
+        whole = self._helper.spawn(run_calls(plan, timeout_s,
+                                             relay_width=self._coordinator.relay_width))
+        futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in plan]
+
+        def settle(done: concurrent.futures.Future) -> None:
+            error = done.exception()
+            for call, future in zip(plan, futures):
+                outcome = error if error is not None else done.result()[call.worker_id]
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(True if true_when_done else outcome)
+
+        whole.add_done_callback(settle)
+        return futures
 
     def close(self) -> None:
         """Stop the Ray actor that made this driver's control calls, if one was started."""

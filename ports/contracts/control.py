@@ -38,6 +38,11 @@ class ControlContract:
         worker_id = control_under_test.control.worker_id
         assert isinstance(worker_id, str) and worker_id
 
+    def test_a_relay_address_is_none_or_a_nonempty_string(
+            self, control_under_test: ControlUnderTest) -> None:
+        address = control_under_test.control.relay_address()
+        assert address is None or (isinstance(address, str) and address)
+
     def test_a_control_answers_ok_with_its_fields(
             self, control_under_test: ControlUnderTest) -> None:
         version = control_under_test.call("weight_version")
