@@ -28,7 +28,9 @@ Measured against N:
               the workers, core/fanout.py; broadcast: from the trainer to each): the fixed
               part (the first join, with torch's import in every worker; a later join;
               prepare_refit_info; an update carrying only the model's 3 KiB; a cache flush; one
-              no-op control to all, and the driver's CPU per worker for it) and the data part
+              no-op control to all, and the driver's CPU per worker for it), each step
+              relayed down the workers where N exceeds --relay-width, and then again through a
+              second driver that calls every worker itself, side by side; and the data part
               of a 64 MiB and a 1 GiB refit (its update minus the 3 KiB one), against this
               machine's floor N x bytes / measured memory-copy bandwidth. The bytes are the memory
               engine's refit ballast (engine.refit_ballast_bytes): carried, received, dropped
@@ -323,13 +325,8 @@ def measure_refit(fleet, generation, args, bandwidth: float) -> dict:
     try:
         result["join_first_s"] = trainer.join()
         result["join_again_s"] = trainer.join()
-        info, result["prepare_s"] = trainer.prepare(model)
-        tiny = [trainer.update(model, info)[1] for _ in range(args.refit_reps)]
-        result["update_model_only_s"] = min(tiny)
-        result["flush_s"] = _timed(generation.invalidate_kv_cache)
-        cpu_started = time.process_time()
-        result["control_s"] = _timed(generation.get_weight_versions)
-        result["control_cpu_s_per_worker"] = (time.process_time() - cpu_started) / n
+        result.update(fixed_part(trainer, generation, model, args.refit_reps, n))
+        info, _ = trainer.prepare(model)
         result["sizes"] = {}
         for mib in args.refit_mib:
             state = {**model, **ballast_state(mib << 20)}
@@ -346,12 +343,51 @@ def measure_refit(fleet, generation, args, bandwidth: float) -> dict:
                 "versions_equal": len(set(versions)) == 1}
             print(f"    refit {mib} MiB to {n}: {update_s:.2f} s (data {data_s:.2f} s, floor "
                   f"{floor_s:.2f} s, {data_s / floor_s:.1f}x)", flush=True)
-        result["fixed_s"] = (result["prepare_s"] + result["update_model_only_s"]
-                             + result["flush_s"])
         result["memory_after"] = fleet_memory(fleet)
     finally:
         trainer.close()
+    if relayed(args, n):  # the same steps with the driver calling every worker, side by side
+        result["direct"] = direct_fixed_part(fleet, args, model, n)
+        print(f"    fixed part, relayed {result['fixed_s']:.3f} s, the driver calling every worker "
+              f"{result['direct']['fixed_s']:.3f} s", flush=True)
     return result
+
+
+def relayed(args, n: int) -> bool:
+    return 0 < args.relay_width < n
+
+
+def fixed_part(trainer: Trainer, generation, model: dict, reps: int, n: int) -> dict:
+    """The refit's steps whose cost is not the bytes: prepare, an update carrying only the
+    model's 3 KiB, a cache flush (each the best of ``reps``); a weight-version call's seconds
+    and the driver's CPU per worker in it."""
+    info = None
+    prepares = []
+    for _ in range(reps):
+        info, seconds = trainer.prepare(model)
+        prepares.append(seconds)
+    part = {"prepare_s": min(prepares),
+            "update_model_only_s": min(trainer.update(model, info)[1] for _ in range(reps)),
+            "flush_s": min(_timed(generation.invalidate_kv_cache) for _ in range(reps))}
+    cpu_started = time.process_time()
+    part["control_s"] = _timed(generation.get_weight_versions)
+    part["control_cpu_s_per_worker"] = (time.process_time() - cpu_started) / n
+    part["fixed_s"] = part["prepare_s"] + part["update_model_only_s"] + part["flush_s"]
+    return part
+
+
+def direct_fixed_part(fleet, args, model: dict, n: int) -> dict:
+    """``fixed_part`` through a second driver of the same fleet whose relay is off: the
+    driver's own call to every worker, in the same run (the group formed again)."""
+    generation = fleet.generation(max_new_tokens=MAX_NEW_TOKENS, max_model_len=MAX_MODEL_LEN,
+                                  max_in_flight=64, control_relay_width=0)
+    trainer = Trainer(generation, timeout_s=args.refit_timeout_s)
+    try:
+        trainer.join()
+        return fixed_part(trainer, generation, model, args.refit_reps, n)
+    finally:
+        trainer.close()
+        generation.shutdown()
 
 
 def _timed(call) -> float:
@@ -460,7 +496,8 @@ def fleet_config(kind: str, n: int, run_dir: str, args):
                    "token_delay_s": args.token_delay_s,
                    "refit_ballast_bytes": max(args.refit_mib, default=0) << 20},
         "max_model_len": MAX_MODEL_LEN, "env": FLEET_ENV, "run_dir": run_dir,
-        "refit": {"buffer_bytes": REFIT_BUFFER_BYTES, "num_buffers": 2, "fanout": args.fanout},
+        "refit": {"buffer_bytes": REFIT_BUFFER_BYTES, "num_buffers": 2, "fanout": args.fanout,
+                  "control_relay_width": args.relay_width},
         "timeouts": {"start_s": args.start_timeout_s, "refit_s": args.refit_timeout_s},
         **FLEETS[kind]})
 
@@ -598,6 +635,10 @@ def parse_args(argv):
     parser.add_argument("--refit-reps", type=int, default=2)
     parser.add_argument("--fanout", choices=("tree", "broadcast"), default="tree",
                         help="how a refit reaches the workers ([refit] fanout)")
+    parser.add_argument("--relay-width", type=int, default=8,
+                        help="[refit] control_relay_width: the driver's calls per refit step, "
+                             "relayed on by the workers (0: the driver calls every worker; "
+                             "then the fixed part is measured that way alone)")
     parser.add_argument("--churn-rollouts", type=int, default=0, help="0: 40 per worker")
     parser.add_argument("--start-timeout-s", type=float, default=300.0)
     parser.add_argument("--refit-timeout-s", type=float, default=300.0)

@@ -5,7 +5,8 @@
 #
 #   bash scripts/scale_on_device.sh            (OUT: where the results go; default ./scale-out)
 #
-# SCALE_WORKERS (default 8,128,32) and LIMIT_S (default 540) make a small dry run elsewhere.
+# SCALE_WORKERS (default 8,128,32) and LIMIT_S (default 540) make a small dry run elsewhere;
+# SCALE_PARTS (default all) picks the bench's parts (--parts), e.g. refit.
 # What it needs there: Dynamo's wheels, either installed already (SITE on PYTHONPATH imports
 # dynamo.frontend) or stashed by scripts/gpu_bundle.sh (/root/stash/part-*: every wheel but vLLM's
 # is installed, vLLM is not needed); etcd on PATH or carried as .scale-carry/etcd (else the etcd
@@ -74,7 +75,7 @@ timeout 120 python3 bench/refit_hops.py --out "$OUT/hops.json" 2>&1 | grep -v '^
 left=$(( LIMIT_S - ($(date +%s) - started) - 45 ))  # 45 s for the summary and the plots' tar
 say "the scale bench, N = ${SCALE_WORKERS:-8,128,32} (the last dropped first if time runs short), ${left} s"
 timeout $(( left + 30 )) python3 bench/bench_scale.py --workers "${SCALE_WORKERS:-8,128,32}" --out "$OUT/figures" \
-  --time-budget-s "$left" --free-gib "${FREE_GIB:-100}" 2>&1 | grep -v '^\[W' | tee -a "$log"
+  --time-budget-s "$left" --free-gib "${FREE_GIB:-100}" ${SCALE_PARTS:+--parts "$SCALE_PARTS"} 2>&1 | grep -v '^\[W' | tee -a "$log"
 
 say "summary"
 python3 bench/scale_summary.py --results "$OUT/figures/results.json" --hops "$OUT/hops.json" \
