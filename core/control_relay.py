@@ -13,7 +13,9 @@ below it. Nothing is sent twice: a worker whose relay failed may have run the st
 never called again directly; the fan-out fails naming it, as a direct call's failure would.
 
 Only a fan-out of one step with one body, to more workers than ``width``, each reachable by
-its peers (``WorkerControl.relay_address``), is relayed; any other goes out directly.
+its peers (``WorkerControl.relay_address``), is relayed; any other goes out directly. The
+driver's side is ``core/fanout.py``'s ``run_calls``; this module holds the tree, what a relay
+carries, and a worker's side (``ControlRelay``).
 """
 
 from __future__ import annotations
@@ -24,14 +26,7 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.control import WorkerControl
-from rollout_fleet.core.errors import (
-    ControlRefused,
-    InvalidValue,
-    RefitError,
-    WireError,
-    WorkerFailures,
-)
-from rollout_fleet.core.fanout import ControlCall, run_control_call
+from rollout_fleet.core.errors import InvalidValue, WireError
 from rollout_fleet.core.validate import is_int
 
 RELAY_CONTROL = "relay"
@@ -40,6 +35,11 @@ DEFAULT_RELAY_WIDTH = 8
 # reaches the driver before any caller above gives up.
 HOP_MARGIN_S = 0.5
 _SHORTEST_HOP_S = 0.1
+
+
+def child_timeout_s(timeout_s: float) -> float:
+    """How long a worker given ``timeout_s`` lets each of its children take."""
+    return max(_SHORTEST_HOP_S, timeout_s - HOP_MARGIN_S)
 
 # (worker id, address) -> a control channel to that peer.
 PeerControls = Callable[[str, str], WorkerControl]
@@ -179,16 +179,23 @@ class ControlRelay:
         """The child's subtree's answers, or its failure and "not reached" below it."""
         wait_s = request.timeout_s
         inner = RelayRequest(child.worker_id, request.step, request.body, child.children,
-                             max(_SHORTEST_HOP_S, wait_s - HOP_MARGIN_S))
-        call = ControlCall(self._peers(child.worker_id, child.address), RELAY_CONTROL,
-                           inner.to_wire())
+                             child_timeout_s(wait_s))
+        peer = self._peers(child.worker_id, child.address)
         try:
-            return subtree_answers(await run_control_call(call, wait_s), child)
+            answer = await asyncio.wait_for(  # the channel's own bound later: one reason each time
+                peer.call(RELAY_CONTROL, inner.to_wire(), timeout_s=wait_s + 1.0), wait_s)
+            return subtree_answers(answer, child)
+        except (asyncio.TimeoutError, TimeoutError):
+            return self._unreached(child, f"no answer within {wait_s:g} s")
         except Exception as exc:  # noqa: BLE001 - reported for the child and everyone below it
-            return {child.worker_id: _failed(f"the relay to it failed: {type(exc).__name__}: {exc}"),
-                    **{below: _failed(f"not reached: the relay through worker "
-                                      f"{child.worker_id!r} failed")
-                       for below in child.members()[1:]}}
+            return self._unreached(child, f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _unreached(child: RelayNode, why: str) -> dict[str, Any]:
+        """The child's failure, and "not reached" for every worker below it."""
+        return {child.worker_id: _failed(f"the relay to it failed: {why}"),
+                **{below: _failed(f"not reached: the relay through worker {child.worker_id!r} failed")
+                   for below in child.members()[1:]}}
 
 
 def subtree_answers(answer: Mapping[str, Any], node: RelayNode) -> dict[str, Any]:
@@ -201,75 +208,3 @@ def subtree_answers(answer: Mapping[str, Any], node: RelayNode) -> dict[str, Any
         raise WireError(f"worker {node.worker_id!r} relayed answers for {sorted(relayed)}, "
                         f"not for its subtree {sorted(expected)}")
     return dict(relayed)
-
-
-def relayed_plan(calls: Sequence[ControlCall], width: int
-                 ) -> list[tuple[ControlCall, RelayNode]] | None:
-    """The heads' relay calls (each with its subtree) for ``calls``, or None where they go out
-    directly: no relay asked, too few workers, more than one step or body, or a worker its
-    peers cannot reach."""
-    if not width or len(calls) <= width or not calls:
-        return None
-    first = calls[0]
-    if any(c.name != first.name or c.body != first.body for c in calls[1:]):
-        return None
-    addresses = [c.control.relay_address() for c in calls]
-    if any(address is None for address in addresses):
-        return None
-    controls = {c.worker_id: c.control for c in calls}
-    members = [(c.worker_id, str(address)) for c, address in zip(calls, addresses)]
-    return [(ControlCall(controls[head.worker_id], RELAY_CONTROL, {}), head)
-            for head in relay_forest(members, width)]
-
-
-async def call_all(step: str, calls: Sequence[ControlCall], timeout_s: float, *,
-                   relay_width: int = 0) -> dict[str, Mapping[str, Any]]:
-    """Every worker's answer (``run_calls``); WorkerFailures naming each one that failed."""
-    outcome = await run_calls(calls, timeout_s, relay_width=relay_width)
-    failures = {w: r for w, r in outcome.items() if isinstance(r, BaseException)}
-    if failures:
-        raise WorkerFailures(step, failures)
-    return {w: r for w, r in outcome.items() if not isinstance(r, BaseException)}
-
-
-async def run_calls(calls: Sequence[ControlCall], timeout_s: float, *, relay_width: int = 0
-                    ) -> dict[str, Mapping[str, Any] | BaseException]:
-    """Each worker's answer or its failure, relayed down a tree where ``relayed_plan`` allows."""
-    plan = relayed_plan(calls, relay_width)
-    if plan is None:
-        results = await asyncio.gather(*(run_control_call(c, timeout_s) for c in calls),
-                                       return_exceptions=True)
-        return {c.worker_id: r for c, r in zip(calls, results)}
-    step, body = calls[0].name, calls[0].body
-    heads = await asyncio.gather(*(_relay_from(head, node, step, body, timeout_s)
-                                   for head, node in plan))
-    outcome: dict[str, Mapping[str, Any] | BaseException] = {}
-    for answers in heads:
-        outcome.update(answers)
-    return {c.worker_id: outcome[c.worker_id] for c in calls}  # in the calls' order
-
-
-async def _relay_from(head: ControlCall, node: RelayNode, step: str, body: Mapping[str, Any],
-                      timeout_s: float) -> dict[str, Mapping[str, Any] | BaseException]:
-    request = RelayRequest(node.worker_id, step, body, node.children,
-                           max(_SHORTEST_HOP_S, timeout_s - HOP_MARGIN_S))
-    try:
-        relayed = subtree_answers(
-            await run_control_call(attrs.evolve(head, body=request.to_wire()), timeout_s), node)
-    except Exception as exc:  # noqa: BLE001 - the head's failure, and none reached below it
-        return {node.worker_id: exc, **{
-            below: RefitError(f"{step} not answered: the relay through worker "
-                              f"{node.worker_id!r} failed ({type(exc).__name__}: {exc})")
-            for below in node.members()[1:]}}
-    return {worker: _read_relayed(worker, step, answer) for worker, answer in relayed.items()}
-
-
-def _read_relayed(worker: str, step: str, answer: Any) -> Mapping[str, Any] | BaseException:
-    """A relayed answer as the worker's own control call would have ended."""
-    if not isinstance(answer, Mapping):
-        return WireError(f"worker {worker!r} control {step!r}: a relayed answer that is not a "
-                         f"JSON object: {answer!r:.200}")
-    if answer.get("status") == "error":
-        return ControlRefused(f"worker {worker!r} control {step!r} refused: "
-                              f"{str(answer.get('message'))[:500]}")
-    return answer

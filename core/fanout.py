@@ -2,7 +2,9 @@
 
 Control calls: one call, bounded by a timeout, and the fan-out to every worker at once,
 failures named per worker. The refit, sleep and partial-rollout services all send their steps
-this way.
+this way. A step with one body for more workers than a relay width goes to that many heads,
+which pass it on down a tree of the workers (``run_calls``; the tree and a worker's side in
+``core/control_relay.py``): the driver's calls per step stay at the width.
 
 A refit's bytes, with the ``tree`` fan-out: who relays which piece to whom, over two binary
 trees of a group's workers. The trainer (data rank 0) hands each piece of a refit to the head of one tree, the one that has
@@ -24,7 +26,21 @@ from typing import Any
 
 import attrs
 from rollout_fleet.core.control import WorkerControl
-from rollout_fleet.core.errors import InvalidValue, RefitError, WorkerFailures
+from rollout_fleet.core.control_relay import (
+    RELAY_CONTROL,
+    RelayNode,
+    RelayRequest,
+    child_timeout_s,
+    relay_forest,
+    subtree_answers,
+)
+from rollout_fleet.core.errors import (
+    ControlRefused,
+    InvalidValue,
+    RefitError,
+    WireError,
+    WorkerFailures,
+)
 from rollout_fleet.core.validate import is_int, positive_int
 
 
@@ -67,6 +83,78 @@ async def call_everywhere(controls: Sequence[WorkerControl], step: str, body: Ma
     or WorkerFailures naming each one that failed."""
     return await gather_workers(step, {
         c.worker_id: run_control_call(ControlCall(c, step, body), timeout_s) for c in controls})
+
+
+# -- control calls relayed down the workers (core/control_relay.py) ---------------------------
+def relayed_plan(calls: Sequence[ControlCall], width: int
+                 ) -> list[tuple[ControlCall, RelayNode]] | None:
+    """The heads' relay calls (each with its subtree) for ``calls``, or None where they go out
+    directly: no relay asked, too few workers, more than one step or body, or a worker its
+    peers cannot reach."""
+    if not width or len(calls) <= width or not calls:
+        return None
+    first = calls[0]
+    if any(c.name != first.name or c.body != first.body for c in calls[1:]):
+        return None
+    addresses = [c.control.relay_address() for c in calls]
+    if any(address is None for address in addresses):
+        return None
+    controls = {c.worker_id: c.control for c in calls}
+    members = [(c.worker_id, str(address)) for c, address in zip(calls, addresses)]
+    return [(ControlCall(controls[head.worker_id], RELAY_CONTROL, {}), head)
+            for head in relay_forest(members, width)]
+
+
+async def call_all(step: str, calls: Sequence[ControlCall], timeout_s: float, *,
+                   relay_width: int = 0) -> dict[str, Mapping[str, Any]]:
+    """Every worker's answer (``run_calls``); WorkerFailures naming each one that failed."""
+    outcome = await run_calls(calls, timeout_s, relay_width=relay_width)
+    failures = {w: r for w, r in outcome.items() if isinstance(r, BaseException)}
+    if failures:
+        raise WorkerFailures(step, failures)
+    return {w: r for w, r in outcome.items() if not isinstance(r, BaseException)}
+
+
+async def run_calls(calls: Sequence[ControlCall], timeout_s: float, *, relay_width: int = 0
+                    ) -> dict[str, Mapping[str, Any] | BaseException]:
+    """Each worker's answer or its failure, relayed down a tree where ``relayed_plan`` allows."""
+    plan = relayed_plan(calls, relay_width)
+    if plan is None:
+        results = await asyncio.gather(*(run_control_call(c, timeout_s) for c in calls),
+                                       return_exceptions=True)
+        return {c.worker_id: r for c, r in zip(calls, results)}
+    step, body = calls[0].name, calls[0].body
+    heads = await asyncio.gather(*(_relay_from(head, node, step, body, timeout_s)
+                                   for head, node in plan))
+    outcome: dict[str, Mapping[str, Any] | BaseException] = {}
+    for answers in heads:
+        outcome.update(answers)
+    return {c.worker_id: outcome[c.worker_id] for c in calls}  # in the calls' order
+
+
+async def _relay_from(head: ControlCall, node: RelayNode, step: str, body: Mapping[str, Any],
+                      timeout_s: float) -> dict[str, Mapping[str, Any] | BaseException]:
+    request = RelayRequest(node.worker_id, step, body, node.children, child_timeout_s(timeout_s))
+    try:
+        relayed = subtree_answers(
+            await run_control_call(attrs.evolve(head, body=request.to_wire()), timeout_s), node)
+    except Exception as exc:  # noqa: BLE001 - the head's failure, and none reached below it
+        return {node.worker_id: exc, **{
+            below: RefitError(f"{step} not answered: the relay through worker "
+                              f"{node.worker_id!r} failed ({type(exc).__name__}: {exc})")
+            for below in node.members()[1:]}}
+    return {worker: _read_relayed(worker, step, answer) for worker, answer in relayed.items()}
+
+
+def _read_relayed(worker: str, step: str, answer: Any) -> Mapping[str, Any] | BaseException:
+    """A relayed answer as the worker's own control call would have ended."""
+    if not isinstance(answer, Mapping):
+        return WireError(f"worker {worker!r} control {step!r}: a relayed answer that is not a "
+                         f"JSON object: {answer!r:.200}")
+    if answer.get("status") == "error":
+        return ControlRefused(f"worker {worker!r} control {step!r} refused: "
+                              f"{str(answer.get('message'))[:500]}")
+    return answer
 
 
 # -- the relay trees of a refit's bytes -------------------------------------------------------

@@ -25,8 +25,8 @@ from typing import Any
 
 from rollout_fleet.core.clock import Clock, SystemClock
 from rollout_fleet.core.control import WorkerControl
-from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH, call_all, check_relay_width
-from rollout_fleet.core.fanout import ControlCall, gather_workers, run_control_call
+from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH, check_relay_width
+from rollout_fleet.core.fanout import ControlCall, call_all, gather_workers, run_control_call
 from rollout_fleet.core.disk_reload import DiskReload
 from rollout_fleet.core.engine_ports import RefitTarget
 from rollout_fleet.core.errors import InvalidValue, RefitError

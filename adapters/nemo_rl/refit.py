@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.nemo_rl.ray_calls import RayControlCalls
-from rollout_fleet.core.control_relay import relayed_plan, run_calls
-from rollout_fleet.core.fanout import ControlCall, run_control_call
+from rollout_fleet.core.fanout import ControlCall, relayed_plan, run_calls, run_control_call
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, refit_mode

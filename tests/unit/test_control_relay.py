@@ -18,11 +18,9 @@ from rollout_fleet.core.control_relay import (
     answers_from,
     check_relay_width,
     relay_forest,
-    relayed_plan,
-    run_calls,
 )
 from rollout_fleet.core.errors import ControlRefused, InvalidValue, RefitError, WorkerFailures
-from rollout_fleet.core.fanout import ControlCall
+from rollout_fleet.core.fanout import ControlCall, relayed_plan, run_calls
 from rollout_fleet.core.refit_service import RefitCoordinator, WorkerWeights
 
 
