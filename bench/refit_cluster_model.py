@@ -20,9 +20,12 @@ A refit = its fixed part + its data part:
   fixed(N) = calls x (control_round + N x control_per_worker)      the driver's control fan-outs
            + 2 x depth x latency + N x header_per_worker            the header exchange (up the
                                                                     first tree and back down)
-  relayed control (not built: what the model asks for next): the driver calls the two tree heads
-  and each worker passes the call on to its children, answers gathered back up the same trees:
-  fixed(N) = calls x (depth x control_round + 3 x control_per_worker) + the header exchange
+  relayed control (``[refit] control_relay_width`` = w, 8 by default: core/control_relay.py):
+  where N > w, the driver calls w heads and each worker passes the call on to w children, the
+  answers gathered back up; each level a round trip and w calls' CPU:
+  fixed(N) = calls x levels(N, w) x (control_round + w x control_per_worker) + the header exchange
+  with levels(N, w) the levels of a w-ary forest of w heads (w + w^2 + ... >= N); where N <= w,
+  the driver's calls as above
   data     S bytes cut into pieces of c bytes; a piece through one link takes
            hop = piece_overhead + c / bandwidth
            tree:  (S/c) x hop + depth x (2 x hop + latency)         (an inner worker sends each
@@ -44,6 +47,7 @@ import math
 from pathlib import Path
 
 import attrs
+from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH
 
 NS = (8, 16, 32, 64, 128, 256, 512, 1024)
 SIZES = {"64 MiB": 64 << 20, "1 GiB": 1 << 30}
@@ -73,10 +77,22 @@ class Hops:
         return self.piece_overhead_s + piece_bytes / self.bandwidth_Bps
 
 
-def fixed_s(hops: Hops, n: int, calls: int = 3, control: str = "driver") -> float:
+def relay_levels(n: int, width: int) -> int:
+    """Levels of the relay's forest over ``n`` workers: ``width`` heads, ``width`` children each."""
+    levels, covered, level_size = 0, 0, 1
+    while covered < n:
+        level_size *= width
+        covered += level_size
+        levels += 1
+    return levels
+
+
+def fixed_s(hops: Hops, n: int, calls: int = 3, control: str = "driver",
+            width: int = DEFAULT_RELAY_WIDTH) -> float:
     header = 2 * n.bit_length() * hops.latency_s + n * hops.header_per_worker_s
-    if control == "relayed":
-        return calls * (n.bit_length() * hops.control_round_s + 3 * hops.control_per_worker_s) + header
+    if control == "relayed" and n > width:
+        level_s = hops.control_round_s + width * hops.control_per_worker_s
+        return calls * relay_levels(n, width) * level_s + header
     return calls * (hops.control_round_s + n * hops.control_per_worker_s) + header
 
 
@@ -97,18 +113,18 @@ def data_s(hops: Hops, n: int, size: int, fanout: str, piece: int = PIECE_BYTES)
 
 
 def refit_s(hops: Hops, n: int, size: int, fanout: str = "tree", calls: int = 3,
-            control: str = "driver") -> float:
-    return fixed_s(hops, n, calls, control) + data_s(hops, n, size, fanout)
+            control: str = "driver", width: int = DEFAULT_RELAY_WIDTH) -> float:
+    return fixed_s(hops, n, calls, control, width) + data_s(hops, n, size, fanout)
 
 
-def table(hops: Hops, calls: int = 3) -> dict:
+def table(hops: Hops, calls: int = 3, width: int = DEFAULT_RELAY_WIDTH) -> dict:
     """Predicted seconds: the fixed part {control: {N: s}} and the refit {size: {column: {N:
     s}}}, a column per fan-out with the driver's control calls, and the tree with relayed ones."""
     columns = {**{fanout: (fanout, "driver") for fanout in FANOUTS},
                "tree, relayed control": ("tree", "relayed")}
-    return {"fixed": {control: {n: fixed_s(hops, n, calls, control) for n in NS}
+    return {"fixed": {control: {n: fixed_s(hops, n, calls, control, width) for n in NS}
                       for control in CONTROLS},
-            "refit": {label: {column: {n: refit_s(hops, n, size, fanout, calls, control)
+            "refit": {label: {column: {n: refit_s(hops, n, size, fanout, calls, control, width)
                                        for n in NS}
                               for column, (fanout, control) in columns.items()}
                       for label, size in SIZES.items()}}
@@ -118,14 +134,15 @@ def ratio(series: dict[int, float]) -> float:
     return series[NS[-1]] / series[NS[0]]
 
 
-def report(hops: Hops, calls: int = 3) -> str:
-    predicted = table(hops, calls)
+def report(hops: Hops, calls: int = 3, width: int = DEFAULT_RELAY_WIDTH) -> str:
+    predicted = table(hops, calls, width)
     lines = [f"per-hop figures: latency {hops.latency_s * 1e6:.0f} us, link "
              f"{hops.bandwidth_Bps / 1e9:.2f} GB/s, per-piece overhead "
              f"{hops.piece_overhead_s * 1e6:.0f} us ({PIECE_BYTES >> 20} MiB pieces), header "
              f"{hops.header_per_worker_s * 1e6:.1f} us/worker at the trainer, control "
              f"{hops.control_per_worker_s * 1e6:.0f} us/worker at the driver, a control's "
-             f"round trip {hops.control_round_s * 1e3:.2f} ms; {calls} control fan-out(s) a refit"]
+             f"round trip {hops.control_round_s * 1e3:.2f} ms; {calls} control fan-out(s) a refit; "
+             f"relayed control: width {width}"]
     columns = list(predicted["refit"][next(iter(SIZES))])
     lines += ["", "| N | fixed s, driver | fixed s, relayed | " + " | ".join(
         f"{label} {column} s" for label in SIZES for column in columns) + " |",
@@ -142,13 +159,13 @@ def report(hops: Hops, calls: int = 3) -> str:
     return "\n".join(lines)
 
 
-def plot(hops: Hops, path: Path, calls: int = 3) -> Path:
+def plot(hops: Hops, path: Path, calls: int = 3, width: int = DEFAULT_RELAY_WIDTH) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    predicted = table(hops, calls)
+    predicted = table(hops, calls, width)
     figure, axes = plt.subplots(figsize=(8, 4.2))
     for label in SIZES:
         for column, style in zip(predicted["refit"][label], ("-", "--", ":", "-.", "-")):
@@ -177,16 +194,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hops", required=True, help="bench/refit_hops.py's JSON")
     parser.add_argument("--calls", type=int, default=3, help="control fan-outs a refit")
+    parser.add_argument("--relay-width", type=int, default=DEFAULT_RELAY_WIDTH,
+                        help="[refit] control_relay_width: children per worker in the relay")
     parser.add_argument("--out", help="folder for model.json and model.png")
     args = parser.parse_args(argv)
     hops = Hops.read(args.hops)
-    print(report(hops, args.calls))
+    print(report(hops, args.calls, args.relay_width))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "model.json").write_text(json.dumps(
-            {"hops": attrs.asdict(hops), "calls": args.calls, **table(hops, args.calls)}, indent=1))
-        print(f"wrote {plot(hops, out / 'model.png', args.calls)}")
+            {"hops": attrs.asdict(hops), "calls": args.calls, "relay_width": args.relay_width,
+             **table(hops, args.calls, args.relay_width)}, indent=1))
+        print(f"wrote {plot(hops, out / 'model.png', args.calls, args.relay_width)}")
     return 0
 
 
