@@ -36,15 +36,15 @@ DEFAULT_RELAY_WIDTH = 8
 HOP_MARGIN_S = 0.5
 _SHORTEST_HOP_S = 0.1
 
-
-def child_timeout_s(timeout_s: float) -> float:
-    """How long a worker given ``timeout_s`` lets each of its children take."""
-    return max(_SHORTEST_HOP_S, timeout_s - HOP_MARGIN_S)
-
 # (worker id, address) -> a control channel to that peer.
 PeerControls = Callable[[str, str], WorkerControl]
 # (step, body) -> the worker's own answer, as its control would send it: {"status": ...}.
 LocalControl = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def child_timeout_s(timeout_s: float) -> float:
+    """How long a worker given ``timeout_s`` lets each of its children take."""
+    return max(_SHORTEST_HOP_S, timeout_s - HOP_MARGIN_S)
 
 
 def check_relay_width(width: Any) -> int:

@@ -91,7 +91,7 @@ def relayed_plan(calls: Sequence[ControlCall], width: int
     """The heads' relay calls (each with its subtree) for ``calls``, or None where they go out
     directly: no relay asked, too few workers, more than one step or body, or a worker its
     peers cannot reach."""
-    if not width or len(calls) <= width or not calls:
+    if not width or len(calls) <= width:
         return None
     first = calls[0]
     if any(c.name != first.name or c.body != first.body for c in calls[1:]):
