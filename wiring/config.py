@@ -98,11 +98,9 @@ class RefitSection(_Strict):
         default="auto",
         description="what the refit group runs on; auto: NCCL on GPUs, gloo on CPUs. "
         "gloo on GPUs: a trainer that shares the workers' GPU (NCCL refuses two ranks on one GPU)")
-    control_relay_width: int = Field(
-        default=DEFAULT_RELAY_WIDTH,
-        description="a refit step with one body for more workers than this goes to this many, "
-        "each passing it on to as many more (a tree: the driver's calls per step stay this many "
-        "however many workers; core/control_relay.py); 0: the driver calls every worker")
+    control_relay_width: int = Field(default=DEFAULT_RELAY_WIDTH, description="a refit step "
+        "for more workers than this is relayed down a tree of them (core/control_relay.py); "
+        "0: the driver calls every worker")
 
     @field_validator("control_relay_width")
     @classmethod

@@ -75,9 +75,8 @@ class DynamoEngineAdapter(LLMEngine):
 
     def __init__(self, engine: EnginePort, *, model_path: str = "",
                  served_model_name: str | None = None, control_secret: str | None = None,
-                 controls: Mapping[str, ControlHandler] | None = None,
-                 hold_until_refit: bool = False, worker_name: str | None = None,
-                 peers: PeerControls | None = None) -> None:
+                 controls: Mapping[str, ControlHandler] | None = None, hold_until_refit: bool = False,
+                 worker_name: str | None = None, peers: PeerControls | None = None) -> None:
         self.engine = engine
         self.worker_name = worker_name  # how a refusal names this worker (``worker-0``)
         self.model_path = model_path
