@@ -9,8 +9,11 @@ is about log_width N round trips.
 
 A worker answers for every worker of its subtree: its child's answers as they came, or, for a
 child it could not reach, that child's failure and a "not reached" failure for each worker
-below it. Nothing is sent twice: a worker whose relay failed may have run the step, so it is
-never called again directly; the fan-out fails naming it, as a direct call's failure would.
+below it (``NotReached`` at the driver). Nothing is sent twice within one fan-out: a worker
+whose relay failed may have run the step, so it is not called again directly; the fan-out
+fails naming it, as a direct call's failure would. A caller that leaves the lost workers out
+and runs an idempotent step again (the NeMo-RL driver does, adapters/nemo_rl/membership.py)
+reaches those below them then.
 
 Only a fan-out of one step with one body, to more workers than ``width``, each reachable by
 its peers (``WorkerControl.relay_address``), is relayed; any other goes out directly. The
@@ -135,8 +138,9 @@ class RelayRequest:
                    float(timeout_s))
 
 
-def _failed(message: str) -> dict[str, Any]:
-    return {"status": "error", "message": message}
+def _failed(message: str, *, reached: bool = True) -> dict[str, Any]:
+    """A worker's failed answer; ``reached`` False: the call never got to it."""
+    return {"status": "error", "message": message, **({} if reached else {"reached": False})}
 
 
 def answers_from(handlers: Mapping[str, Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]]
@@ -194,8 +198,8 @@ class ControlRelay:
     def _unreached(child: RelayNode, why: str) -> dict[str, Any]:
         """The child's failure, and "not reached" for every worker below it."""
         return {child.worker_id: _failed(f"the relay to it failed: {why}"),
-                **{below: _failed(f"not reached: the relay through worker {child.worker_id!r} failed")
-                   for below in child.members()[1:]}}
+                **{below: _failed(f"not reached: the relay through worker {child.worker_id!r} "
+                                  f"failed", reached=False) for below in child.members()[1:]}}
 
 
 def subtree_answers(answer: Mapping[str, Any], node: RelayNode) -> dict[str, Any]:

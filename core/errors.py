@@ -160,6 +160,11 @@ class WorldSizeMismatch(RefitError, InvalidValue):
     """A collective's world size disagrees with the rank layout."""
 
 
+class NotReached(RefitError):
+    """A relayed control call never reached its worker: the worker that was to pass it on
+    failed (core/control_relay.py). The step may run again on it."""
+
+
 class WorkerFailures(RefitError):
     """One or more workers failed a fleet-wide step; lists each of them."""
 
@@ -168,6 +173,11 @@ class WorkerFailures(RefitError):
         self.failures = failures
         lines = "; ".join(f"{w}: {type(e).__name__}: {e}" for w, e in sorted(failures.items()))
         super().__init__(f"{step} failed on {len(failures)} worker(s): {lines}")
+
+    @property
+    def failed_themselves(self) -> set[str]:
+        """The workers that failed, less those a relay never reached (``NotReached``)."""
+        return {w for w, e in self.failures.items() if not isinstance(e, NotReached)}
 
 
 class ControlRefused(RolloutFleetError):

@@ -37,6 +37,7 @@ from rollout_fleet.core.control_relay import (
 from rollout_fleet.core.errors import (
     ControlRefused,
     InvalidValue,
+    NotReached,
     RefitError,
     WireError,
     WorkerFailures,
@@ -140,7 +141,7 @@ async def _relay_from(head: ControlCall, node: RelayNode, step: str, body: Mappi
             await run_control_call(attrs.evolve(head, body=request.to_wire()), timeout_s), node)
     except Exception as exc:  # noqa: BLE001 - the head's failure, and none reached below it
         return {node.worker_id: exc, **{
-            below: RefitError(f"{step} not answered: the relay through worker "
+            below: NotReached(f"{step} not answered: the relay through worker "
                               f"{node.worker_id!r} failed ({type(exc).__name__}: {exc})")
             for below in node.members()[1:]}}
     return {worker: _read_relayed(worker, step, answer) for worker, answer in relayed.items()}
@@ -152,8 +153,9 @@ def _read_relayed(worker: str, step: str, answer: Any) -> Mapping[str, Any] | Ba
         return WireError(f"worker {worker!r} control {step!r}: a relayed answer that is not a "
                          f"JSON object: {answer!r:.200}")
     if answer.get("status") == "error":
-        return ControlRefused(f"worker {worker!r} control {step!r} refused: "
-                              f"{str(answer.get('message'))[:500]}")
+        refusal = NotReached if answer.get("reached") is False else ControlRefused
+        return refusal(f"worker {worker!r} control {step!r} refused: "
+                       f"{str(answer.get('message'))[:500]}")
     return answer
 
 

@@ -89,6 +89,7 @@ class FleetMembership:
 
     def left_out_after(self, failed: WorkerFailures) -> bool:
         """A step failed: the lost workers are left out. True when every worker it failed on
-        was lost, so that the step may run again on the survivors."""
+        was lost (those a relay through them never reached aside), so that the step may run
+        again on the survivors."""
         lost = self.forget_lost()
-        return bool(failed.failures) and set(failed.failures) <= lost
+        return bool(failed.failed_themselves) and failed.failed_themselves <= lost

@@ -4,13 +4,14 @@ over HTTP with the fleet's secret; a lost and a frozen worker named, the rest an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
 from rollout_fleet.adapters.http import HttpWorkerControl
-from rollout_fleet.core.errors import ControlRefused, RefitError
+from rollout_fleet.core.errors import ControlRefused, NotReached
 from rollout_fleet.core.fanout import ControlCall, run_calls
 from rollout_fleet.core.refit_service import RefitCoordinator
 from rollout_fleet.wiring.fleet import call_control
@@ -66,5 +67,30 @@ def test_a_lost_head_and_a_frozen_leaf_are_named_and_the_others_answer(start_fle
     assert isinstance(frozen, ControlRefused), frozen
     assert "the relay to it failed" in str(frozen) and "no answer within 3.5 s" in str(frozen)
     below_lost = outcome[names[4]]
-    assert isinstance(below_lost, RefitError)
+    assert isinstance(below_lost, NotReached)
     assert f"not answered: the relay through worker {names[1]!r} failed" in str(below_lost)
+
+
+def test_a_step_that_failed_below_a_lost_head_runs_again_on_the_survivors(start_fleet):
+    """worker-0 heads worker-2 and worker-3: killed, the fleet's driver's cache flush fails on
+    it and reaches neither; once the fleet reports it lost, the flush runs again on the four
+    survivors (a tree of their own) and reaches every one."""
+    fleet = start_fleet(workers=5)
+    generation = fleet.generation(control_relay_width=2)
+    try:
+        assert generation.invalidate_kv_cache() is True
+        FaultDrills(fleet).kill_worker("worker-0")
+        deadline = time.monotonic() + 60
+        while "worker-0" not in fleet.lost_workers():
+            assert time.monotonic() < deadline, "the fleet never reported worker-0 lost"
+            time.sleep(0.2)
+        assert generation.invalidate_kv_cache() is True
+        survivors = [f"worker-{i}" for i in range(1, 5)]
+        assert list(generation.worker_ids) == survivors
+        resets = {name: call_control(fleet.control_urls[name], "engine_stats",
+                                     fleet.secret)["cache_resets"] for name in survivors}
+        # The first flush everywhere; the failed one reached worker-1 and, through it, worker-4;
+        # the one on the survivors reached all four.
+        assert resets == {"worker-1": 3, "worker-2": 2, "worker-3": 2, "worker-4": 3}
+    finally:
+        generation.shutdown()

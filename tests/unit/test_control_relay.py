@@ -19,7 +19,7 @@ from rollout_fleet.core.control_relay import (
     check_relay_width,
     relay_forest,
 )
-from rollout_fleet.core.errors import ControlRefused, InvalidValue, RefitError, WorkerFailures
+from rollout_fleet.core.errors import ControlRefused, InvalidValue, NotReached, WorkerFailures
 from rollout_fleet.core.fanout import ControlCall, relayed_plan, run_calls
 from rollout_fleet.core.refit_service import RefitCoordinator, WorkerWeights
 
@@ -104,10 +104,11 @@ def test_a_lost_worker_fails_with_its_subtree_named_and_the_others_answer():
     outcome = asyncio.run(run_calls(calls_of(workers, "weight_version"), 5.0, relay_width=2))
     assert outcome["w0"] == outcome["w3"] == {"status": "ok", "weight_version": 0}
     assert isinstance(outcome["w2"], ControlRefused) and "relay to it failed" in str(outcome["w2"])
+    assert isinstance(outcome["w6"], NotReached)
     assert "not reached: the relay through worker 'w2'" in str(outcome["w6"])
     assert isinstance(outcome["w1"], ConnectionError) and "w1 is gone" in str(outcome["w1"])
     for below in ("w4", "w5"):
-        assert isinstance(outcome[below], RefitError)
+        assert isinstance(outcome[below], NotReached)
         assert "the relay through worker 'w1' failed" in str(outcome[below])
 
 
