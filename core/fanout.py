@@ -87,21 +87,24 @@ async def call_everywhere(controls: Sequence[WorkerControl], step: str, body: Ma
 
 
 # -- control calls relayed down the workers (core/control_relay.py) ---------------------------
+def relayable(calls: Sequence[ControlCall], width: int) -> bool:
+    """Whether ``calls`` are relayed: a relay asked, more workers than ``width``, one step with
+    one body, every worker reachable by its peers."""
+    if not width or len(calls) <= width:
+        return False
+    first = calls[0]
+    return all(c.name == first.name and c.body == first.body
+               and c.control.relay_address() is not None for c in calls)
+
+
 def relayed_plan(calls: Sequence[ControlCall], width: int
                  ) -> list[tuple[ControlCall, RelayNode]] | None:
     """The heads' relay calls (each with its subtree) for ``calls``, or None where they go out
-    directly: no relay asked, too few workers, more than one step or body, or a worker its
-    peers cannot reach."""
-    if not width or len(calls) <= width:
-        return None
-    first = calls[0]
-    if any(c.name != first.name or c.body != first.body for c in calls[1:]):
-        return None
-    addresses = [c.control.relay_address() for c in calls]
-    if any(address is None for address in addresses):
+    directly (``relayable``)."""
+    if not relayable(calls, width):
         return None
     controls = {c.worker_id: c.control for c in calls}
-    members = [(c.worker_id, str(address)) for c, address in zip(calls, addresses)]
+    members = [(c.worker_id, str(c.control.relay_address())) for c in calls]
     return [(ControlCall(controls[head.worker_id], RELAY_CONTROL, {}), head)
             for head in relay_forest(members, width)]
 

@@ -192,7 +192,7 @@ class RefitCoordinator:
         plan = self.update_weights_plan(None if mode is None else refit_mode(mode),
                                         weight_version=await self.next_weight_version())
         try:
-            answers = await self.call_all("update_weights", plan)
+            answers = await self._call_all("update_weights", plan)
         except BaseException:
             self.updated(False)
             raise
@@ -213,7 +213,7 @@ class RefitCoordinator:
                           reload.deadline_s).to_wire()
         calls = [ControlCall(c, "reload_weights", body) for c in self._controls]
         try:
-            answers = await (self.call_all("reload_weights", calls) if deadline is None
+            answers = await (self._call_all("reload_weights", calls) if deadline is None
                              else gather_workers("reload_weights", {  # each call its deadline
                                  c.worker_id: deadline.run(c) for c in calls}))
         except BaseException:
@@ -233,9 +233,9 @@ class RefitCoordinator:
         return {worker: int(answer["weight_version"]) for worker, answer in answers.items()}
 
     async def _everywhere(self, step: str, body: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-        return await self.call_all(step, [ControlCall(c, step, body) for c in self._controls])
+        return await self._call_all(step, [ControlCall(c, step, body) for c in self._controls])
 
-    async def call_all(self, step: str, calls: Sequence[ControlCall]) -> dict[str, Mapping[str, Any]]:
+    async def _call_all(self, step: str, calls: Sequence[ControlCall]) -> dict[str, Mapping[str, Any]]:
         """The calls of one step, relayed where they can be; WorkerFailures names each failure."""
         return await call_all(step, calls, self.control_timeout_s, relay_width=self.relay_width)
 

@@ -85,6 +85,10 @@ class WorkerControls:
         refusal = self._secret_refusal(body)
         if refusal:
             return 401, _error(f"control refused: {refusal}")
+        return await self._answer_trusted(control, body)
+
+    async def _answer_trusted(self, control: str, body: Any) -> tuple[int, dict[str, Any]]:
+        """``answer_control`` past the secret's check."""
         handler = self._controls.get(control)
         if handler is None:
             return 404, _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
@@ -94,10 +98,7 @@ class WorkerControls:
 
     async def _answer_here(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
         """A relayed call's answer from this worker (its secret was checked on the relay)."""
-        handler = self._controls.get(control)
-        if handler is None:
-            return _error(f"unknown control {control!r}; this worker has {sorted(self._controls)}")
-        return await self._run_control(control, handler, body)
+        return (await self._answer_trusted(control, body))[1]
 
     async def _run_control(self, control: str, handler: ControlHandler,
                            body: dict[str, Any]) -> dict[str, Any]:

@@ -15,10 +15,10 @@ import signal
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import IO
 
 from rollout_fleet.adapters.shared.processes import (interrupts_held, process_alive,
@@ -160,6 +160,7 @@ class ForkTemplate:
             worker = self._workers.pop(pid, None)
         if worker is not None:
             worker.mark_exited(code)
+
 
 def _first_report(reports: IO[bytes], timeout_s: float) -> object:
     """The template's first line, parsed; None when none came within ``timeout_s``."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH, check_relay_width
 from rollout_fleet.core.budget import ContextLimitPolicy
+from rollout_fleet.core.control_relay import DEFAULT_RELAY_WIDTH, check_relay_width
 from rollout_fleet.core.refit import CollectiveSenderSpec
 from rollout_fleet.core.errors import InvalidValue
 from rollout_fleet.core.retry import RetryPolicy

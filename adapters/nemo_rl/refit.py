@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_fleet.adapters.nemo_rl.ray_calls import RayControlCalls
-from rollout_fleet.core.fanout import ControlCall, relayed_plan, run_calls, run_control_call
+from rollout_fleet.core.fanout import ControlCall, relayable, run_calls, run_control_call
 from rollout_fleet.core.errors import RefitError
 from rollout_fleet.core.loop_thread import LoopThread
 from rollout_fleet.core.refit import CollectiveSenderSpec, RefitInfo, refit_mode
@@ -124,7 +124,7 @@ class FleetRefit:
                     for call in plan]
         if deadline is not None:
             return [self._helper.spawn(deadline.run(call)) for call in plan]
-        if relayed_plan(plan, self._coordinator.relay_width) is not None:
+        if relayable(plan, self._coordinator.relay_width):
             return self._relayed(plan, timeout_s, true_when_done=true_when_done)
         if true_when_done:
             return [self._helper.spawn(_true_when_done(run_control_call(call, timeout_s)))
